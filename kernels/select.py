@@ -1,0 +1,41 @@
+"""Which implementation a kernel op runs: the TileLang kernel or the PyTorch reference.
+
+TileLang on CUDA devices of compute capability >= 9.0, the reference everywhere else. The
+environment variable ``EP_KERNELS=reference|tilelang`` overrides. The choice is made once per
+device and logged; it never depends on a kernel raising.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("reference", "tilelang")
+
+
+@functools.cache
+def _choice(device_type: str, index: int | None) -> str:
+    forced = os.environ.get("EP_KERNELS", "").strip().lower()
+    if forced and forced not in CHOICES:
+        raise ValueError(f"EP_KERNELS: expected one of {CHOICES}, got {forced!r}")
+    if forced:
+        choice, why = forced, "EP_KERNELS"
+    elif device_type == "cuda" and torch.cuda.get_device_capability(index) >= (9, 0):
+        choice, why = "tilelang", "CUDA compute capability >= 9.0"
+    else:
+        choice, why = "reference", f"{device_type} device"
+    if choice == "tilelang" and device_type != "cuda":
+        raise ValueError(f"EP_KERNELS=tilelang needs a CUDA device, got {device_type}")
+    log.info("kernels on %s:%s: %s (%s)", device_type, index, choice, why)
+    return choice
+
+
+def use_tilelang(device: torch.device) -> bool:
+    """True when ops on ``device`` run TileLang kernels (cached per device; see module doc)."""
+    index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
+    return _choice(device.type, index) == "tilelang"

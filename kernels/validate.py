@@ -1,0 +1,67 @@
+"""Argument checks shared by every kernel op.
+
+Each check raises ``TypeError`` (not a tensor, wrong dtype) or ``ValueError`` (shape, device, range,
+non-finite values) with a message naming the argument, what was expected and what it got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Checks that ``t`` is a tensor of the given dtype(s), rank, shape (None = any) and device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            want = " or ".join(str(d) for d in allowed)
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name}: expected shape {expected}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    return t
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """NaN or Inf in ``t`` is an error (a router must never pick from them silently)."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name}: expected finite values, got {bad} NaN/Inf entries")
+
+
+def check_index_range(name: str, t: torch.Tensor, high: int, *, allow_masked: bool = True) -> None:
+    """Entries must lie in ``[0, high)``, or be -1 (masked) where ``allow_masked``."""
+    if not t.numel():
+        return
+    low = -1 if allow_masked else 0
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low or hi >= high:
+        allowed = f"-1 or [0, {high})" if allow_masked else f"[0, {high})"
+        raise ValueError(f"{name}: expected entries in {allowed}, got values in [{lo}, {hi}]")
+
+
+def check_positive(name: str, value: int) -> int:
+    """An integer size or count that must be >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
