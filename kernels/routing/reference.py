@@ -1,0 +1,236 @@
+"""Routing ops in plain PyTorch: the specification of the routing kernels.
+
+A router turns logits into scores, picks ``K`` experts per token (DeepSeek-V3 style: a selection
+bias for aux-loss-free balancing, optional group-limited routing) and weighs the chosen experts.
+
+Shape suffixes:
+    T  tokens
+    E  experts
+    K  routes per token (top-k)
+    V  vocabulary (rows of a hash-routing table)
+    B  sequences in a batch
+    S  tokens per sequence
+
+An expert index of -1 marks a masked route: it reaches no expert and carries weight 0.
+
+Scores and weights are computed in float32 for float32, bfloat16 and float16 logits, and in
+float64 for float64 logits (so gradients can be checked in double precision).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.validate import check_finite, check_index_range, check_positive, check_tensor
+
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def score(logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router scores from logits.
+
+    Args:
+        logits_TE: [T, E] float32, bfloat16, float16 (or float64); must be finite.
+        scoring: "softmax" (over the E experts of a token), "sigmoid", or "sqrtsoftplus"
+            (``sqrt(softplus(x))``).
+
+    Returns:
+        scores_TE: [T, E] float32 (float64 for float64 logits).
+    """
+    check_tensor("logits_TE", logits_TE, dtype=LOGIT_DTYPES, ndim=2)
+    check_finite("logits_TE", logits_TE)
+    x_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    if scoring == "softmax":
+        return x_TE.softmax(dim=-1)
+    if scoring == "sigmoid":
+        return x_TE.sigmoid()
+    if scoring == "sqrtsoftplus":
+        return F.softplus(x_TE).sqrt()
+    raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
+
+
+def topk_route(
+    logits_TE: torch.Tensor,
+    *,
+    topk: int,
+    scoring: str = "softmax",
+    bias_E: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    normalize: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Picks ``topk`` experts per token and their weights.
+
+    Selection scores are ``score(logits_TE, scoring) + bias_E``; the bias steers selection only.
+    With ``num_groups > 1`` the E experts form ``num_groups`` contiguous groups of ``E // num_groups``;
+    a group's score is the sum of its two best selection scores (its best alone if the group has a
+    single expert), and only the experts of the ``topk_groups`` best groups can be chosen. Every
+    ranking is stable: of equal scores the lower index wins, for groups and for experts alike.
+
+    Args:
+        logits_TE: [T, E] float32, bfloat16 or float16 (or float64); must be finite.
+        topk: K, experts per token; at most ``topk_groups * E // num_groups``.
+        scoring: see :func:`score`.
+        bias_E: [E] float32 selection bias, or None.
+        num_groups: expert groups; must divide E.
+        topk_groups: groups kept per token, in [1, num_groups]; None keeps all.
+        normalize, routed_scaling_factor: see :func:`topk_weights`.
+
+    Returns:
+        topk_idx_TK: [T, K] int64 chosen experts, by descending selection score (never -1).
+        topk_weights_TK: [T, K] float32 weights, equal to ``topk_weights(logits_TE, topk_idx_TK, ...)``.
+    """
+    scores_TE = score(logits_TE, scoring)
+    num_tokens, num_experts = logits_TE.shape
+    check_positive("topk", topk)
+    check_positive("num_groups", num_groups)
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
+    if topk_groups is None:
+        topk_groups = num_groups
+    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups: expected an int in [1, {num_groups}] or None, got {topk_groups!r}")
+    group_size = num_experts // num_groups
+    if topk > topk_groups * group_size:
+        raise ValueError(
+            f"topk: expected at most {topk_groups * group_size} (experts in {topk_groups} groups of "
+            f"{group_size}), got {topk}"
+        )
+
+    select_TE = scores_TE.detach()
+    if bias_E is not None:
+        check_tensor("bias_E", bias_E, dtype=torch.float32, shape=(num_experts,), device=logits_TE.device)
+        check_finite("bias_E", bias_E)
+        select_TE = select_TE + bias_E
+
+    if topk_groups < num_groups:
+        select_TGM = select_TE.view(num_tokens, num_groups, group_size)
+        best_TGM = select_TGM.sort(dim=-1, descending=True).values
+        group_score_TG = best_TGM[..., : min(2, group_size)].sum(dim=-1)
+        kept_TG = _stable_topk(group_score_TG, topk_groups)
+        keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, kept_TG, True)
+        select_TE = select_TGM.masked_fill(~keep_TG[..., None], float("-inf")).view(num_tokens, num_experts)
+
+    topk_idx_TK = _stable_topk(select_TE, topk)
+    weights_TK = topk_weights(
+        logits_TE, topk_idx_TK, scoring=scoring, normalize=normalize, routed_scaling_factor=routed_scaling_factor
+    )
+    return topk_idx_TK, weights_TK
+
+
+def _stable_topk(values_TN: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] int64 of the k largest values per row, ties to the lower index."""
+    return values_TN.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def topk_weights(
+    logits_TE: torch.Tensor,
+    topk_idx_TK: torch.Tensor,
+    *,
+    scoring: str = "softmax",
+    normalize: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """Weights of chosen experts: their (unbiased) scores, optionally normalized, then scaled.
+
+    Differentiable with respect to ``logits_TE``.
+
+    Args:
+        logits_TE: [T, E] float32, bfloat16 or float16 (or float64); must be finite.
+        topk_idx_TK: [T, K] int32 or int64 experts in [0, E), or -1 for a masked route.
+        scoring: see :func:`score`.
+        normalize: divide each token's weights by their sum over its unmasked routes (a token whose
+            routes are all masked keeps weights 0).
+        routed_scaling_factor: multiplies every weight, after normalization.
+
+    Returns:
+        topk_weights_TK: [T, K] float32 (float64 for float64 logits); 0 where ``topk_idx_TK`` is -1.
+    """
+    scores_TE = score(logits_TE, scoring)
+    check_tensor(
+        "topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, shape=(logits_TE.shape[0], None), device=logits_TE.device
+    )
+    check_index_range("topk_idx_TK", topk_idx_TK, logits_TE.shape[1])
+    routed_TK = topk_idx_TK >= 0
+    gathered_TK = scores_TE.gather(1, topk_idx_TK.clamp(min=0).long())
+    weights_TK = torch.where(routed_TK, gathered_TK, 0.0)
+    if normalize:
+        total_T1 = weights_TK.sum(dim=-1, keepdim=True)
+        weights_TK = weights_TK / torch.where(total_T1 > 0, total_T1, 1.0)
+    return weights_TK * routed_scaling_factor
+
+
+def hash_route(token_ids_T: torch.Tensor, table_VK: torch.Tensor) -> torch.Tensor:
+    """Fixed routing by token id (DeepSeek-V4's first layers): token t goes to ``table_VK[id_t]``.
+
+    Args:
+        token_ids_T: [T] int32 or int64 ids in [0, V).
+        table_VK: [V, K] int32 or int64 expert ids per vocabulary entry (-1 gives a masked route).
+
+    Returns:
+        topk_idx_TK: [T, K] int64.
+    """
+    check_tensor("table_VK", table_VK, dtype=INDEX_DTYPES, ndim=2)
+    check_tensor("token_ids_T", token_ids_T, dtype=INDEX_DTYPES, ndim=1, device=table_VK.device)
+    check_index_range("token_ids_T", token_ids_T, table_VK.shape[0], allow_masked=False)
+    return table_VK[token_ids_T.long()].long()
+
+
+def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert.
+
+    Args:
+        topk_idx_TK: [T, K] int32 or int64 experts in [0, num_experts), or -1 (not counted).
+        num_experts: E.
+
+    Returns:
+        counts_E: [E] int32.
+    """
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, ndim=2)
+    check_positive("num_experts", num_experts)
+    check_index_range("topk_idx_TK", topk_idx_TK, num_experts)
+    routed_R = topk_idx_TK[topk_idx_TK >= 0].long()
+    return torch.bincount(routed_R, minlength=num_experts).to(torch.int32)
+
+
+def sequence_balance_stats(
+    scores_BSE: torch.Tensor, topk_idx_BSK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence expert load and mean routing probability (DeepSeek-V3's sequence-wise balance).
+
+    ``load_BE[b, i] = E / (K * S) * (routes of sequence b to expert i)`` (f_i in the paper) and
+    ``prob_BE[b, i] = mean over s of scores_BSE[b, s, i] / sum_e scores_BSE[b, s, e]`` (P_i). The
+    sequence-wise auxiliary loss is ``alpha * (load_BE * prob_BE).sum(-1).mean()``. Routes of -1 are
+    not counted (K stays the nominal top-k). With S = 0 both are 0. ``prob_BE`` is differentiable with
+    respect to ``scores_BSE``; ``load_BE`` is a constant.
+
+    Args:
+        scores_BSE: [B, S, E] float32, bfloat16 or float16 (or float64) router scores (unbiased).
+        topk_idx_BSK: [B, S, K] int32 or int64 experts in [0, E), or -1.
+
+    Returns:
+        load_BE: [B, E] float32 (float64 for float64 scores).
+        prob_BE: [B, E] float32 (float64 for float64 scores).
+    """
+    check_tensor("scores_BSE", scores_BSE, dtype=LOGIT_DTYPES, ndim=3)
+    batch, seq_len, num_experts = scores_BSE.shape
+    check_tensor(
+        "topk_idx_BSK", topk_idx_BSK, dtype=INDEX_DTYPES, shape=(batch, seq_len, None), device=scores_BSE.device
+    )
+    check_index_range("topk_idx_BSK", topk_idx_BSK, num_experts)
+    topk = topk_idx_BSK.shape[2]
+    dtype = torch.promote_types(scores_BSE.dtype, torch.float32)
+
+    routed_BR = (topk_idx_BSK >= 0).reshape(batch, -1).to(dtype)
+    expert_BR = topk_idx_BSK.clamp(min=0).reshape(batch, -1).long()
+    counts_BE = torch.zeros(batch, num_experts, dtype=dtype, device=scores_BSE.device)
+    counts_BE.scatter_add_(1, expert_BR, routed_BR)
+    load_BE = counts_BE * (num_experts / max(topk * seq_len, 1))
+
+    s_BSE = scores_BSE.to(dtype)
+    prob_BE = (s_BSE / s_BSE.sum(dim=-1, keepdim=True)).sum(dim=1) / max(seq_len, 1)
+    return load_BE, prob_BE
