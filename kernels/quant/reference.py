@@ -1,0 +1,254 @@
+"""FP8 (e4m3) casts and SwiGLU in plain PyTorch: the specification of the quant kernels.
+
+The three casts are one blockwise cast over a 2-D tensor with different block shapes:
+
+==============  ===========  =========================================================
+cast            block        scales
+==============  ===========  =========================================================
+per-token       (1, group)   ``sf_TG``: one per token per ``group`` hidden columns
+per-block       (b, b)       ``[ceil(M/b), ceil(N/b)]``: one per b x b tile
+per-channel     (b, 1)       ``[ceil(M/b), N]``: one per ``b`` rows per column
+==============  ===========  =========================================================
+
+Blocks at ragged edges (sizes not multiples of the block) use the elements that exist.
+
+Scale convention (DeepSeek's, so tensors interoperate with DeepGEMM/DeepEP), per block:
+``amax = max(max |x|, 1e-4)`` in float32, then either
+
+- ``sf = amax / 448`` and ``q = e4m3(clamp(x * (448 / amax), -448, 448))``, or
+- with ``round_sf`` (UE8M0): ``sf = 2**ceil(log2(amax / 448))`` (exact, from the float32 bits) and
+  ``q = e4m3(clamp(x / sf, -448, 448))``; with ``pack_sf`` the scales are returned as uint8
+  exponents ``log2(sf) + 127`` instead of float32.
+
+The cast to e4m3 rounds to nearest even. Dequantization is ``q.float() * sf`` broadcast per block.
+
+Shape suffixes: T tokens, D hidden, G scale groups along the last dim, M/N matrix rows/columns,
+I intermediate (the SwiGLU output width; its input ``x_TI2`` is ``[T, 2 * I]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.validate import check_positive, check_tensor
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPES = (torch.float32, torch.uint8)
+
+
+def per_token_cast(
+    x_TD: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts each token to e4m3 with one scale per ``group`` hidden columns.
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16.
+        group: columns per scale.
+        round_sf: round scales up to powers of two (UE8M0).
+        pack_sf: return scales as uint8 exponents (needs ``round_sf``).
+
+    Returns:
+        ``q_TD`` ``[T, D]`` float8_e4m3fn and ``sf_TG`` ``[T, ceil(D / group)]`` float32 (uint8 when
+        packed).
+    """
+    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
+    check_positive("group", group)
+    return _blockwise_cast(x_TD, (1, group), round_sf=round_sf, pack_sf=pack_sf)
+
+
+def per_block_cast(
+    x_MN: torch.Tensor, *, block: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts a matrix to e4m3 with one scale per ``block x block`` tile.
+
+    Args:
+        x_MN: ``[M, N]`` float32, bfloat16 or float16.
+        block: tile side.
+        round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_MN`` ``[M, N]`` float8_e4m3fn and scales ``[ceil(M / block), ceil(N / block)]`` float32
+        (uint8 when packed).
+    """
+    check_tensor("x_MN", x_MN, dtype=FLOAT_DTYPES, ndim=2)
+    check_positive("block", block)
+    return _blockwise_cast(x_MN, (block, block), round_sf=round_sf, pack_sf=pack_sf)
+
+
+def per_channel_cast(
+    x_MN: torch.Tensor, *, block: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts a matrix to e4m3 with one scale per ``block`` rows (tokens) per column.
+
+    Args:
+        x_MN: ``[M, N]`` float32, bfloat16 or float16.
+        block: rows per scale.
+        round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_MN`` ``[M, N]`` float8_e4m3fn and scales ``[ceil(M / block), N]`` float32 (uint8 when
+        packed).
+    """
+    check_tensor("x_MN", x_MN, dtype=FLOAT_DTYPES, ndim=2)
+    check_positive("block", block)
+    return _blockwise_cast(x_MN, (block, 1), round_sf=round_sf, pack_sf=pack_sf)
+
+
+def cast_back(
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantizes the output of any of the three casts: ``q.float() * sf`` broadcast per block.
+
+    Args:
+        q: ``[M, N]`` float8_e4m3fn.
+        sf: ``[ceil(M / block[0]), ceil(N / block[1])]`` float32, or uint8 exponents (packed).
+        block: ``(rows, cols)`` per scale: ``(1, group)`` per-token, ``(b, b)`` per-block,
+            ``(b, 1)`` per-channel.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+    """
+    check_tensor("q", q, dtype=E4M3, ndim=2)
+    block_m, block_n = _check_block(block)
+    m, n = q.shape
+    check_tensor("sf", sf, dtype=SCALE_DTYPES, shape=(_cdiv(m, block_m), _cdiv(n, block_n)), device=q.device)
+    _check_out_dtype(out_dtype)
+    sf_f32 = _unpack_sf(sf) if sf.dtype == torch.uint8 else sf
+    sf_MN = sf_f32.repeat_interleave(block_m, dim=0).repeat_interleave(block_n, dim=1)[:m, :n]
+    return (q.float() * sf_MN).to(out_dtype)
+
+
+def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` computed in float32, where ``x_TI2 = [gate | up]`` along the last dim.
+
+    Args:
+        x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16; the first half of each row is the gate.
+
+    Returns:
+        ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``.
+    """
+    return _swiglu_f32(x_TI2).to(x_TI2.dtype)
+
+
+def swiglu_per_token_cast(
+    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`swiglu` fused with :func:`per_token_cast` of its float32 result (never rounded to
+    ``x_TI2.dtype`` in between).
+
+    Args:
+        x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16, ``[gate | up]``.
+        group, round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_TI`` ``[T, I]`` float8_e4m3fn and ``sf_TG`` ``[T, ceil(I / group)]`` float32 (uint8 when
+        packed).
+    """
+    check_positive("group", group)
+    y_TI = _swiglu_f32(x_TI2)
+    return _blockwise_cast(y_TI, (1, group), round_sf=round_sf, pack_sf=pack_sf)
+
+
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`swiglu` with respect to its input, computed in float32.
+
+    ``d gate = grad * up * silu'(gate)`` with ``silu'(g) = s * (1 + g * (1 - s))``, ``s = sigmoid(g)``;
+    ``d up = grad * silu(gate)``.
+
+    Args:
+        x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16, the forward input ``[gate | up]``.
+        grad_TI: ``[T, I]`` float32, bfloat16 or float16, the gradient of the output.
+
+    Returns:
+        ``grad_TI2`` ``[T, 2 * I]`` in ``x_TI2.dtype``, ``[d gate | d up]``.
+    """
+    gate_TI, up_TI = _split_gate_up(x_TI2)
+    check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=gate_TI.shape, device=x_TI2.device)
+    grad_TI = grad_TI.float()
+    sig_TI = torch.sigmoid(gate_TI)
+    d_gate_TI = grad_TI * up_TI * (sig_TI * (1 + gate_TI * (1 - sig_TI)))
+    d_up_TI = grad_TI * (gate_TI * sig_TI)
+    return torch.cat([d_gate_TI, d_up_TI], dim=1).to(x_TI2.dtype)
+
+
+def _blockwise_cast(
+    x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one cast behind all three layouts; ``x_MN`` is already validated."""
+    if pack_sf and not round_sf:
+        raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
+    block_m, block_n = block
+    m, n = x_MN.shape
+    gm, gn = _cdiv(m, block_m), _cdiv(n, block_n)
+    # Zero padding leaves every block's amax unchanged; the padding is cut off again at the end.
+    x_padded = F.pad(x_MN.float(), (0, gn * block_n - n, 0, gm * block_m - m))
+    blocks = x_padded.view(gm, block_m, gn, block_n)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
+    if round_sf:
+        exponent = _ceil_log2(amax / E4M3_MAX)
+        sf = _pow2(exponent)
+        inv_sf = _pow2(-exponent)  # x * 2**-e equals x / 2**e bit for bit
+    else:
+        sf = amax / E4M3_MAX
+        inv_sf = E4M3_MAX / amax
+    q_padded = (blocks * inv_sf[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    q_MN = q_padded.view(gm * block_m, gn * block_n)[:m, :n].contiguous()
+    if pack_sf:
+        return q_MN, (exponent + 127).to(torch.uint8)
+    return q_MN, sf
+
+
+def _ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact ``ceil(log2(v))`` for positive normal float32 ``v``, from its bits, as int32."""
+    bits = v.view(torch.int32)
+    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2**exponent`` for int32 exponents in [-126, 127]."""
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def _unpack_sf(sf_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 exponents ``e + 127`` to float32 ``2**e`` (the casts produce codes 1..254 only)."""
+    return _pow2(sf_u8.to(torch.int32) - 127)
+
+
+def _split_gate_up(x_TI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validates ``x_TI2`` and returns its gate and up halves in float32."""
+    check_tensor("x_TI2", x_TI2, dtype=FLOAT_DTYPES, ndim=2)
+    width = x_TI2.shape[1]
+    if width % 2:
+        raise ValueError(f"x_TI2: expected an even last dim ([gate | up]), got shape {tuple(x_TI2.shape)}")
+    x_f32 = x_TI2.float()
+    return x_f32[:, : width // 2], x_f32[:, width // 2 :]
+
+
+def _swiglu_f32(x_TI2: torch.Tensor) -> torch.Tensor:
+    gate_TI, up_TI = _split_gate_up(x_TI2)
+    return F.silu(gate_TI) * up_TI
+
+
+def _check_block(block: object) -> tuple[int, int]:
+    if not isinstance(block, tuple) or len(block) != 2:
+        raise ValueError(f"block: expected a (rows, cols) tuple of two positive ints, got {block!r}")
+    return check_positive("block", block[0]), check_positive("block", block[1])
+
+
+def _check_out_dtype(out_dtype: object) -> None:
+    if out_dtype not in FLOAT_DTYPES:
+        want = " or ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"out_dtype: expected {want}, got {out_dtype}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
