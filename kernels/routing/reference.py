@@ -225,8 +225,8 @@ def sequence_balance_stats(
     topk = topk_idx_BSK.shape[2]
     dtype = torch.promote_types(scores_BSE.dtype, torch.float32)
 
-    routed_BR = (topk_idx_BSK >= 0).reshape(batch, -1).to(dtype)
-    expert_BR = topk_idx_BSK.clamp(min=0).reshape(batch, -1).long()
+    routed_BR = (topk_idx_BSK >= 0).reshape(batch, seq_len * topk).to(dtype)
+    expert_BR = topk_idx_BSK.clamp(min=0).reshape(batch, seq_len * topk).long()
     counts_BE = torch.zeros(batch, num_experts, dtype=dtype, device=scores_BSE.device)
     counts_BE.scatter_add_(1, expert_BR, routed_BR)
     load_BE = counts_BE * (num_experts / max(topk * seq_len, 1))
