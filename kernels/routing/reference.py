@@ -82,7 +82,8 @@ def topk_route(
 
     Returns:
         topk_idx_TK: [T, K] int64 chosen experts, by descending selection score (never -1).
-        topk_weights_TK: [T, K] float32 weights, equal to ``topk_weights(logits_TE, topk_idx_TK, ...)``.
+        topk_weights_TK: [T, K] float32 (float64 for float64 logits), equal to
+            ``topk_weights(logits_TE, topk_idx_TK, ...)`` with the same options.
     """
     scores_TE = score(logits_TE, scoring)
     num_tokens, num_experts = logits_TE.shape

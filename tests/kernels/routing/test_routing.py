@@ -85,7 +85,9 @@ OPTIONS = [(False, False, 1.0), (True, True, 2.5), (True, False, 1.5)]
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_topk_route(seed, scoring, num_experts, num_groups, topk_groups, topk, bias, normalize, factor, ties):
     logits_TE = draw_logits(37, num_experts, ties)
-    bias_E = (torch.randint(-2, 3, (num_experts,)) * 0.125 if ties else torch.randn(num_experts) * 0.1) if bias else None
+    bias_E = None
+    if bias:
+        bias_E = torch.randint(-2, 3, (num_experts,)) * 0.125 if ties else torch.randn(num_experts) * 0.1
     idx_TK, weights_TK = topk_route(
         logits_TE,
         topk=topk,
