@@ -1,0 +1,79 @@
+"""The contract every dispatch/combine backend meets.
+
+Shape letters: T tokens on this rank, K routes per token (top-k), D hidden, S rows this rank sends
+(one per token per destination rank), R rows this rank receives, P rows of the expert-major layout.
+
+``dispatch`` puts each token once on every EP rank that owns one of its experts (once per rank,
+not per route: link bytes are the scarce resource) and hands the local experts an expert-major
+layout, aligned for grouped GEMM and expanded on the receiver. ``combine`` reduces, on each rank,
+its experts' outputs per token with the router weights, sends one row per token home and sums
+there. Both are differentiable in ``x``, ``y`` and the router weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.permute import ExpertLayout
+
+
+@dataclass(frozen=True)
+class RowSplits:
+    """How many rows go to (``send``) and come from (``recv``) each EP rank, in rank order."""
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine needs to bring expert outputs home. Made by ``dispatch``; read-only.
+
+    Attributes:
+        send_token_S: int64 [S], the home token of each row this rank sends, grouped by
+            destination rank in rank order (ascending tokens within a rank).
+        splits: rows sent to and received from each EP rank.
+        recv_weights_RK: float32 [R, K], router weight of each received row's route to a local
+            expert, 0 for routes elsewhere or masked (-1). Part of the autograd graph.
+        layout: the expert-major layout of the received routes over the local experts
+            (its ``pos_TK`` is indexed by received row, [R, K]).
+        num_tokens: T, the tokens this rank dispatched.
+    """
+
+    send_token_S: torch.Tensor
+    splits: RowSplits
+    recv_weights_RK: torch.Tensor
+    layout: ExpertLayout
+    num_tokens: int
+
+
+class Dispatcher(Protocol):
+    """Moves tokens to the ranks of their experts and their results back. Not an nn.Module."""
+
+    num_experts: int  # global (physical) experts over the EP group
+    num_local_experts: int
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, ExpertLayout, DispatchHandle]:
+        """Args:
+            x_TD: [T, D] tokens (float32 / bfloat16).
+            topk_idx_TK: [T, K] int64 expert ids in [0, num_experts), -1 = no route.
+            topk_weights_TK: [T, K] float32 router weights (ignored where the id is -1).
+        Returns:
+            x_PD: [P, D] received tokens in the local experts' aligned expert-major layout
+                (padding rows zero), dtype of ``x_TD``.
+            layout: counts/offsets of that layout over the local experts (``offsets_E`` is what
+                ``torch._grouped_mm`` takes as ``offs``).
+            handle: for ``combine``.
+        """
+        ...
+
+    def combine(self, y_PD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``y_PD`` [P, D] expert outputs in the layout of ``dispatch`` -> ``out_TD`` [T, D]:
+        ``out[t] = sum_k w[t, k] * expert_k(x[t])`` over routes not masked (zero rows for tokens
+        with no route)."""
+        ...
