@@ -193,13 +193,16 @@ def _blockwise_cast(
     x_padded = F.pad(x_MN.float(), (0, gn * block_n - n, 0, gm * block_m - m))
     blocks = x_padded.view(gm, block_m, gn, block_n)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
+    # Correctly rounded float32 divisions, tensor by tensor: torch computes `scalar / tensor` as a
+    # multiplication by the rounded reciprocal, and CUDA does the same for `tensor / scalar`.
+    e4m3_max = torch.full_like(amax, E4M3_MAX)
     if round_sf:
-        exponent = _ceil_log2(amax / E4M3_MAX)
+        exponent = _ceil_log2(amax / e4m3_max)
         sf = _pow2(exponent)
         inv_sf = _pow2(-exponent)  # x * 2**-e equals x / 2**e bit for bit
     else:
-        sf = amax / E4M3_MAX
-        inv_sf = E4M3_MAX / amax
+        sf = amax / e4m3_max
+        inv_sf = e4m3_max / amax
     q_padded = (blocks * inv_sf[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     q_MN = q_padded.view(gm * block_m, gn * block_n)[:m, :n].contiguous()
     if pack_sf:
