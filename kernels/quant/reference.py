@@ -204,7 +204,7 @@ def _blockwise_cast(
         sf = amax / e4m3_max
         inv_sf = e4m3_max / amax
     q_padded = (blocks * inv_sf[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    q_MN = q_padded.view(gm * block_m, gn * block_n)[:m, :n].contiguous()
+    q_MN = q_padded.view(gm * block_m, gn * block_n)[:m, :n].clone(memory_format=torch.contiguous_format)
     if pack_sf:
         return q_MN, (exponent + 127).to(torch.uint8)
     return q_MN, sf

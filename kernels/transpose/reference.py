@@ -17,9 +17,11 @@ def batched_transpose(x_BMN: torch.Tensor) -> torch.Tensor:
         x_BMN: ``[B, M, N]`` or ``[M, N]``, any dtype (float8_e4m3fn included).
 
     Returns:
-        ``x_BNM`` ``[B, N, M]`` (``[N, M]`` for 2-D input), contiguous, same dtype and device.
+        ``x_BNM`` ``[B, N, M]`` (``[N, M]`` for 2-D input): new memory with row-major strides, same
+        dtype and device.
     """
     check_tensor("x_BMN", x_BMN)
     if x_BMN.dim() not in (2, 3):
         raise ValueError(f"x_BMN: expected a 2-D or 3-D tensor, got shape {tuple(x_BMN.shape)}")
-    return x_BMN.transpose(-1, -2).contiguous()
+    # clone, not .contiguous(): always new memory, and row-major strides even for empty or size-1 dims
+    return x_BMN.transpose(-1, -2).clone(memory_format=torch.contiguous_format)
