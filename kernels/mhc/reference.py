@@ -86,6 +86,11 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def _flatten(x_TND: torch.Tensor) -> torch.Tensor:
+    t, n, d = x_TND.shape
+    return x_TND.reshape(t, n * d)
+
+
 def _norm_fn_fwd(flat_TK: torch.Tensor, fn_MK: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     rstd_T = torch.rsqrt(flat_TK.square().mean(-1) + eps)
     mixes_TM = (flat_TK @ fn_MK.T) * rstd_T[:, None]
@@ -165,7 +170,7 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TND, fn_MK, eps, tf32):
         cdt = _compute_dtype(x_TND, fn_MK)
-        flat_TK = x_TND.reshape(x_TND.shape[0], -1).to(cdt)
+        flat_TK = _flatten(x_TND).to(cdt)
         w_MK = (round_to_tf32(fn_MK.float()) if tf32 else fn_MK).to(cdt)
         mixes_TM, rstd_T = _norm_fn_fwd(flat_TK, w_MK, eps)
         ctx.save_for_backward(x_TND, fn_MK, mixes_TM, rstd_T)
@@ -179,7 +184,7 @@ class _NormFn(torch.autograd.Function):
         # TF32 rounding of fn is treated as the identity (straight-through).
         x_TND, fn_MK, mixes_TM, rstd_T = ctx.saved_tensors
         cdt = mixes_TM.dtype
-        flat_TK = x_TND.reshape(x_TND.shape[0], -1).to(cdt)
+        flat_TK = _flatten(x_TND).to(cdt)
         w_MK = (round_to_tf32(fn_MK.float()) if ctx.tf32 else fn_MK).to(cdt)
         g_TM = g_TM.to(cdt)
         gproj_TM = g_TM * rstd_T[:, None]
@@ -235,7 +240,7 @@ class _SplitSinkhorn(torch.autograd.Function):
             [
                 g_pre_TN * s_pre_TN * (1 - s_pre_TN),
                 g_post_TN * ctx.post_mult * s_post_TN * (1 - s_post_TN),
-                _sinkhorn_bwd(a_TM[:, 2 * n :].reshape(t, n, n), g_comb_TNN, ctx.iters, ctx.sinkhorn_eps).reshape(t, -1),
+                _sinkhorn_bwd(a_TM[:, 2 * n :].reshape(t, n, n), g_comb_TNN, ctx.iters, ctx.sinkhorn_eps).reshape(t, n * n),
             ],
             dim=1,
         )
@@ -603,7 +608,7 @@ def pre_fused(
     cdt = _compute_dtype(x_TND, fn_MK, scale_3, base_M)
     with torch.no_grad():
         w_MK = (round_to_tf32(fn_MK.float()) if tf32 else fn_MK).to(cdt)
-        mixes_TM, _ = _norm_fn_fwd(x_TND.reshape(x_TND.shape[0], -1).to(cdt), w_MK, norm_eps)
+        mixes_TM, _ = _norm_fn_fwd(_flatten(x_TND).to(cdt), w_MK, norm_eps)
         pre_TN, post_TN, logits_TNN = _split_fwd(mixes_TM, scale_3.to(cdt), base_M.to(cdt), n, pre_eps, post_mult)
         comb_TNN = _sinkhorn_fwd(logits_TNN, iters, sinkhorn_eps)
         return _pre_apply_fwd(x_TND, pre_TN), post_TN, comb_TNN
