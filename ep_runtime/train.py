@@ -32,17 +32,19 @@ def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
 
     Dense parameters are replicated on every rank: average over the world. Each expert's gradient
     already sums the contributions of every rank of its EP group (through combine's backward), so
-    it is summed over the ``dp`` replicas and divided by the world size.
+    it is summed over the ``dp`` replicas and divided by the world size. A parameter that got no
+    gradient on this rank (an expert no token reached) takes part with zeros, so every rank
+    reduces tensors of the same size.
     """
     if not ctx.distributed:
         return
-    for params, group, op in ((model.dense_parameters(), None, dist.ReduceOp.SUM),
-                              (model.expert_parameters(), ctx.dp_group, dist.ReduceOp.SUM)):
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            continue
+    for params, group in ((model.dense_parameters(), None), (model.expert_parameters(), ctx.dp_group)):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
         flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, op=op, group=group)
+        dist.all_reduce(flat, group=group)
         flat /= ctx.world_size
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))

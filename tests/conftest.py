@@ -19,3 +19,11 @@ def seed(request):
     s = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(s)
     return s
+
+
+# Worker functions for multi-process tests live in tests/workers/ and are imported by name in the
+# spawned processes, so that directory must be importable there too.
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))

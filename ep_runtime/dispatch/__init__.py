@@ -5,9 +5,9 @@ from __future__ import annotations
 from ..config import MoEConfig
 from ..parallel import ParallelContext
 from .all_to_all import AllToAllDispatcher
-from .protocol import Dispatcher, DispatchHandle, RowSplits
+from .protocol import Dispatcher, DispatchHandle, RowSplits, TokenRoute
 
-__all__ = ["AllToAllDispatcher", "Dispatcher", "DispatchHandle", "RowSplits", "make_dispatcher"]
+__all__ = ["AllToAllDispatcher", "Dispatcher", "DispatchHandle", "RowSplits", "TokenRoute", "make_dispatcher"]
 
 
 def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:

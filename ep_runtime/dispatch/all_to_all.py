@@ -16,8 +16,8 @@ import torch.distributed as dist
 from kernels.permute import expert_layout
 from kernels.validate import check_index_range, check_tensor
 
-from .autograd import CombineFn, DispatchFn, SendRows
-from .protocol import DispatchHandle, RowSplits
+from .autograd import CombineFn, DispatchFn
+from .protocol import DispatchHandle, RowSplits, TokenRoute
 
 
 class AllToAllDispatcher:
@@ -72,13 +72,12 @@ class AllToAllDispatcher:
         send, recv = torch.stack([send_splits, recv_splits]).tolist()  # this backend's one host sync
         splits = RowSplits(send=tuple(send), recv=tuple(recv))
         layout = expert_layout(self.send(local_idx_SK, splits), self.num_local_experts, alignment=self.alignment)
-        handle = DispatchHandle(send_token_S=send_token_S, splits=splits,
-                                recv_weights_RK=SendRows.apply(weights_SK, splits, self),
-                                layout=layout, num_tokens=num_tokens)
-        return DispatchFn.apply(x_TD, handle, self, self.fp8), layout, handle
+        route = TokenRoute(send_token_S=send_token_S, splits=splits, layout=layout, num_tokens=num_tokens)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, weights_SK, route, self, self.fp8)
+        return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def combine(self, y_PD, handle: DispatchHandle):
-        check_tensor("y_PD", y_PD, ndim=2, shape=(handle.layout.num_rows, None),
+        check_tensor("y_PD", y_PD, shape=(handle.route.layout.num_rows, None),
                      dtype=(torch.float32, torch.bfloat16, torch.float16))
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle, self)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
 

@@ -1,9 +1,13 @@
 """Autograd for dispatch and combine, in one place, for every backend.
 
 A backend supplies the transport (``send``: rows from their home rank to the ranks of their
-experts, ``send_back``: the reverse, both by the handle's ``RowSplits``); the local work around it
-(gather, FP8 cast, expand, weighted reduce, sum at home) is the same for all backends and uses the
-kernel ops. The backward of dispatch is an unweighted combine, the backward of combine a dispatch.
+experts, ``send_back``: the reverse, both by a ``RowSplits``); the local work around it (gather,
+FP8 cast, expand, weighted reduce, sum at home) is the same for all backends and uses the kernel
+ops. The backward of dispatch is an unweighted combine, the backward of combine a dispatch.
+
+Every collective of a layer's backward runs inside one of two autograd nodes, combine's then
+dispatch's (the tokens and their router weights travel in the same node), so all ranks issue their
+collectives in the same order whatever order the autograd engine picks among independent nodes.
 
 Shape letters as in ``protocol``: T tokens, K routes, D hidden, S sent rows, R received rows,
 P layout rows.
@@ -19,7 +23,7 @@ from kernels.permute import expand, unexpand
 from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
 
-from .protocol import DispatchHandle, RowSplits
+from .protocol import RowSplits, TokenRoute
 
 
 class Transport(Protocol):
@@ -37,53 +41,48 @@ def send_tokens(transport: Transport, x_SD: torch.Tensor, splits: RowSplits, fp8
     return cast_back(q_RD, transport.send(sf_SG, splits), block=(1, 128), out_dtype=x_SD.dtype)
 
 
-def sum_at_home(rows_SD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def sum_at_home(rows_SX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
     """Adds the rows that came home into their tokens, in float32."""
-    out_TD = rows_SD.new_zeros((handle.num_tokens, rows_SD.shape[1]), dtype=torch.float32)
-    return out_TD.index_add_(0, handle.send_token_S, rows_SD.float()).to(rows_SD.dtype)
-
-
-class SendRows(torch.autograd.Function):
-    """Differentiable ``send`` of small per-row tensors (the router weights)."""
-
-    @staticmethod
-    def forward(ctx, rows_SX, splits, transport):
-        ctx.splits, ctx.transport = splits, transport
-        return transport.send(rows_SX, splits)
-
-    @staticmethod
-    def backward(ctx, grad_RX):
-        return ctx.transport.send_back(grad_RX.contiguous(), ctx.splits), None, None
+    out_TX = rows_SX.new_zeros((route.num_tokens, *rows_SX.shape[1:]), dtype=torch.float32)
+    return out_TX.index_add_(0, route.send_token_S, rows_SX.float()).to(rows_SX.dtype)
 
 
 class DispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, handle: DispatchHandle, transport: Transport, fp8: bool):
-        ctx.handle, ctx.transport = handle, transport
-        x_RD = send_tokens(transport, x_TD.index_select(0, handle.send_token_S), handle.splits, fp8)
-        return expand(x_RD, handle.layout)
+    """(x_TD, weights_SK) -> (x_PD in the local experts' layout, weights_RK of the received rows)."""
 
     @staticmethod
-    def backward(ctx, grad_PD):
-        handle = ctx.handle
-        ones_RK = (handle.layout.pos_TK >= 0).float()
-        grad_RD = weighted_reduce(grad_PD.contiguous(), handle.layout.pos_TK, ones_RK)
-        return sum_at_home(ctx.transport.send_back(grad_RD, handle.splits), handle), None, None, None
+    def forward(ctx, x_TD, weights_SK, route: TokenRoute, transport: Transport, fp8: bool):
+        ctx.route, ctx.transport = route, transport
+        x_RD = send_tokens(transport, x_TD.index_select(0, route.send_token_S), route.splits, fp8)
+        return expand(x_RD, route.layout), transport.send(weights_SK, route.splits)
+
+    @staticmethod
+    def backward(ctx, grad_PD, grad_weights_RK):
+        route, transport = ctx.route, ctx.transport
+        pos_RK = route.layout.pos_TK
+        grad_RD = weighted_reduce(grad_PD.contiguous(), pos_RK, (pos_RK >= 0).float())
+        grad_TD = sum_at_home(transport.send_back(grad_RD, route.splits), route)
+        if grad_weights_RK is None:
+            grad_weights_RK = torch.zeros(pos_RK.shape, dtype=torch.float32, device=pos_RK.device)
+        grad_weights_SK = transport.send_back(grad_weights_RK.contiguous(), route.splits)
+        return grad_TD, grad_weights_SK, None, None, None
 
 
 class CombineFn(torch.autograd.Function):
+    """(y_PD, weights_RK) -> out_TD: weighted reduce per received row, send home, sum there."""
+
     @staticmethod
-    def forward(ctx, y_PD, weights_RK, handle: DispatchHandle, transport: Transport):
-        ctx.handle, ctx.transport = handle, transport
+    def forward(ctx, y_PD, weights_RK, route: TokenRoute, transport: Transport):
+        ctx.route, ctx.transport = route, transport
         ctx.save_for_backward(y_PD, weights_RK)
-        out_RD = weighted_reduce(y_PD, handle.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype)
-        return sum_at_home(transport.send_back(out_RD, handle.splits), handle)
+        out_RD = weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype)
+        return sum_at_home(transport.send_back(out_RD, route.splits), route)
 
     @staticmethod
     def backward(ctx, grad_TD):
         y_PD, weights_RK = ctx.saved_tensors
-        handle, layout = ctx.handle, ctx.handle.layout
-        grad_RD = ctx.transport.send(grad_TD.contiguous().index_select(0, handle.send_token_S), handle.splits)
+        route, layout = ctx.route, ctx.route.layout
+        grad_RD = ctx.transport.send(grad_TD.contiguous().index_select(0, route.send_token_S), route.splits)
         grad_weights_RK = torch.einsum("rkd,rd->rk", unexpand(y_PD, layout).float(), grad_RD.float())
         src_P = layout.src_P.long()
         row_weight_P = torch.where(src_P >= 0, weights_RK.flatten()[src_P.clamp(min=0)], 0.0)

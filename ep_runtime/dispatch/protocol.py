@@ -29,15 +29,13 @@ class RowSplits:
 
 
 @dataclass(frozen=True)
-class DispatchHandle:
-    """What combine needs to bring expert outputs home. Made by ``dispatch``; read-only.
+class TokenRoute:
+    """Which rows go where: made by ``dispatch`` before any token moves; read-only.
 
     Attributes:
         send_token_S: int64 [S], the home token of each row this rank sends, grouped by
             destination rank in rank order (ascending tokens within a rank).
         splits: rows sent to and received from each EP rank.
-        recv_weights_RK: float32 [R, K], router weight of each received row's route to a local
-            expert, 0 for routes elsewhere or masked (-1). Part of the autograd graph.
         layout: the expert-major layout of the received routes over the local experts
             (its ``pos_TK`` is indexed by received row, [R, K]).
         num_tokens: T, the tokens this rank dispatched.
@@ -45,9 +43,22 @@ class DispatchHandle:
 
     send_token_S: torch.Tensor
     splits: RowSplits
-    recv_weights_RK: torch.Tensor
     layout: ExpertLayout
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What combine needs to bring expert outputs home. Made by ``dispatch``; read-only.
+
+    Attributes:
+        route: where the rows went.
+        recv_weights_RK: float32 [R, K], router weight of each received row's route to a local
+            expert, 0 for routes elsewhere or masked (-1). Part of the autograd graph.
+    """
+
+    route: TokenRoute
+    recv_weights_RK: torch.Tensor
 
 
 class Dispatcher(Protocol):

@@ -1,0 +1,94 @@
+"""Functions run inside spawned worker processes by the multi-process runtime tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime.config import MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.dispatch import make_dispatcher
+from ep_runtime.moe import MoELayer
+from ep_runtime.parallel import init_parallel, single_process
+from ep_runtime.router import Routing
+
+TOKENS, HIDDEN = 24, 32
+
+
+def moe_config(routing: str, fp8: bool) -> MoEConfig:
+    # hidden 32 < one FP8 group: a ragged group; alignment 4 gives padding rows.
+    return MoEConfig(num_experts=8, expert_hidden=16, num_shared_experts=1, alignment=4, fp8_dispatch=fp8,
+                     router=RouterConfig(scoring="sigmoid", topk=2 if routing != "skewed" else 1,
+                                         num_groups=2, topk_groups=2))
+
+
+def build_layer(cfg: MoEConfig, ctx, routing: str) -> MoELayer:
+    torch.manual_seed(1234)
+    layer = MoELayer(cfg, HIDDEN, make_dispatcher(cfg, ctx), ep_rank=ctx.ep_rank, seed=7)
+    if routing == "skewed":  # every token to expert 5
+        layer.router.bias_E[5] = 100.0
+    if routing == "masked":  # some routes masked, and whole tokens without any route
+        forward = layer.router.forward
+
+        def masked(x_TD):  # chosen by the token's values, so EP and single process mask alike
+            r = forward(x_TD)
+            idx = r.topk_idx_TK.clone()
+            idx[x_TD[:, 0] > 0, 1] = -1
+            idx[x_TD[:, 1] > 0.8] = -1
+            return dataclasses.replace(r, topk_idx_TK=idx, topk_weights_TK=r.topk_weights_TK * (idx >= 0))
+
+        layer.router.forward = masked
+    return layer
+
+
+def inputs(rank: int):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+
+
+def forward_backward(layer: MoELayer, x_TD, g_TD):
+    x_TD = x_TD.clone().requires_grad_()
+    out = layer(x_TD[None])[0]
+    (out * g_TD).sum().backward()
+    return out.detach(), x_TD.grad
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """An expert no token reached has no gradient: zeros."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def ep_matches_single_process(cases: list[tuple[str, bool]]) -> dict:
+    """For each (routing, fp8) case: run the layer over the EP group, gather everything on every
+    rank, and compare with one process holding all experts over all ranks' tokens.
+    Returns the largest absolute error per case and quantity."""
+    ctx = init_parallel(ParallelConfig())
+    world = ctx.world_size
+    errors = {}
+    for routing, fp8 in cases:
+        cfg = moe_config(routing, fp8)
+        layer = build_layer(cfg, ctx, routing)
+        x, g = inputs(ctx.rank)
+        out, grad_x = forward_backward(layer, x, g)
+        router_grad = layer.router.weight.grad.clone()
+        dist.all_reduce(router_grad)  # the router is replicated: its gradient is the sum over ranks
+        gathered = {}
+        for name, t in (("out", out), ("grad_x", grad_x), ("grad_w13", _grad(layer.experts.w13_EDI2)),
+                        ("grad_w2", _grad(layer.experts.w2_EID)), ("load", layer.load_E)):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            gathered[name] = torch.cat(parts)
+        gathered["load"] = gathered["load"].view(world, -1).sum(0)
+
+        ref = build_layer(cfg, single_process(), routing)
+        pairs = [inputs(r) for r in range(world)]
+        ref_out, ref_grad_x = forward_backward(ref, torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
+        expected = {"out": ref_out, "grad_x": ref_grad_x, "grad_w13": _grad(ref.experts.w13_EDI2),
+                    "grad_w2": _grad(ref.experts.w2_EID), "load": ref.load_E}
+        case = f"{routing}{'-fp8' if fp8 else ''}"
+        errors[case] = {k: float((gathered[k].float() - expected[k].float()).abs().max()) for k in expected}
+        errors[case]["router"] = float((router_grad - ref.router.weight.grad).abs().max())
+        errors[case]["nonzero_out"] = bool(gathered["out"].abs().sum() > 0)
+    dist.destroy_process_group()
+    return errors
