@@ -1,4 +1,11 @@
-"""The ``ep-runtime`` command: ``train`` (the main job), ``plan`` (expert placement)."""
+"""The ``ep-runtime`` command.
+
+    ep-runtime train ...              the main job (this module)
+    ep-runtime plan ...               expert placement (``topology.report``)
+    ep-runtime bench <name> ...       benchmarks (``ep_runtime.bench.<name>``: kernels, ep-scaling, ...)
+
+``plan`` and ``bench`` hand their remaining arguments to the module's ``main(argv)``.
+"""
 
 from __future__ import annotations
 
@@ -65,13 +72,37 @@ def _train(a: argparse.Namespace) -> None:
     print(f"trained {len(losses)} steps on {nproc} processes: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 
+def _bench(name: str, argv: list[str]) -> None:
+    import importlib
+    import pkgutil
+
+    from . import bench
+
+    names = sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__))
+    if name not in names:
+        raise SystemExit(f"ep-runtime bench: expected one of {names}, got {name!r}")
+    importlib.import_module(f"ep_runtime.bench.{name.replace('-', '_')}").main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="ep-runtime", description=__doc__)
+    parser = argparse.ArgumentParser(prog="ep-runtime", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser(sub.add_parser("train", help="train the tiny MoE model with expert parallelism"))
+    plan = sub.add_parser("plan", help="place experts on a cluster (ep-runtime plan --help)", add_help=False)
+    plan.add_argument("args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="benchmarks: ep-runtime bench <name> --help")
+    bench.add_argument("name")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "train":
         _train(args)
+    elif args.command == "plan":
+        from topology.report import main as plan_main
+
+        plan_main(args.args)
+    else:
+        _bench(args.name, args.args)
 
 
 if __name__ == "__main__":
