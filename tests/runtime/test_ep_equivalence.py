@@ -3,18 +3,23 @@ an EP group of 2 or 4 gloo processes gives the outputs, input gradients, router 
 gradients of one process holding all experts and all ranks' tokens."""
 
 import pytest
+import torch
 from ep_workers import ep_matches_single_process
 
 from launch.local import launch_local
 
 CASES = [("balanced", False), ("skewed", False), ("masked", False),
          ("balanced", True), ("skewed", True), ("masked", True)]
-# fp32 everywhere; the EP run sums the same terms in another order (matmul blocking, index_add).
-ATOL = 2e-5
+# Relative to the largest expected magnitude. CPU: fp32 everywhere, the EP run sums the same
+# terms in another order (matmul blocking, index_add). GPU: experts run torch._grouped_mm in bf16
+# over segments of other lengths.
+RTOL = 2e-2 if torch.cuda.is_available() else 1e-5
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_layer_matches_single_process(world):
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     results = launch_local(ep_matches_single_process, CASES, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, errors in results.items():
@@ -23,4 +28,4 @@ def test_ep_layer_matches_single_process(world):
             assert errs.pop("nonzero_out"), (rank, case)
             assert errs.pop("load") == 0, (rank, case)
             for name, err in errs.items():
-                assert err <= ATOL, f"rank {rank} {case} {name}: max abs error {err:.3g} > {ATOL}"
+                assert err <= RTOL, f"rank {rank} {case} {name}: max relative error {err:.3g} > {RTOL}"
