@@ -240,7 +240,9 @@ class _SplitSinkhorn(torch.autograd.Function):
             [
                 g_pre_TN * s_pre_TN * (1 - s_pre_TN),
                 g_post_TN * ctx.post_mult * s_post_TN * (1 - s_post_TN),
-                _sinkhorn_bwd(a_TM[:, 2 * n :].reshape(t, n, n), g_comb_TNN, ctx.iters, ctx.sinkhorn_eps).reshape(t, n * n),
+                _sinkhorn_bwd(a_TM[:, 2 * n :].reshape(t, n, n), g_comb_TNN, ctx.iters, ctx.sinkhorn_eps).reshape(
+                    t, n * n
+                ),
             ],
             dim=1,
         )
@@ -564,7 +566,9 @@ def pre(
         norm_eps, pre_eps, post_mult, sinkhorn_eps, iters, tf32: see :func:`norm_fn`,
             :func:`split_sinkhorn`.
         recompute: keep only the inputs for backward and recompute the pre path there
-            (``torch.utils.checkpoint``, non-reentrant); same values and gradients.
+            (``torch.utils.checkpoint``, non-reentrant); same values and gradients. Saves the
+            ``T * (N*(N+2) + N + 1)`` intermediate floats; ``x`` is kept either way (see
+            :func:`replay` for dropping the streams).
 
     Returns:
         ``(y_TD, post_TN, comb_TNN)``: the sublayer input in ``x_TND``'s dtype, and the coefficients
