@@ -1,0 +1,21 @@
+"""Topology planner: what the cluster looks like and where experts go.
+
+Pure PyTorch on the CPU; imports nothing of ``ep_runtime``. See ``topology/README.md``.
+"""
+
+from .cluster import Link, Topology
+from .plan import POLICIES, Migration, Plan, migration, plan, plan_from_phy2log
+from .traffic import Traffic, TrafficModel
+
+__all__ = [
+    "Link",
+    "Topology",
+    "Plan",
+    "Migration",
+    "Traffic",
+    "TrafficModel",
+    "POLICIES",
+    "plan",
+    "plan_from_phy2log",
+    "migration",
+]

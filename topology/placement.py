@@ -1,0 +1,198 @@
+"""The ``locality`` policy: EPLB-global balance with traffic kept inside nodes.
+
+Four phases per layer (see ``topology/README.md`` for the picture):
+
+1. **Replicas.** Replica counts as EPLB's global policy picks them: every expert once, then each extra
+   slot to the expert whose replicas are heaviest. A replica of ``e`` carries ``v_e = load_e / count_e``
+   (the replica rule of :mod:`topology.routing` keeps replicas equally loaded).
+2. **Homes.** Whole expert groups are packed onto nodes (heaviest group first, onto the lightest node
+   with room), so a token's group-limited routes meet few nodes. Each expert's first replica goes to
+   its group's home node.
+3. **Extra replicas and node balance.** Extra replicas, heaviest first, fill the free slots: an expert
+   with at least one replica per node spreads over nodes (each node's tokens then stay local); any
+   other stays on nodes that already hold it; among those the lightest node, unless another node is
+   lighter by more than a small tolerance. Then pairs of replicas are swapped between the heaviest and
+   the lightest node until node loads agree to 0.05%, picking among the swaps that close the gap
+   (nearly) best the one that sends the least load away from its home.
+4. **GPUs.** Inside each node: longest-processing-time packing onto its GPUs (equal counts), then
+   swaps that lower the node's heaviest GPU until none does.
+
+Shape suffixes: L layers, E logical experts, P physical experts, G GPUs, N nodes, C expert groups,
+I items (replicas) of one layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .cluster import Topology
+from .packing import pack_equal, replicate_greedy
+
+__all__ = ["locality_policy", "home_nodes"]
+
+_SPREAD_TOLERANCE = 0.002  # node-load slack (fraction of a node's fair share) for keeping a preference
+_NODE_GAP = 0.0005  # stop balancing nodes when heaviest and lightest differ by this fraction
+_EXTRA_REPLICA_COST = 0.3  # moving an extra replica off its node costs this much of a first replica
+
+
+def home_nodes(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert_groups: int | None) -> torch.Tensor:
+    """Home node of every expert: whole groups packed onto nodes, balancing group load.
+
+    Without groups every expert is its own group. When the nodes divide the groups, each node gets the
+    same number of groups (EPLB's group packing); otherwise groups go heaviest first onto the lightest
+    node with room for the whole group, experts one by one when no node has.
+
+    Returns home_LE (int64).
+    """
+    L, E = load_LE.shape
+    N = topology.num_nodes
+    C = expert_groups or E
+    size = E // C
+    group_load_LC = load_LE.double().view(L, C, size).sum(-1)
+    if C % N == 0:
+        node_LC, _ = pack_equal(group_load_LC, N)
+        return node_LC.repeat_interleave(size, dim=1)
+    slots = num_physical // N
+    home_LE = torch.empty(L, E, dtype=torch.int64)
+    for layer in range(L):
+        g_load = group_load_LC[layer].numpy()
+        e_load = load_LE[layer].double().numpy()
+        node_load = np.zeros(N)
+        free = np.full(N, slots)
+        home = np.empty(E, dtype=np.int64)
+        for c in np.argsort(-g_load, kind="stable"):
+            fits = np.nonzero(free >= size)[0]
+            if len(fits):
+                n = fits[node_load[fits].argmin()]
+                home[c * size:(c + 1) * size] = n
+                node_load[n] += g_load[c]
+                free[n] -= size
+                continue
+            for e in range(c * size, (c + 1) * size):
+                room = np.nonzero(free > 0)[0]
+                n = room[node_load[room].argmin()]
+                home[e] = n
+                node_load[n] += e_load[e]
+                free[n] -= 1
+        home_LE[layer] = torch.from_numpy(home)
+    return home_LE
+
+
+def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int,
+                    expert_groups: int | None) -> torch.Tensor:
+    """Places replicas for balance first and node-local traffic second; returns phy2log_LP."""
+    L, E = load_LE.shape
+    counts_LE = replicate_greedy(load_LE, num_physical)
+    home_LE = home_nodes(load_LE, topology, num_physical, expert_groups)
+    load_np = load_LE.double().numpy()
+    counts_np = counts_LE.numpy()
+    home_np = home_LE.numpy()
+    phy2log_LP = torch.empty(L, num_physical, dtype=torch.int64)
+    for layer in range(L):
+        phy2log_LP[layer] = torch.from_numpy(
+            _place_layer(load_np[layer], counts_np[layer], home_np[layer], topology, num_physical))
+    return phy2log_LP
+
+
+def _place_layer(load_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, topology: Topology,
+                 num_physical: int) -> np.ndarray:
+    N = topology.num_nodes
+    E = len(load_E)
+    slots = num_physical // N
+    weight_E = load_E / counts_E
+    fair = load_E.sum() / N
+    # Phase 2: first replicas at home.
+    node_load_N = np.bincount(home_E, weights=weight_E, minlength=N)
+    fill_N = np.bincount(home_E, minlength=N)
+    expert_I = [*range(E)]
+    node_I = [*home_E.tolist()]
+    holds = [{int(n)} for n in home_E]
+    # Phase 3a: extra replicas, heaviest first.
+    extra = np.repeat(np.arange(E), counts_E - 1)
+    extra = extra[np.argsort(-weight_E[extra], kind="stable")]
+    slack = _SPREAD_TOLERANCE * fair
+    for e in extra.tolist():
+        room = [n for n in range(N) if fill_N[n] < slots]
+        lightest = min(node_load_N[n] for n in room)
+        spread = counts_E[e] >= N
+        preferred = [n for n in room if (n not in holds[e]) == spread and node_load_N[n] <= lightest + slack]
+        n = min(preferred or room, key=lambda m: node_load_N[m])
+        expert_I.append(e)
+        node_I.append(n)
+        node_load_N[n] += weight_E[e]
+        fill_N[n] += 1
+        holds[e].add(n)
+    expert_I = np.array(expert_I)
+    node_I = np.array(node_I)
+    _balance_nodes(expert_I, node_I, weight_E, home_E, E, N, fair)
+    # Phase 4: GPUs inside each node.
+    per_gpu = num_physical // topology.num_gpus
+    phy2log_P = np.empty(num_physical, dtype=np.int64)
+    for n, gpus in enumerate(topology.gpus_of_node):
+        items = np.nonzero(node_I == n)[0]
+        gpu_of_item = _pack_gpus(weight_E[expert_I[items]], len(gpus), per_gpu)
+        for k, g in enumerate(gpus):
+            phy2log_P[g * per_gpu:(g + 1) * per_gpu] = np.sort(expert_I[items[gpu_of_item == k]])
+    return phy2log_P
+
+
+def _balance_nodes(expert_I: np.ndarray, node_I: np.ndarray, weight_E: np.ndarray, home_E: np.ndarray,
+                   E: int, N: int, fair: float) -> None:
+    """Phase 3b: swaps between the heaviest and lightest node (updates node_I in place)."""
+    if N == 1 or fair <= 0:
+        return
+    weight_I = weight_E[expert_I]
+    cost_I = weight_I * np.where(np.arange(len(expert_I)) < E, 1.0, _EXTRA_REPLICA_COST)
+    home_I = home_E[expert_I]
+    node_load_N = np.bincount(node_I, weights=weight_I, minlength=N)
+    for _ in range(8 * N + 64):
+        heavy, light = int(node_load_N.argmax()), int(node_load_N.argmin())
+        half_gap = (node_load_N[heavy] - node_load_N[light]) / 2
+        if half_gap <= _NODE_GAP * fair / 2:
+            break
+        a = np.nonzero(node_I == heavy)[0]
+        b = np.nonzero(node_I == light)[0]
+        shift_AB = weight_I[a][:, None] - weight_I[b][None, :]
+        gain_AB = half_gap - np.abs(half_gap - shift_AB)
+        useful_AB = (shift_AB > 0) & (gain_AB > 0)
+        if not useful_AB.any():
+            break
+        near_best_AB = useful_AB & (gain_AB >= gain_AB[useful_AB].max() - _NODE_GAP * fair / 2)
+        # Cost of the traffic: load leaving home costs, load returning home earns.
+        leave_A = np.where(home_I[a] == light, -cost_I[a], cost_I[a])
+        leave_B = np.where(home_I[b] == heavy, -cost_I[b], cost_I[b])
+        score_AB = np.where(near_best_AB, leave_A[:, None] + leave_B[None, :], np.inf)
+        i, j = np.unravel_index(int(score_AB.argmin()), score_AB.shape)
+        node_I[a[i]], node_I[b[j]] = light, heavy
+        node_load_N[heavy] -= shift_AB[i, j]
+        node_load_N[light] += shift_AB[i, j]
+
+
+def _pack_gpus(weight_I: np.ndarray, num_gpus: int, per_gpu: int) -> np.ndarray:
+    """Phase 4: LPT with equal counts, then max-lowering swaps; returns the GPU (0..num_gpus-1) of each item."""
+    gpu_I = np.empty(len(weight_I), dtype=np.int64)
+    load_K = np.zeros(num_gpus)
+    fill_K = np.zeros(num_gpus, dtype=np.int64)
+    for i in np.argsort(-weight_I, kind="stable"):
+        k = int(np.where(fill_K < per_gpu, load_K, np.inf).argmin())
+        gpu_I[i] = k
+        load_K[k] += weight_I[i]
+        fill_K[k] += 1
+    if num_gpus == 1 or per_gpu == 1:
+        return gpu_I
+    for _ in range(4 * len(weight_I)):
+        hi = int(load_K.argmax())
+        a = np.nonzero(gpu_I == hi)[0]
+        b = np.nonzero(gpu_I != hi)[0]
+        shift_AB = weight_I[a][:, None] - weight_I[b][None, :]
+        new_max_AB = np.maximum(load_K[hi] - shift_AB, load_K[gpu_I[b]][None, :] + shift_AB)
+        gain_AB = load_K[hi] - new_max_AB
+        i, j = np.unravel_index(int(gain_AB.argmax()), gain_AB.shape)
+        if gain_AB[i, j] <= 1e-12 * load_K[hi]:
+            break
+        k = gpu_I[b[j]]
+        gpu_I[a[i]], gpu_I[b[j]] = k, hi
+        load_K[hi] -= shift_AB[i, j]
+        load_K[k] += shift_AB[i, j]
+    return gpu_I

@@ -1,0 +1,82 @@
+"""Synthetic expert loads and routes for demos, tests and the planner's benchmark.
+
+Expert popularity follows a Zipf law: the expert of popularity rank ``r`` (1-based) is chosen with
+weight ``r ** -s``; which expert gets which rank is a random permutation per layer. Routes are drawn
+the way a DeepSeek-V3 router picks experts with group-limited routing: every token scores every
+expert (``log popularity + Gumbel noise``, so that plain top-k would sample without replacement in
+proportion to popularity), scores each group by the sum of its two best experts, keeps the
+``topk_groups`` best groups and takes the ``topk`` best experts inside them.
+
+Shape suffixes: L layers, E logical experts, T tokens, K routes per token (top-k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["zipf_popularity", "draw_routes", "route_load"]
+
+
+def zipf_popularity(num_layers: int, num_experts: int, s: float, *, seed: int = 0) -> torch.Tensor:
+    """Zipf(s) popularity of each expert, a random permutation of ranks per layer.
+
+    Returns popularity_LE (float64, each row sums to 1).
+    """
+    if num_layers < 1 or num_experts < 1:
+        raise ValueError(f"num_layers and num_experts: expected >= 1, got {num_layers}, {num_experts}")
+    if not s >= 0:
+        raise ValueError(f"s: expected a Zipf exponent >= 0, got {s!r}")
+    g = torch.Generator().manual_seed(seed)
+    weight_E = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -float(s)
+    perm_LE = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(num_layers)])
+    popularity_LE = weight_E[perm_LE]
+    return popularity_LE / popularity_LE.sum(-1, keepdim=True)
+
+
+def draw_routes(
+    popularity_LE: torch.Tensor,
+    num_tokens: int,
+    topk: int,
+    *,
+    expert_groups: int | None = None,
+    topk_groups: int | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Draws group-limited top-k routes from per-expert popularity.
+
+    Args:
+        popularity_LE: [L, E] positive weights (need not sum to 1).
+        num_tokens: T, tokens drawn per layer.
+        topk: K, experts per token.
+        expert_groups: number of expert groups (None: plain top-k over all experts).
+        topk_groups: groups a token may use (required with ``expert_groups``).
+        seed: the draw is a pure function of the arguments.
+
+    Returns:
+        topk_idx_LTK: [L, T, K] int64 logical expert ids, distinct within a token.
+    """
+    L, E = popularity_LE.shape
+    g = torch.Generator().manual_seed(seed)
+    u_LTE = torch.rand(L, num_tokens, E, generator=g).clamp_(1e-7, 1 - 1e-7)
+    score_LTE = popularity_LE.float().clamp(min=1e-30).log().unsqueeze(1) - u_LTE.log_().neg_().log_()
+    if expert_groups is not None:
+        if E % expert_groups:
+            raise ValueError(f"expert_groups: expected a divisor of {E} experts, got {expert_groups}")
+        if topk_groups is None or not 1 <= topk_groups <= expert_groups:
+            raise ValueError(f"topk_groups: expected 1..{expert_groups}, got {topk_groups}")
+        score_LTGM = score_LTE.view(L, num_tokens, expert_groups, E // expert_groups)
+        group_score_LTG = score_LTGM.topk(min(2, E // expert_groups), dim=-1).values.sum(-1)
+        keep_LTg = group_score_LTG.topk(topk_groups, dim=-1).indices
+        mask_LTG = torch.ones_like(group_score_LTG, dtype=torch.bool).scatter_(-1, keep_LTg, False)
+        score_LTE = score_LTGM.masked_fill(mask_LTG.unsqueeze(-1), float("-inf")).view(L, num_tokens, E)
+    return score_LTE.topk(topk, dim=-1).indices
+
+
+def route_load(topk_idx_LTK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per logical expert: load_LE (float64) counted from topk_idx_LTK; -1 entries are ignored."""
+    L = topk_idx_LTK.shape[0]
+    idx_LN = topk_idx_LTK.reshape(L, -1)
+    valid_LN = idx_LN >= 0
+    load_LE = torch.zeros(L, num_experts, dtype=torch.float64)
+    load_LE.scatter_add_(1, idx_LN.clamp(min=0), valid_LN.double())
+    return load_LE

@@ -1,0 +1,131 @@
+"""The traffic model: which links a step's dispatch crosses, counted from routes.
+
+Input: routes (logical top-k ids per token, ``topk_idx_LTK``), either measured or drawn with
+:func:`topology.synthetic.draw_routes`. Token ``t`` of the sample sits on GPU ``t % G`` with local token
+index ``t // G`` (tokens are spread evenly over GPUs, each GPU's routes drawn from the same
+distribution), and picks its replicas with the plan's deterministic rule (:mod:`topology.routing`).
+
+Counting, as DeepEP's internode dispatch sends a token (combine sends the same back):
+
+* RDMA (inter-node): one transfer per destination node other than the token's own, however many
+  experts it uses there; it lands on the GPU with the sender's local rank.
+* NVLink (intra-node; PCIe where the node has no NVLink): one transfer per destination GPU that is
+  neither the sender nor, on a remote node, the RDMA landing GPU (which forwards over NVLink).
+
+Shape suffixes: L layers, T tokens, K top-k, E experts, R replica slots, N nodes, G GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cluster import Topology
+from .routing import choose_replicas, replica_fractions
+
+__all__ = ["TrafficModel", "Traffic", "count_traffic"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficModel:
+    """What the traffic estimate takes.
+
+    Fields:
+        routes_LTK: sampled routes, [L, T, K] logical ids (-1 = no route); None: draw ``sample_tokens``
+            per layer from the load with group-limited top-``topk`` routing (``topk_groups`` of the
+            plan's ``expert_groups``; plain top-k without groups), treating load as popularity.
+        topk, topk_groups, sample_tokens, seed: how routes are drawn when none are given.
+        tokens_per_gpu: tokens each GPU dispatches per step (scales counts to bytes).
+        token_bytes: bytes of one dispatched token (default: hidden 7168 in bf16).
+    """
+
+    routes_LTK: torch.Tensor | None = None
+    topk: int = 8
+    topk_groups: int | None = None
+    sample_tokens: int = 512
+    seed: int = 0
+    tokens_per_gpu: int = 4096
+    token_bytes: int = 7168 * 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traffic:
+    """Expected dispatch traffic of one step (all layers, all GPUs; combine mirrors it).
+
+    Fields:
+        remote_nodes_per_token_L: [L] mean RDMA transfers (destination nodes other than its own) per token.
+        intra_node_copies_per_token_L: [L] mean NVLink/PCIe transfers per token.
+        inter_node_bytes_L, intra_node_bytes_L: [L] bytes per step per layer over RDMA / NVLink.
+        tokens_per_step: tokens dispatched per layer per step (all GPUs).
+        sampled_tokens: routes the estimate counted per layer.
+    """
+
+    remote_nodes_per_token_L: torch.Tensor
+    intra_node_copies_per_token_L: torch.Tensor
+    inter_node_bytes_L: torch.Tensor
+    intra_node_bytes_L: torch.Tensor
+    tokens_per_step: int
+    sampled_tokens: int
+
+    @property
+    def remote_nodes_per_token(self) -> float:
+        return float(self.remote_nodes_per_token_L.mean())
+
+    @property
+    def intra_node_copies_per_token(self) -> float:
+        return float(self.intra_node_copies_per_token_L.mean())
+
+    @property
+    def inter_node_bytes(self) -> float:
+        return float(self.inter_node_bytes_L.sum())
+
+    @property
+    def intra_node_bytes(self) -> float:
+        return float(self.intra_node_bytes_L.sum())
+
+
+def count_traffic(
+    log2phy_LER: torch.Tensor,
+    experts_per_gpu: int,
+    topology: Topology,
+    routes_LTK: torch.Tensor,
+    *,
+    tokens_per_gpu: int,
+    token_bytes: int,
+) -> Traffic:
+    """Counts the sample's transfers under the replica rule and scales them to bytes per step."""
+    L, T, K = routes_LTK.shape
+    G, N = topology.num_gpus, topology.num_nodes
+    node_of_gpu_G = torch.tensor(topology.node_of_gpu)
+    local_rank_G = torch.tensor(topology.local_rank_of_gpu)
+    node_of_physical = node_of_gpu_G.repeat_interleave(experts_per_gpu)
+    src_gpu_T = torch.arange(T) % G
+    src_node_T = node_of_gpu_G[src_gpu_T]
+    token_index_T = torch.arange(T) // G
+    # Which destination GPUs cost an NVLink transfer for a token sent from GPU s: [G(src), G(dst)].
+    same_node_GG = node_of_gpu_G.unsqueeze(1) == node_of_gpu_G.unsqueeze(0)
+    same_local_GG = local_rank_G.unsqueeze(1) == local_rank_G.unsqueeze(0)
+    nvlink_GG = torch.where(same_node_GG, ~torch.eye(G, dtype=torch.bool), ~same_local_GG)
+    fraction_LNER = replica_fractions(log2phy_LER, node_of_physical, N)
+    layer_L11 = torch.arange(L).view(L, 1, 1)
+    e_LTK = routes_LTK.clamp(min=0)
+    physical_LTK = choose_replicas(routes_LTK, fraction_LNER[layer_L11, src_node_T.view(1, T, 1), e_LTK],
+                                   log2phy_LER[layer_L11, e_LTK], token_index_T.expand(L, T))
+    # Distinct destinations per token: sort along K, keep first occurrences (-1 routes sort first).
+    gpu_LTK = torch.where(physical_LTK >= 0, physical_LTK // experts_per_gpu, -1).sort(-1).values
+    first_LTK = torch.ones_like(gpu_LTK, dtype=torch.bool)
+    first_LTK[..., 1:] = gpu_LTK[..., 1:] != gpu_LTK[..., :-1]
+    first_LTK &= gpu_LTK >= 0
+    dst_LTK = gpu_LTK.clamp(min=0)
+    nvlink_L = (first_LTK & nvlink_GG[src_gpu_T.view(1, T, 1), dst_LTK]).sum(-1).double().mean(-1)
+    node_LTK = torch.where(gpu_LTK >= 0, node_of_gpu_G[dst_LTK], -1).sort(-1).values
+    new_node_LTK = torch.ones_like(node_LTK, dtype=torch.bool)
+    new_node_LTK[..., 1:] = node_LTK[..., 1:] != node_LTK[..., :-1]
+    remote_LTK = new_node_LTK & (node_LTK >= 0) & (node_LTK != src_node_T.view(1, T, 1))
+    remote_L = remote_LTK.sum(-1).double().mean(-1)
+    tokens_per_step = tokens_per_gpu * G
+    return Traffic(remote_nodes_per_token_L=remote_L, intra_node_copies_per_token_L=nvlink_L,
+                   inter_node_bytes_L=remote_L * tokens_per_step * token_bytes,
+                   intra_node_bytes_L=nvlink_L * tokens_per_step * token_bytes,
+                   tokens_per_step=tokens_per_step, sampled_tokens=T)
