@@ -1,9 +1,66 @@
 """Routing: router scores, top-k expert choice and weights, hash routing, load statistics.
 
-The ops below are the PyTorch references (``reference.py``, the specification); TileLang kernels
-will be chosen here per device through :func:`kernels.select.use_tilelang`.
+``reference.py`` is the specification. On devices where :func:`kernels.select.use_tilelang` is true,
+``topk_route`` (and ``topk_route_with_counts``) run the one-kernel router of
+``topk_route_kernel.py`` and ``expert_counts`` runs ``expert_counts_kernel.py``, except where the
+reference alone has what the call asks for: float64 logits, or logits that need a gradient (the
+kernel's weights are not differentiable; ``topk_weights`` is). Kernel paths check shapes, dtypes
+and devices but not values (no host sync).
 """
 
-from .reference import expert_counts, hash_route, score, sequence_balance_stats, topk_route, topk_weights
+import torch
 
-__all__ = ["expert_counts", "hash_route", "score", "sequence_balance_stats", "topk_route", "topk_weights"]
+from kernels.select import use_tilelang
+
+from . import reference
+from .reference import hash_route, score, sequence_balance_stats, topk_weights
+
+__all__ = [
+    "expert_counts",
+    "hash_route",
+    "score",
+    "sequence_balance_stats",
+    "topk_route",
+    "topk_route_with_counts",
+    "topk_weights",
+]
+
+
+def _router_kernel_applies(logits_TE: object) -> bool:
+    return (
+        isinstance(logits_TE, torch.Tensor)
+        and use_tilelang(logits_TE.device)
+        and logits_TE.dtype != torch.float64
+        and not (logits_TE.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def topk_route(logits_TE: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token and their weights; see :func:`kernels.routing.reference.topk_route`."""
+    if _router_kernel_applies(logits_TE):
+        from .topk_route_kernel import topk_route as kernel
+
+        return kernel(logits_TE, **options)
+    return reference.topk_route(logits_TE, **options)
+
+
+def topk_route_with_counts(
+    logits_TE: torch.Tensor, **options
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`topk_route` plus ``counts_E`` ([E] int32, routes per expert, as :func:`expert_counts`);
+    the kernel counts them in the same launch."""
+    if _router_kernel_applies(logits_TE):
+        from .topk_route_kernel import topk_route as kernel
+
+        return kernel(logits_TE, **options, with_counts=True)
+    topk_idx_TK, topk_weights_TK = reference.topk_route(logits_TE, **options)
+    return topk_idx_TK, topk_weights_TK, reference.expert_counts(topk_idx_TK, logits_TE.shape[1])
+
+
+def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes per expert; see :func:`kernels.routing.reference.expert_counts`."""
+    if isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device):
+        from .expert_counts_kernel import expert_counts as kernel
+
+        return kernel(topk_idx_TK, num_experts)
+    return reference.expert_counts(topk_idx_TK, num_experts)

@@ -1,0 +1,114 @@
+"""The one-kernel router against the reference on the same CUDA device, and its sm_90a compile.
+
+GPU tests run the reference on the GPU too, so both sides use CUDA's math. Indices and counts are
+bit-exact; weights are bit-exact without ``normalize`` and within 2e-6 relative with it (the K
+weights are summed in another order than torch's). ``EP_KERNEL_TESTS=full`` widens the parameters.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernels.lowering import compile_only
+from kernels.routing import reference
+from kernels.routing.topk_route_kernel import get_topk_route_kernel, topk_route
+from kernels.testing import poison_allocator, router_inputs
+
+FULL = os.environ.get("EP_KERNEL_TESTS") == "full"
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
+# (experts, num_groups, topk_groups, topk): DeepSeek-V3, tiny, ragged slots and groups.
+GROUPINGS = [(256, 8, 4, 8), (8, 1, None, 2), (16, 4, 2, 5), (12, 12, 5, 4), (72, 3, 1, 4), (160, 8, 3, 6)]
+if FULL:
+    GROUPINGS += [(256, 1, None, 8), (64, 8, 8, 6), (1024, 32, 4, 8), (2, 2, 1, 1), (96, 32, 3, 3)]
+TOKENS = [0, 1, 37, 4099] + ([16384] if FULL else [])
+# (bias, normalize, routed_scaling_factor)
+OPTIONS = [(False, False, 1.0), (True, True, 2.5), (True, False, 1.5)]
+
+
+def check_route(logits_TE, bias_E, *, with_counts=False, **options):
+    poison_allocator(logits_TE.device)
+    got = topk_route(logits_TE, bias_E=bias_E, with_counts=with_counts, **options)
+    idx_TK, weights_TK = reference.topk_route(logits_TE, bias_E=bias_E, **options)
+    assert got[0].dtype == torch.int64 and got[1].dtype == torch.float32
+    assert torch.equal(got[0], idx_TK)
+    if options.get("normalize"):
+        torch.testing.assert_close(got[1], weights_TK, rtol=2e-6, atol=1e-7)
+    else:
+        assert torch.equal(got[1], weights_TK)
+    if with_counts:
+        assert got[2].dtype == torch.int32
+        assert torch.equal(got[2], reference.expert_counts(idx_TK, logits_TE.shape[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("bias, normalize, factor", OPTIONS)
+@pytest.mark.parametrize("num_experts, num_groups, topk_groups, topk", GROUPINGS)
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_topk_route_matches_reference(
+    seed, num_tokens, scoring, num_experts, num_groups, topk_groups, topk, bias, normalize, factor, ties
+):
+    logits_TE, bias_E = router_inputs(num_tokens, num_experts, ties=ties, device="cuda", seed=seed)
+    check_route(
+        logits_TE,
+        bias_E if bias else None,
+        with_counts=bias,
+        topk=topk,
+        scoring=scoring,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        normalize=normalize,
+        routed_scaling_factor=factor,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_topk_route_half_logits(seed, scoring, dtype):
+    logits_TE, bias_E = router_inputs(1029, 256, dtype=dtype, device="cuda", seed=seed)
+    check_route(logits_TE, bias_E, with_counts=True, topk=8, scoring=scoring, num_groups=8, topk_groups=4, normalize=True)
+
+
+@pytest.mark.gpu
+def test_topk_route_public_op_uses_the_kernel_result(seed):
+    from kernels.routing import topk_route_with_counts
+
+    logits_TE, bias_E = router_inputs(300, 64, device="cuda", seed=seed)
+    idx_TK, weights_TK, counts_E = topk_route_with_counts(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)
+    assert torch.equal(idx_TK, reference.topk_route(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)[0])
+    assert int(counts_E.sum()) == 300 * 6
+
+
+BAD_INPUTS = [
+    (lambda: topk_route(torch.zeros(4, 8, dtype=torch.float64), topk=2), TypeError, "logits_TE"),
+    (lambda: topk_route(torch.zeros(4, 8), topk=2), ValueError, "logits_TE"),  # not on CUDA
+    (lambda: topk_route(torch.zeros(8), topk=2), ValueError, "logits_TE"),
+    (lambda: topk_route(torch.zeros(4, 2048), topk=2), ValueError, "logits_TE"),
+]
+
+
+@pytest.mark.parametrize("call, error, argname", BAD_INPUTS)
+def test_bad_input_names_the_argument(call, error, argname):
+    with pytest.raises(error, match=f"^{argname}: expected"):
+        call()
+
+
+# Each specialization the runtime uses: DeepSeek-V3 (sigmoid, normalized, with counts, fp32 and
+# bf16 logits), a tiny softmax router (8 experts, top-2), a ragged one (72 experts, groups across
+# lane slots, fp16 logits).
+SPECIALIZATIONS = [
+    (256, 8, 8, 4, "sigmoid", "float32", True, True),
+    (256, 8, 8, 4, "sigmoid", "bfloat16", True, False),
+    (8, 2, 1, 1, "softmax", "float32", False, False),
+    (72, 4, 3, 1, "sqrtsoftplus", "float16", False, True),
+]
+
+
+@pytest.mark.parametrize("spec", SPECIALIZATIONS, ids=lambda s: "-".join(map(str, s)))
+def test_compiles_for_sm90a(spec):
+    with compile_only():
+        kernel = get_topk_route_kernel(*spec)
+    assert "topk_route_kernel" in kernel.get_kernel_source()
