@@ -1,9 +1,39 @@
 """Permutation: the expert-major layout of routes for grouped GEMM, and gathers into and out of it.
 
-The ops below are the PyTorch references (``reference.py``, the specification); TileLang kernels
-will be chosen here per device through :func:`kernels.select.use_tilelang`.
+``reference.py`` is the specification. On devices where :func:`kernels.select.use_tilelang` is true,
+``expert_layout`` runs the sync-free kernels of ``expert_layout_kernel.py``: with ``num_rows=None``
+it lays out into the static capacity :func:`max_rows` and then reads ``offsets_E[-1]`` on the host
+to trim ``src_P`` (the one host sync, as in the reference); with ``num_rows`` given it never syncs
+and needs ``num_rows >= max_rows(...)``. ``expand`` and ``unexpand`` run the references for now.
 """
 
-from .reference import ExpertLayout, expand, expert_layout, max_rows, unexpand
+import torch
+
+from kernels.select import use_tilelang
+
+from . import reference
+from .reference import ExpertLayout, expand, max_rows, unexpand
 
 __all__ = ["ExpertLayout", "expand", "expert_layout", "max_rows", "unexpand"]
+
+
+def expert_layout(
+    topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int | None = None
+) -> ExpertLayout:
+    """Expert-major layout of the routes; see :func:`kernels.permute.reference.expert_layout`."""
+    if not (isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device)):
+        return reference.expert_layout(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows)
+    from .expert_layout_kernel import expert_layout as kernel
+
+    if num_rows is not None:
+        return kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows)
+    capacity = max_rows(*topk_idx_TK.shape, num_experts, alignment) if topk_idx_TK.dim() == 2 else 0
+    layout = kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=capacity)
+    needed = int(layout.offsets_E[-1])
+    return ExpertLayout(
+        counts_E=layout.counts_E,
+        offsets_E=layout.offsets_E,
+        pos_TK=layout.pos_TK,
+        src_P=layout.src_P[:needed],
+        alignment=alignment,
+    )

@@ -1,0 +1,241 @@
+"""TileLang kernels of :func:`kernels.permute.reference.expert_layout`, without a host sync.
+
+The layout needs a static row count: ``num_rows`` must be given and at least
+:func:`kernels.permute.reference.max_rows` (the reference's ``num_rows=None`` reads
+``offsets_E[-1]`` on the host; :mod:`kernels.permute` does that read after these kernels when asked).
+
+Three launches, deterministic (no order-dependent atomics):
+
+1. rank (``NUM_BLOCKS`` CTAs of ``WARPS`` warps): each warp walks its contiguous run of routes 32 at
+   a time; ``match_any_sync`` finds the lanes with the same expert, so a route's rank among its
+   expert's routes in the run is a running per-warp count in shared memory plus the number of
+   matching lower lanes. A scan over the warps then turns ranks into ranks within the CTA's chunk,
+   ascending in ``r = t * K + k``, and the CTA writes its per-expert totals.
+2. scan (one CTA, a thread per expert): totals over the CTAs give ``counts_E``; padded to the
+   alignment and scanned over experts they give ``offsets_E``; each CTA's first row per expert
+   follows.
+3. scatter (a thread per route): row = CTA's first row for the expert + rank; writes ``pos_TK``
+   and ``src_P`` (pre-filled with -1, so padding rows read -1).
+
+Values are not checked on the host (no host sync): entries outside ``[0, E)`` are treated as
+masked routes.
+
+Shape suffixes:
+    T  tokens
+    K  routes per token
+    E  experts
+    R  flattened routes, T * K
+    P  layout rows
+    B  CTAs of the rank pass (NUM_BLOCKS)
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.routing.topk_route_kernel import check_cuda_contiguous
+from kernels.validate import check_positive, check_tensor
+
+from .reference import INDEX_DTYPES, ExpertLayout, max_rows
+
+WARP = 32
+WARPS = 16
+NUM_BLOCKS = 32
+SCATTER_THREADS = 256
+MAX_EXPERTS = 1024
+INDEX_DTYPE_NAMES = {torch.int32: "int32", torch.int64: "int64"}
+PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_expert_layout_rank_kernel(num_experts: int, index_dtype: str):
+    """Pass 1: ranks within each CTA's chunk and per-CTA totals (the route count is dynamic)."""
+    num_routes = T.dynamic("num_routes")
+
+    @T.prim_func
+    def expert_layout_rank_kernel(
+        topk_idx_R: T.Tensor[(num_routes,), index_dtype],
+        rank_R: T.Tensor[(num_routes,), T.int32],
+        block_counts_BE: T.Tensor[(NUM_BLOCKS, num_experts), T.int32],
+        chunk: T.int32,
+    ):
+        with T.Kernel(NUM_BLOCKS, threads=WARPS * WARP) as block:
+            thread = T.get_thread_binding()
+            lane = thread % WARP
+            warp = thread // WARP
+            counts_WE = T.alloc_shared((WARPS * num_experts,), T.int32)
+            expert = T.alloc_var(T.int32)
+            before = T.alloc_var(T.int32)
+            running = T.alloc_var(T.int32)
+            for s in T.serial(T.ceildiv(WARPS * num_experts, WARPS * WARP)):
+                if s * WARPS * WARP + thread < WARPS * num_experts:
+                    counts_WE[s * WARPS * WARP + thread] = 0
+            T.sync_threads()
+
+            first_route = block * chunk + warp * (chunk // WARPS)
+            lanes_below = (T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1)
+            for j in T.serial(chunk // WARPS // WARP):
+                route = first_route + j * WARP + lane
+                expert = -1
+                if route < num_routes:
+                    expert = T.Cast(T.int32, topk_idx_R[route])
+                    if expert >= num_experts:
+                        expert = -1
+                peers = T.match_any_sync(expert)
+                below = T.Cast(T.int32, T.popcount(peers & lanes_below))
+                before = 0
+                if expert >= 0:
+                    before = counts_WE[warp * num_experts + expert]
+                T.sync_warp()
+                if expert >= 0:
+                    if below == 0:
+                        counts_WE[warp * num_experts + expert] = before + T.Cast(T.int32, T.popcount(peers))
+                    rank_R[route] = before + below
+                T.sync_warp()
+            T.sync_threads()
+
+            # Per expert: exclusive scan over the warps, and the CTA's total.
+            for s in T.serial(T.ceildiv(num_experts, WARPS * WARP)):
+                e = s * WARPS * WARP + thread
+                if e < num_experts:
+                    running = 0
+                    for w in T.unroll(WARPS):
+                        before = counts_WE[w * num_experts + e]
+                        counts_WE[w * num_experts + e] = running
+                        running = running + before
+                    block_counts_BE[block, e] = running
+            T.sync_threads()
+
+            for j in T.serial(chunk // WARPS // WARP):
+                route = first_route + j * WARP + lane
+                expert = -1
+                if route < num_routes:
+                    expert = T.Cast(T.int32, topk_idx_R[route])
+                    if expert >= num_experts:
+                        expert = -1
+                if expert >= 0:
+                    rank_R[route] = rank_R[route] + counts_WE[warp * num_experts + expert]
+
+    return expert_layout_rank_kernel
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_expert_layout_scan_kernel(num_experts: int, alignment: int):
+    """Pass 2: counts, aligned end offsets, and each CTA's first row per expert."""
+    threads = max(WARP, 1 << (num_experts - 1).bit_length())
+    strides = [1 << i for i in range((threads - 1).bit_length())]
+
+    @T.prim_func
+    def expert_layout_scan_kernel(
+        block_counts_BE: T.Tensor[(NUM_BLOCKS, num_experts), T.int32],
+        counts_E: T.Tensor[(num_experts,), T.int32],
+        offsets_E: T.Tensor[(num_experts,), T.int32],
+        block_start_BE: T.Tensor[(NUM_BLOCKS, num_experts), T.int32],
+    ):
+        with T.Kernel(1, threads=threads):
+            e = T.get_thread_binding()
+            column_B = T.alloc_local((NUM_BLOCKS,), T.int32)
+            scan_E = T.alloc_shared((threads,), T.int32)
+            total = T.alloc_var(T.int32)
+            partial = T.alloc_var(T.int32)
+            total = 0
+            if e < num_experts:
+                for b in T.unroll(NUM_BLOCKS):
+                    column_B[b] = block_counts_BE[b, e]
+                    total = total + column_B[b]
+                counts_E[e] = total
+            scan_E[e] = (total + alignment - 1) // alignment * alignment
+            T.sync_threads()
+            for stride in strides:  # Hillis-Steele inclusive scan over the padded counts
+                partial = scan_E[e]
+                if e >= stride:
+                    partial = partial + scan_E[e - stride]
+                T.sync_threads()
+                scan_E[e] = partial
+                T.sync_threads()
+            if e < num_experts:
+                offsets_E[e] = scan_E[e]
+                partial = scan_E[e] - (total + alignment - 1) // alignment * alignment
+                for b in T.unroll(NUM_BLOCKS):
+                    block_start_BE[b, e] = partial
+                    partial = partial + column_B[b]
+
+    return expert_layout_scan_kernel
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_expert_layout_scatter_kernel(num_experts: int, index_dtype: str):
+    """Pass 3: ``pos_R`` and ``src_P`` (the route and row counts are dynamic)."""
+    num_routes = T.dynamic("num_routes")
+    num_rows = T.dynamic("num_rows")
+
+    @T.prim_func
+    def expert_layout_scatter_kernel(
+        topk_idx_R: T.Tensor[(num_routes,), index_dtype],
+        rank_R: T.Tensor[(num_routes,), T.int32],
+        block_start_BE: T.Tensor[(NUM_BLOCKS, num_experts), T.int32],
+        pos_R: T.Tensor[(num_routes,), T.int32],
+        src_P: T.Tensor[(num_rows,), T.int32],
+        chunk: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(num_routes, SCATTER_THREADS), threads=SCATTER_THREADS) as block:
+            route = block * SCATTER_THREADS + T.get_thread_binding()
+            expert = T.alloc_var(T.int32)
+            row = T.alloc_var(T.int32)
+            if route < num_routes:
+                expert = T.Cast(T.int32, topk_idx_R[route])
+                row = -1
+                if expert >= 0 and expert < num_experts:
+                    row = block_start_BE[route // chunk, expert] + rank_R[route]
+                    if row < num_rows:
+                        src_P[row] = route
+                pos_R[route] = row
+
+    return expert_layout_scatter_kernel
+
+
+def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int) -> ExpertLayout:
+    """:func:`kernels.permute.reference.expert_layout` on the GPU, with a static row count.
+
+    Args:
+        topk_idx_TK: [T, K] int32 or int64, contiguous, on a CUDA device; experts in [0, E) or -1.
+        num_experts: E, at most 1024.
+        alignment: segment lengths are multiples of it.
+        num_rows: P, at least ``max_rows(T, K, E, alignment)`` so that no batch can overflow it.
+
+    Returns:
+        The :class:`ExpertLayout` (int32 tensors; ``src_P`` has ``num_rows`` rows).
+    """
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, ndim=2)
+    check_cuda_contiguous("topk_idx_TK", topk_idx_TK)
+    check_positive("num_experts", num_experts)
+    check_positive("alignment", alignment)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: expected at most {MAX_EXPERTS}, got {num_experts}")
+    num_tokens, topk = topk_idx_TK.shape
+    capacity = max_rows(num_tokens, topk, num_experts, alignment)
+    if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < capacity:
+        raise ValueError(f"num_rows: expected an int >= {capacity} (max_rows for this batch), got {num_rows!r}")
+    device = topk_idx_TK.device
+    num_routes = num_tokens * topk
+    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    offsets_E = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    pos_TK = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    src_P = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    layout = ExpertLayout(counts_E=counts_E, offsets_E=offsets_E, pos_TK=pos_TK, src_P=src_P, alignment=alignment)
+    if not num_routes:
+        return layout
+
+    per_pass = WARPS * WARP
+    chunk = -(-num_routes // (NUM_BLOCKS * per_pass)) * per_pass  # routes per CTA, a multiple of per_pass
+    index_dtype = INDEX_DTYPE_NAMES[topk_idx_TK.dtype]
+    topk_idx_R = topk_idx_TK.view(-1)
+    rank_R = torch.empty(num_routes, dtype=torch.int32, device=device)
+    block_counts_BE = torch.empty(NUM_BLOCKS, num_experts, dtype=torch.int32, device=device)
+    block_start_BE = torch.empty_like(block_counts_BE)
+    get_expert_layout_rank_kernel(num_experts, index_dtype)(topk_idx_R, rank_R, block_counts_BE, chunk)
+    get_expert_layout_scan_kernel(num_experts, alignment)(block_counts_BE, counts_E, offsets_E, block_start_BE)
+    get_expert_layout_scatter_kernel(num_experts, index_dtype)(
+        topk_idx_R, rank_R, block_start_BE, pos_TK.view(-1), src_P, chunk
+    )
+    return layout
