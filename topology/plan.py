@@ -19,7 +19,6 @@ from .baselines import eplb_global, eplb_hierarchical, greedy, no_replication
 from .cluster import Topology
 from .placement import locality_policy
 from .routing import choose_replicas, replica_fractions
-from .synthetic import draw_routes
 from .traffic import Traffic, TrafficModel, count_traffic
 
 __all__ = ["Plan", "Migration", "plan", "plan_from_phy2log", "migration", "POLICIES"]
@@ -336,6 +335,8 @@ def plan_from_phy2log(
     if traffic is not None:
         routes_LTK = traffic.routes_LTK
         if routes_LTK is None:
+            from .synthetic import draw_routes  # here, so `python -m topology.synthetic` runs cleanly
+
             topk_groups = traffic.topk_groups
             if expert_groups is not None and topk_groups is None:
                 topk_groups = max(1, expert_groups // 2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["zipf_popularity", "draw_routes", "route_load"]
+__all__ = ["zipf_popularity", "draw_routes", "route_load", "write_load_file", "main"]
 
 
 def zipf_popularity(num_layers: int, num_experts: int, s: float, *, seed: int = 0) -> torch.Tensor:
@@ -80,3 +80,55 @@ def route_load(topk_idx_LTK: torch.Tensor, num_experts: int) -> torch.Tensor:
     load_LE = torch.zeros(L, num_experts, dtype=torch.float64)
     load_LE.scatter_add_(1, idx_LN.clamp(min=0), valid_LN.double())
     return load_LE
+
+
+def write_load_file(path: str, *, layers: int, experts: int, s: float, expert_groups: int | None, topk: int,
+                    topk_groups: int | None, tokens: int, seed: int = 0, routes_path: str | None = None) -> dict:
+    """Draws routes, writes their per-expert load as JSON (and the routes as a .pt file when asked).
+
+    The JSON holds ``load`` ([layers][experts] routed tokens), ``expert_groups``, ``topk``,
+    ``topk_groups``, ``tokens`` and, when written, ``routes`` (the .pt path relative to the JSON).
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    popularity_LE = zipf_popularity(layers, experts, s, seed=seed)
+    topk_idx_LTK = draw_routes(popularity_LE, tokens, topk, expert_groups=expert_groups,
+                               topk_groups=topk_groups, seed=seed + 1)
+    doc = {"load": route_load(topk_idx_LTK, experts).tolist(), "expert_groups": expert_groups, "topk": topk,
+           "topk_groups": topk_groups, "tokens": tokens, "zipf_s": s, "seed": seed}
+    if routes_path is not None:
+        torch.save(topk_idx_LTK.to(torch.int16 if experts < 2**15 else torch.int32), routes_path)
+        doc["routes"] = os.path.relpath(routes_path, start=os.path.dirname(os.path.abspath(path)))
+    Path(path).write_text(json.dumps(doc))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m topology.synthetic --out load.json``: a Zipf load file for ``ep-runtime plan``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m topology.synthetic", description=main.__doc__)
+    ap.add_argument("--out", required=True, help="load JSON to write")
+    ap.add_argument("--routes", help="also write the drawn routes here (.pt), for an exact traffic count")
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent s of expert popularity")
+    ap.add_argument("--groups", type=int, default=8, help="expert groups (0: no group-limited routing)")
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--topk-groups", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens drawn per layer")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    groups = args.groups or None
+    write_load_file(args.out, layers=args.layers, experts=args.experts, s=args.zipf, expert_groups=groups,
+                    topk=args.topk, topk_groups=args.topk_groups if groups else None, tokens=args.tokens,
+                    seed=args.seed, routes_path=args.routes)
+    print(f"wrote {args.out}: {args.layers} layers x {args.experts} experts, Zipf s={args.zipf}, "
+          f"groups={groups}, top-{args.topk}" + (f", routes in {args.routes}" if args.routes else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

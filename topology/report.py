@@ -1,0 +1,201 @@
+"""``ep-runtime plan``: plan a placement from a topology and a load file, print it, compare, draw it.
+
+    ep-runtime plan --topology cluster.yaml --load load.json [--png placement.png] [--compare]
+    python -m topology.report --topology topology/examples/h100-4x8.yaml --load load.json --compare
+
+The load file is JSON: ``load`` ([layers][experts]), optional ``expert_groups``, ``topk``,
+``topk_groups``, ``num_physical_experts`` and ``routes`` (a .pt file of [layers, tokens, topk] routes,
+relative to the JSON) for an exact traffic count; ``python -m topology.synthetic`` writes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .cluster import Topology
+from .plan import POLICIES, Plan, plan, plan_from_phy2log
+from .traffic import TrafficModel
+
+__all__ = ["main", "compare", "draw"]
+
+COMPARED = ("locality", "eplb_global", "eplb_hierarchical", "greedy", "none")
+
+
+def _read_load(path: str) -> dict:
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    if isinstance(doc, list):
+        doc = {"load": doc}
+    if not isinstance(doc, dict) or "load" not in doc:
+        raise ValueError(f"{path}: expected an object with a 'load' key ([layers][experts])")
+    doc["load"] = torch.tensor(doc["load"], dtype=torch.float64)
+    if doc["load"].dim() == 1:
+        doc["load"] = doc["load"].unsqueeze(0)
+    if doc.get("routes"):
+        doc["routes"] = torch.load(p.parent / doc["routes"]).long()
+    return doc
+
+
+def compare(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert_groups: int | None,
+            traffic: TrafficModel, policies: tuple[str, ...] = COMPARED) -> dict[str, tuple[Plan, float] | str]:
+    """Plans with each policy: (plan, seconds spent placing), or a string saying why the policy does
+    not apply. ``none`` runs with P = E (it does not replicate)."""
+    out: dict[str, tuple[Plan, float] | str] = {}
+    E = load_LE.shape[1]
+    for name in policies:
+        physical = E if name == "none" else num_physical
+        if name == "none" and E % topology.num_gpus:
+            out[name] = f"needs experts ({E}) divisible by GPUs ({topology.num_gpus})"
+            continue
+        if name == "eplb_hierarchical" and (expert_groups is None or expert_groups % topology.num_nodes):
+            out[name] = f"needs expert groups ({expert_groups}) divisible by nodes ({topology.num_nodes})"
+            continue
+        start = time.perf_counter()
+        p = plan(load_LE, topology, physical, expert_groups, name, traffic=None)
+        seconds = time.perf_counter() - start
+        out[name] = (plan_from_phy2log(p.phy2log_LP, load_LE, topology, policy=name, expert_groups=expert_groups,
+                                       traffic=traffic), seconds)
+    return out
+
+
+def _table(results: dict[str, tuple[Plan, float] | str]) -> str:
+    head = (f"{'policy':<18} {'P':>5} {'balance':>8} {'worst':>8} {'remote nodes':>13} {'intra copies':>13} "
+            f"{'RDMA GB':>9} {'NVLink GB':>10} {'plan s':>7}")
+    lines = [head, "-" * len(head)]
+    for name, result in results.items():
+        if isinstance(result, str):
+            lines.append(f"{name:<18} {'-':>5}  ({result})")
+            continue
+        p, seconds = result
+        tr = p.traffic
+        lines.append(
+            f"{name:<18} {p.num_physical_experts:>5} {p.balance:>8.4f} {float(p.balance_L.max()):>8.4f} "
+            f"{tr.remote_nodes_per_token:>13.3f} {tr.intra_node_copies_per_token:>13.3f} "
+            f"{tr.inter_node_bytes / 1e9:>9.2f} {tr.intra_node_bytes / 1e9:>10.2f} {seconds:>7.3f}")
+    lines.append("balance = mean over layers of max/mean GPU load; remote nodes = RDMA transfers per token; "
+                 "GB = dispatch bytes per step, all layers")
+    return "\n".join(lines)
+
+
+def _placement_text(p: Plan, layer: int, max_gpus: int = 64) -> str:
+    """One line per GPU: its experts (xN = replicas of the expert in the layer) and its load."""
+    t = p.topology
+    per = p.experts_per_gpu
+    mean = float(p.gpu_load_LG[layer].mean()) or 1.0
+    size = p.num_experts // (p.expert_groups or p.num_experts)
+    lines = [f"layer {layer} placement ({p.policy}); expert e[group], load relative to the mean GPU:"]
+    for g in range(min(t.num_gpus, max_gpus)):
+        experts = p.phy2log_LP[layer, g * per:(g + 1) * per].tolist()
+        cells = " ".join(f"{e}[{e // size}]" + (f"x{int(p.replica_counts_LE[layer, e])}"
+                                                   if p.replica_counts_LE[layer, e] > 1 else "") for e in experts)
+        lines.append(f"  node {t.node_of_gpu[g]:>3} gpu {g:>4}  load {float(p.gpu_load_LG[layer, g]) / mean:6.3f}  {cells}")
+    if t.num_gpus > max_gpus:
+        lines.append(f"  ... {t.num_gpus - max_gpus} more GPUs")
+    return "\n".join(lines)
+
+
+def draw(plans: list[Plan], layer: int, path: str) -> None:
+    """Stacked per-GPU load bars for one layer, one panel per plan, coloured by expert group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(plans), 1, figsize=(max(8, plans[0].topology.num_gpus * 0.28), 2.6 * len(plans)),
+                             squeeze=False)
+    for ax, p in zip(axes[:, 0], plans):
+        t = p.topology
+        per = p.experts_per_gpu
+        groups = p.expert_groups or 1
+        size = p.num_experts // groups
+        cmap = plt.get_cmap("tab10" if groups <= 10 else "tab20")
+        mean = float(p.gpu_load_LG[layer].mean()) or 1.0
+        weight_P = (p.load_LE[layer] / p.replica_counts_LE[layer])[p.phy2log_LP[layer]] / mean
+        for g in range(t.num_gpus):
+            bottom = 0.0
+            for e, w in zip(p.phy2log_LP[layer, g * per:(g + 1) * per].tolist(),
+                            weight_P[g * per:(g + 1) * per].tolist()):
+                replicated = p.replica_counts_LE[layer, e] > 1
+                ax.bar(g, w, bottom=bottom, color=cmap((e // size) % cmap.N), edgecolor="black" if replicated else "white",
+                       linewidth=0.8 if replicated else 0.3, width=0.85)
+                bottom += w
+        for n in range(1, t.num_nodes):
+            ax.axvline(n * t.gpus_per_node - 0.5, color="grey", linestyle=":", linewidth=1)
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        tr = f", {p.traffic.remote_nodes_per_token:.2f} remote nodes/token" if p.traffic is not None else ""
+        ax.set_title(f"{p.policy}: max/mean {float(p.balance_L[layer]):.3f}{tr} (layer {layer})", fontsize=9)
+        ax.set_ylabel("load / mean")
+        ax.set_xlim(-0.6, t.num_gpus - 0.4)
+    axes[-1, 0].set_xlabel("GPU (dotted lines: node boundaries; colour: expert group; black edge: replicated expert)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ep-runtime plan", description="Plan expert placement for a cluster.")
+    ap.add_argument("--topology", required=True, help="cluster description (.yaml/.yml/.json)")
+    ap.add_argument("--load", required=True, help="load JSON ({'load': [[...]], ...}); see topology.synthetic")
+    ap.add_argument("--physical", type=int, help="physical experts per layer (default: the file's, else E + GPUs)")
+    ap.add_argument("--groups", type=int, help="expert groups of group-limited routing (default: the file's)")
+    ap.add_argument("--policy", default="locality", choices=sorted(POLICIES))
+    ap.add_argument("--compare", action="store_true", help="also plan with the baselines and print them side by side")
+    ap.add_argument("--png", help="draw the placement of --layer here")
+    ap.add_argument("--layer", type=int, default=0, help="layer to print and draw")
+    ap.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step, for bytes")
+    ap.add_argument("--token-bytes", type=int, default=7168 * 2, help="bytes per dispatched token")
+    ap.add_argument("--json", help="write the plan (phy2log, counts, balance, traffic) here")
+    args = ap.parse_args(argv)
+
+    topology = Topology.from_file(args.topology)
+    doc = _read_load(args.load)
+    load_LE = doc["load"]
+    L, E = load_LE.shape
+    groups = args.groups if args.groups is not None else doc.get("expert_groups")
+    physical = args.physical or doc.get("num_physical_experts") or E + topology.num_gpus
+    if not 0 <= args.layer < L:
+        raise SystemExit(f"--layer: expected 0..{L - 1}, got {args.layer}")
+    traffic = TrafficModel(routes_LTK=doc.get("routes"), topk=int(doc.get("topk", 8)),
+                           topk_groups=doc.get("topk_groups"), tokens_per_gpu=args.tokens_per_gpu,
+                           token_bytes=args.token_bytes)
+    print(topology.describe())
+    source = "measured routes" if doc.get("routes") is not None else "routes drawn from the load"
+    print(f"load: {L} layers x {E} experts from {args.load}; traffic from {source}")
+    results = compare(load_LE, topology, physical, groups, traffic,
+                      tuple(dict.fromkeys((args.policy,) + (COMPARED if args.compare else ()))))
+    if isinstance(results[args.policy], str):
+        raise SystemExit(f"--policy {args.policy}: {results[args.policy]}")
+    main_plan = results[args.policy][0]
+    print(main_plan.summary())
+    print(_placement_text(main_plan, args.layer))
+    if args.compare:
+        print()
+        print(_table(results))
+    if args.png:
+        others = ("eplb_global", "eplb_hierarchical") if args.compare else ()
+        drawn = [main_plan] + [results[n][0] for n in others
+                               if n != args.policy and not isinstance(results[n], str)]
+        draw(drawn, args.layer, args.png)
+        print(f"wrote {args.png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "policy": main_plan.policy, "phy2log": main_plan.phy2log_LP.tolist(),
+            "replica_counts": main_plan.replica_counts_LE.tolist(), "balance_per_layer": main_plan.balance_L.tolist(),
+            "remote_nodes_per_token": main_plan.traffic.remote_nodes_per_token,
+            "inter_node_bytes_per_step": main_plan.traffic.inter_node_bytes,
+            "intra_node_bytes_per_step": main_plan.traffic.intra_node_bytes,
+            "topology": topology.to_dict()}))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
