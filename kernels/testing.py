@@ -3,7 +3,8 @@
 Every generator draws from its own seeded CPU generator, then moves the result to ``device``, so a
 test and a benchmark given the same arguments see the same inputs on any device.
 
-Shape suffixes: T tokens, E experts, K routes per token.
+Shape suffixes: T tokens, E experts, K routes per token, M/N matrix rows/columns, P layout rows,
+D hidden, G scale groups, I SwiGLU intermediate.
 """
 
 from __future__ import annotations
@@ -71,3 +72,80 @@ def poison_allocator(device: torch.device | str, *, byte: int = 0x5A, large_byte
     for block in blocks:
         block.fill_(byte)
     del blocks
+
+
+def cast_input(
+    m: int, n: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0
+) -> torch.Tensor:
+    """Input of an FP8 cast: rows spanning six decades of magnitude, an all-zero corner and a tiny
+    region (amax below the 1e-4 floor), so the floor, e4m3 subnormals and saturation all occur.
+
+    Returns:
+        x_MN: [M, N] ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x_MN = torch.randn(m, n, generator=gen) * torch.logspace(-3, 3, max(m, 1))[:m, None]
+    x_MN[: m // 3, : n // 4] = 0.0
+    x_MN[m // 3 : m // 2, n // 2 :] *= 1e-7
+    return x_MN.to(dtype).to(device)
+
+
+def fp8_rows(
+    p: int, d: int, *, group: int = 128, packed: bool = False, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 expert outputs with per-token scales, as a weighted reduce with dequantization takes them.
+
+    Returns:
+        q_PD: [P, D] float8_e4m3fn.
+        sf_PG: [P, ceil(D / group)] float32 in [0.01, 1.01), or uint8 exponent codes in [115, 135).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q_PD = (4 * torch.randn(p, d, generator=gen)).to(torch.float8_e4m3fn)
+    g = -(-d // group)
+    if packed:
+        sf_PG = torch.randint(115, 135, (p, g), generator=gen, dtype=torch.uint8)
+    else:
+        sf_PG = torch.rand(p, g, generator=gen) + 0.01
+    return q_PD.to(device), sf_PG.to(device)
+
+
+def reduce_routes(
+    num_tokens: int,
+    topk: int,
+    num_rows: int,
+    *,
+    dtype: torch.dtype = torch.int32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes of a weighted reduce: random layout rows, about a third masked (-1), every fifth
+    token fully masked.
+
+    Returns:
+        pos_TK: [T, K] ``dtype`` rows in [0, P) or -1.
+        weights_TK: [T, K] float32 in [0, 1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pos_TK = torch.randint(0, max(num_rows, 1), (num_tokens, topk), generator=gen)
+    pos_TK[torch.rand(num_tokens, topk, generator=gen) < 0.3] = -1
+    pos_TK[::5] = -1
+    if num_rows == 0:
+        pos_TK.fill_(-1)
+    weights_TK = torch.rand(num_tokens, topk, generator=gen)
+    return pos_TK.to(dtype).to(device), weights_TK.to(device)
+
+
+def swiglu_input(
+    num_tokens: int, inter: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU input ``[gate | up]`` (gates spread over the sigmoid's useful range) and an output
+    gradient.
+
+    Returns:
+        x_TI2: [T, 2 * I] ``dtype``.
+        grad_TI: [T, I] ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x_TI2 = 3 * torch.randn(num_tokens, 2 * inter, generator=gen)
+    grad_TI = torch.randn(num_tokens, inter, generator=gen)
+    return x_TI2.to(dtype).to(device), grad_TI.to(dtype).to(device)

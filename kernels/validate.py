@@ -42,6 +42,14 @@ def check_tensor(
     return t
 
 
+def check_dtype(name: str, value: object, allowed: Sequence[torch.dtype]) -> torch.dtype:
+    """A dtype argument (e.g. ``out_dtype``) that must be one of ``allowed``."""
+    if value not in allowed:
+        want = " or ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}: expected {want}, got {value}")
+    return value
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """NaN or Inf in ``t`` is an error (a router must never pick from them silently)."""
     if t.numel() and not bool(torch.isfinite(t).all()):

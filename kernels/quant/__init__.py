@@ -1,17 +1,100 @@
-"""FP8 (e4m3) casts and SwiGLU (see :mod:`kernels.quant.reference` for the conventions)."""
+"""FP8 (e4m3) casts and SwiGLU (see :mod:`kernels.quant.reference` for the conventions).
 
-from kernels.quant.reference import (
-    cast_back,
-    per_block_cast,
-    per_channel_cast,
-    per_token_cast,
-    swiglu,
-    swiglu_backward,
-    swiglu_per_token_cast,
-)
+Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
+device, and the PyTorch reference otherwise. The blockwise casts take the kernel for block sides
+that are powers of two (:func:`kernels.quant.tiles.supports_block`; 1x128, 128x128 and 128x1 among
+them) and the reference for any other block shape.
+
+Shape suffixes as in :mod:`kernels.quant.reference`.
+"""
+
+import torch
+
+from kernels.permute.reference import ExpertLayout
+from kernels.quant import reference
+from kernels.quant.blockwise_cast_kernel import blockwise_cast
+from kernels.quant.cast_back_kernel import cast_back as cast_back_kernel
+from kernels.quant.tiles import supports_block
+from kernels.select import use_tilelang
+
+
+def _kernel_for(x: object, block: tuple[int, int] | None = None) -> bool:
+    """True when ``x`` (a tensor; anything else goes to the reference, which names the error) is on
+    a device that runs TileLang kernels, and the block shape is one they take."""
+    return (
+        isinstance(x, torch.Tensor)
+        and use_tilelang(x.device)
+        and (block is None or (_is_block(block) and supports_block(block)))
+    )
+
+
+def _is_block(block: object) -> bool:
+    return isinstance(block, tuple) and len(block) == 2 and all(type(b) is int and b >= 1 for b in block)
+
+
+def per_token_cast(
+    x_TD: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.per_token_cast`."""
+    if _kernel_for(x_TD, (1, group)):
+        return blockwise_cast(x_TD, (1, group), round_sf=round_sf, pack_sf=pack_sf, name="x_TD")
+    return reference.per_token_cast(x_TD, group=group, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def per_block_cast(
+    x_MN: torch.Tensor, *, block: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.per_block_cast`."""
+    if _kernel_for(x_MN, (block, block)):
+        return blockwise_cast(x_MN, (block, block), round_sf=round_sf, pack_sf=pack_sf)
+    return reference.per_block_cast(x_MN, block=block, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def per_channel_cast(
+    x_MN: torch.Tensor, *, block: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.per_channel_cast`."""
+    if _kernel_for(x_MN, (block, 1)):
+        return blockwise_cast(x_MN, (block, 1), round_sf=round_sf, pack_sf=pack_sf)
+    return reference.per_channel_cast(x_MN, block=block, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def cast_back(
+    q: torch.Tensor, sf: torch.Tensor, *, block: tuple[int, int], out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """See :func:`kernels.quant.reference.cast_back`."""
+    if _kernel_for(q, block):
+        return cast_back_kernel(q, sf, block=block, out_dtype=out_dtype)
+    return reference.cast_back(q, sf, block=block, out_dtype=out_dtype)
+
+
+def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+    """See :func:`kernels.quant.reference.swiglu`."""
+    return reference.swiglu(x_TI2)
+
+
+def swiglu_per_token_cast(
+    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.swiglu_per_token_cast`."""
+    return reference.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+    """See :func:`kernels.quant.reference.swiglu_backward`."""
+    return reference.swiglu_backward(x_TI2, grad_TI)
+
+
+def expand_per_token_cast(
+    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.expand_per_token_cast`."""
+    return reference.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
+
 
 __all__ = [
     "cast_back",
+    "expand_per_token_cast",
     "per_block_cast",
     "per_channel_cast",
     "per_token_cast",

@@ -23,7 +23,8 @@ Scale convention (DeepSeek's, so tensors interoperate with DeepGEMM/DeepEP), per
 The cast to e4m3 rounds to nearest even. Dequantization is ``q.float() * sf`` broadcast per block.
 
 Shape suffixes: T tokens, D hidden, G scale groups along the last dim, M/N matrix rows/columns,
-I intermediate (the SwiGLU output width; its input ``x_TI2`` is ``[T, 2 * I]``).
+I intermediate (the SwiGLU output width; its input ``x_TI2`` is ``[T, 2 * I]``), P rows of an
+expert-major layout (:class:`kernels.permute.ExpertLayout`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.validate import check_positive, check_tensor
+from kernels.permute.reference import ExpertLayout, expand
+from kernels.validate import check_dtype, check_positive, check_tensor
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -121,7 +123,7 @@ def cast_back(
     block_m, block_n = _check_block(block)
     m, n = q.shape
     check_tensor("sf", sf, dtype=SCALE_DTYPES, shape=(_cdiv(m, block_m), _cdiv(n, block_n)), device=q.device)
-    _check_out_dtype(out_dtype)
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
     sf_f32 = _unpack_sf(sf) if sf.dtype == torch.uint8 else sf
     sf_MN = sf_f32.repeat_interleave(block_m, dim=0).repeat_interleave(block_n, dim=1)[:m, :n]
     return (q.float() * sf_MN).to(out_dtype)
@@ -178,6 +180,25 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
     d_gate_TI = grad_TI * up_TI * (sig_TI * (1 + gate_TI * (1 - sig_TI)))
     d_up_TI = grad_TI * (gate_TI * sig_TI)
     return torch.cat([d_gate_TI, d_up_TI], dim=1).to(x_TI2.dtype)
+
+
+def expand_per_token_cast(
+    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.permute.expand` fused with :func:`per_token_cast`: the layout's rows cast to
+    e4m3, scales laid out per layout row (padding rows hold zeros and the floor scale).
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16, on the layout's device.
+        layout: the :class:`kernels.permute.ExpertLayout` of this batch's routes.
+        group, round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_PD`` ``[P, D]`` float8_e4m3fn and ``sf_PG`` ``[P, ceil(D / group)]`` float32 (uint8 when
+        packed).
+    """
+    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
+    return per_token_cast(expand(x_TD, layout), group=group, round_sf=round_sf, pack_sf=pack_sf)
 
 
 def _blockwise_cast(
@@ -245,12 +266,6 @@ def _check_block(block: object) -> tuple[int, int]:
     if not isinstance(block, tuple) or len(block) != 2:
         raise ValueError(f"block: expected a (rows, cols) tuple of two positive ints, got {block!r}")
     return check_positive("block", block[0]), check_positive("block", block[1])
-
-
-def _check_out_dtype(out_dtype: object) -> None:
-    if out_dtype not in FLOAT_DTYPES:
-        want = " or ".join(str(d) for d in FLOAT_DTYPES)
-        raise TypeError(f"out_dtype: expected {want}, got {out_dtype}")
 
 
 def _cdiv(a: int, b: int) -> int:

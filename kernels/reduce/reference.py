@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES, cast_back
-from kernels.validate import check_index_range, check_positive, check_tensor
+from kernels.validate import check_dtype, check_index_range, check_positive, check_tensor
 
 
 def weighted_reduce(
@@ -51,8 +51,7 @@ def weighted_reduce(
     check_positive("group", group)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if y_PD.dtype == E4M3 else y_PD.dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype: expected {' or '.join(map(str, FLOAT_DTYPES))}, got {out_dtype}")
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
     if y_PD.dtype == E4M3:
         if sf_PG is None:
             raise ValueError("sf_PG: expected per-token scales with a float8_e4m3fn y_PD, got None")

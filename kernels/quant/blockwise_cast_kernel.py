@@ -1,0 +1,116 @@
+"""The FP8 blockwise cast kernel behind ``per_token_cast``, ``per_block_cast`` and
+``per_channel_cast`` (one factory, specialised on the block shape; see
+:mod:`kernels.quant.reference` for the function it computes).
+
+A CTA loads a ``[tile_m, tile_n]`` tile of whole scale blocks into registers with 16-byte vectors
+(:func:`kernels.quant.tiles.vector_layout`), reduces each block's amax (across threads by warp
+shuffles, across warps through shared memory), writes the scales, and stores the e4m3 bytes
+straight from the registers. Every input byte is read once and every output byte written once.
+
+Shape suffixes: M rows (tokens), N columns (hidden), G scale groups (``ceil(N / block_n)``),
+B scale row blocks (``ceil(M / block_m)``).
+"""
+
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.quant.reference import E4M3, FLOAT_DTYPES
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    check_cuda,
+    blockwise_tile,
+    scale_and_inverse,
+    supports_block,
+    tl_dtype,
+    to_e4m3,
+    vector_layout,
+    vector_width,
+)
+from kernels.validate import check_tensor
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtype: str, round_sf: bool, pack_sf: bool):
+    """``(x_MN, q_MN, sf_BG)`` kernel for ``num_cols`` columns and scales over ``block_m x block_n``
+    (``(1, g)`` per-token, ``(b, b)`` per-block, ``(b, 1)`` per-channel; powers of two)."""
+    num_rows = T.dynamic("num_rows")
+    vec = vector_width(num_cols, T.dtype(in_dtype).bytes)
+    tile_m, tile_n, threads = blockwise_tile(num_cols, (block_m, block_n), vec)
+    tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
+    sf_dtype = "uint8" if pack_sf else "float32"
+
+    @T.prim_func
+    def blockwise_cast(
+        x_MN: T.Tensor[(num_rows, num_cols), in_dtype],
+        q_MN: T.Tensor[(num_rows, num_cols), "float8_e4m3fn"],
+        sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
+    ):
+        with T.Kernel(T.ceildiv(num_rows, tile_m), T.ceildiv(num_cols, tile_n), threads=threads) as (pm, pn):
+            x_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
+            inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
+            T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
+            T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
+
+            # amax of each block: along the row inside each group, then across the block's rows.
+            if block_n > 1:
+                row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
+                T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+            if block_m == 1:
+                for i, g in T.Parallel(tile_gm, tile_gn):
+                    sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
+                    sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
+                    inv_frag[i, g] = inv
+            else:
+                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
+                if block_n > 1:
+                    T.reduce_max(row_amax, block_amax, dim=0)
+                else:
+                    T.reduce_absmax(x_frag, block_amax, dim=0)
+                for g in T.Parallel(tile_gn):
+                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                    sf_BG[pm, pn * tile_gn + g] = sf
+                    inv_frag[0, g] = inv
+
+            for i, j in T.Parallel(tile_m, tile_n):
+                q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
+                    T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
+                )
+
+    return blockwise_cast
+
+
+def blockwise_cast(
+    x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool, name: str = "x_MN"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TileLang twin of the reference's blockwise cast (same arguments, same results).
+
+    Args:
+        x_MN: ``[M, N]`` float32, bfloat16 or float16 on a CUDA device (copied first if not
+            contiguous).
+        block: ``(block_m, block_n)``, powers of two (see :func:`kernels.quant.tiles.supports_block`).
+        round_sf, pack_sf: as in :func:`kernels.quant.reference.per_token_cast`.
+        name: the argument name used in error messages.
+
+    Returns:
+        ``q_MN`` ``[M, N]`` float8_e4m3fn and ``sf_BG`` ``[ceil(M / block_m), ceil(N / block_n)]``
+        float32 (uint8 exponents when ``pack_sf``).
+    """
+    check_tensor(name, x_MN, dtype=FLOAT_DTYPES, ndim=2)
+    check_cuda(name, x_MN)
+    if not supports_block(block):
+        raise ValueError(f"block: expected two powers of two up to 1024, not both 1, got {block!r}")
+    if pack_sf and not round_sf:
+        raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
+    block_m, block_n = block
+    m, n = x_MN.shape
+    q_MN = torch.empty((m, n), dtype=E4M3, device=x_MN.device)
+    sf_BG = torch.empty(
+        (-(-m // block_m), -(-n // block_n)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_MN.device
+    )
+    if m == 0 or n == 0:
+        return q_MN, sf_BG
+    kernel = get_blockwise_cast_kernel(n, block_m, block_n, tl_dtype(x_MN.dtype), round_sf, pack_sf)
+    kernel(x_MN.contiguous(), q_MN, sf_BG)
+    return q_MN, sf_BG

@@ -1,0 +1,86 @@
+"""FP8 dequantization kernel: ``cast_back`` of any blockwise cast (see
+:mod:`kernels.quant.reference`).
+
+A CTA covers the same ``[tile_m, tile_n]`` tile of whole scale blocks as the cast
+(:func:`kernels.quant.tiles.blockwise_tile`), stages that tile's scales in shared memory, and turns
+each thread's e4m3 bytes into ``q.float() * sf`` in ``out_dtype`` with 16-byte output vectors.
+
+Shape suffixes: M rows, N columns, B/G scale row blocks/columns.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    check_cuda,
+    blockwise_tile,
+    supports_block,
+    tl_dtype,
+    unpack_scale,
+    vector_layout,
+    vector_width,
+)
+from kernels.validate import check_dtype, check_tensor
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool, out_dtype: str):
+    """``(q_MN, sf_BG, out_MN)`` kernel: ``out = q.float() * sf`` per ``block_m x block_n`` block."""
+    num_rows = T.dynamic("num_rows")
+    vec = vector_width(num_cols, T.dtype(out_dtype).bytes)
+    tile_m, tile_n, threads = blockwise_tile(num_cols, (block_m, block_n), vec)
+    tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
+    sf_dtype = "uint8" if packed else "float32"
+
+    @T.prim_func
+    def cast_back(
+        q_MN: T.Tensor[(num_rows, num_cols), "float8_e4m3fn"],
+        sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
+        out_MN: T.Tensor[(num_rows, num_cols), out_dtype],
+    ):
+        with T.Kernel(T.ceildiv(num_rows, tile_m), T.ceildiv(num_cols, tile_n), threads=threads) as (pm, pn):
+            q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
+            sf_shared = T.alloc_shared((tile_gm, tile_gn), "float32")
+            T.annotate_layout({q_frag: vector_layout(tile_m, tile_n, threads, vec)})
+            for i, g in T.Parallel(tile_gm, tile_gn):
+                sf_shared[i, g] = unpack_scale(sf_BG[pm * tile_gm + i, pn * tile_gn + g], packed)
+            T.copy(q_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
+            for i, j in T.Parallel(tile_m, tile_n):
+                out_MN[pm * tile_m + i, pn * tile_n + j] = T.cast(
+                    T.cast(q_frag[i, j], "float32") * sf_shared[i // block_m, j // block_n], out_dtype
+                )
+
+    return cast_back
+
+
+def cast_back(
+    q: torch.Tensor, sf: torch.Tensor, *, block: tuple[int, int], out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The TileLang twin of :func:`kernels.quant.reference.cast_back` (same arguments and result).
+
+    Args:
+        q: ``[M, N]`` float8_e4m3fn on a CUDA device (inputs are copied first if not contiguous).
+        sf: ``[ceil(M / block[0]), ceil(N / block[1])]`` float32 or uint8 exponents.
+        block: ``(rows, cols)`` per scale, powers of two (not both 1).
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+    """
+    check_tensor("q", q, dtype=E4M3, ndim=2)
+    check_cuda("q", q)
+    if not supports_block(block):
+        raise ValueError(f"block: expected two powers of two up to 1024, not both 1, got {block!r}")
+    block_m, block_n = block
+    m, n = q.shape
+    check_tensor("sf", sf, dtype=SCALE_DTYPES, shape=(-(-m // block_m), -(-n // block_n)), device=q.device)
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
+    if m == 0 or n == 0:
+        return out
+    kernel = get_cast_back_kernel(n, block_m, block_n, sf.dtype == torch.uint8, tl_dtype(out_dtype))
+    kernel(q.contiguous(), sf.contiguous(), out)
+    return out

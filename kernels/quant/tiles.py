@@ -1,0 +1,116 @@
+"""TileLang building blocks shared by the FP8 kernels: pass configs, how a tile is spread over
+threads in 16-byte vectors, and the scale math of :mod:`kernels.quant.reference`.
+
+The scale math must give the reference's bytes: the divisions ``amax / 448`` and ``448 / amax`` are
+IEEE divisions (``T.ieee_fdiv``, round to nearest; never a reciprocal multiply), fast math is off,
+and UE8M0 exponents come from the float32 bits.
+
+Shape letters: M/N tile rows/columns, G scale groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tilelang
+import torch
+from tilelang import language as T
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+VECTOR_BYTES = 16  # one ld.global.v4 / st.global.v4 per thread
+
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False,
+}
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    """The TileLang name of a torch dtype (the factories are specialised on these strings)."""
+    return str(T.dtype(dtype))
+
+
+def check_cuda(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A kernel's tensor argument must live on a CUDA device."""
+    if not t.is_cuda:
+        raise ValueError(f"{name}: expected a tensor on a CUDA device, got one on {t.device}")
+    return t
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def vector_width(num_cols: int, elem_bytes: int) -> int:
+    """Elements per 16-byte vector, reduced so that every row starts on a vector boundary."""
+    return math.gcd(VECTOR_BYTES // elem_bytes, num_cols)
+
+
+def vector_layout(tile_m: int, tile_n: int, threads: int, vec: int) -> T.Fragment:
+    """Row-major tile dealt out ``vec`` consecutive elements at a time to consecutive threads, so a
+    warp touches one contiguous run of ``32 * vec`` elements per access (coalesced 16-byte
+    vectors), and each thread holds ``tile_m * tile_n / (threads * vec)`` vectors in flight."""
+
+    def forward(i, j):
+        flat = i * tile_n + j
+        return flat // vec % threads, flat // (vec * threads) * vec + flat % vec
+
+    return T.Fragment((tile_m, tile_n), forward_fn=forward)
+
+
+def blockwise_tile(num_cols: int, block: tuple[int, int], vec: int) -> tuple[int, int, int]:
+    """``(tile_m, tile_n, threads)`` of a CTA for scales over ``block = (block_m, block_n)``.
+
+    A CTA covers whole scale blocks, so each block's amax is reduced inside one CTA:
+    per-token ``(1, g)``: 128 threads, up to 1024 columns x enough rows for 32 elements a thread;
+    ``(b, b)`` and ``(b, 1)``: ``b`` rows x up to 16384 / b columns, 256 threads.
+    """
+    block_m, block_n = block
+    if block_m == 1:
+        groups = min(max(1, 1024 // block_n), 1 << max(0, math.ceil(math.log2(-(-num_cols // block_n)))))
+        tile_n = block_n * groups
+        tile_m = max(1, 4096 // tile_n)
+        threads = 128
+    else:
+        tile_m = block_m
+        tile_n = block_n if block_n > 1 else max(vec, 16384 // block_m)
+        threads = 256
+    threads = max(32, min(threads, tile_m * tile_n // vec))
+    return tile_m, tile_n, threads
+
+
+def supports_block(block: tuple[int, int]) -> bool:
+    """Block shapes the blockwise kernels take: powers of two, at least one side > 1 (anything
+    else runs the reference)."""
+    block_m, block_n = block
+    return is_pow2(block_m) and is_pow2(block_n) and block_n <= 1024 and block_m <= 1024 and block_m * block_n > 1
+
+
+@T.macro
+def scale_and_inverse(amax, round_sf: bool, pack_sf: bool):
+    """``(sf as stored, multiplier that quantizes)`` for one block's float32 ``amax``."""
+    clamped = T.max(amax, T.float32(AMAX_FLOOR))
+    ratio = T.ieee_fdiv(clamped, T.float32(E4M3_MAX))
+    if not round_sf:
+        return ratio, T.ieee_fdiv(T.float32(E4M3_MAX), clamped)
+    bits = T.reinterpret(ratio, "int32")
+    exponent = (bits >> 23) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+    inverse = T.reinterpret((127 - exponent) << 23, "float32")
+    if pack_sf:
+        return T.cast(exponent + 127, "uint8"), inverse
+    return T.reinterpret((exponent + 127) << 23, "float32"), inverse
+
+
+@T.macro
+def unpack_scale(sf, packed: bool):
+    """A stored scale as float32: uint8 exponent codes ``e + 127`` become ``2**e``."""
+    if packed:
+        return T.reinterpret(T.cast(sf, "int32") << 23, "float32")
+    return sf
+
+
+@T.macro
+def to_e4m3(v):
+    """float32 to e4m3: saturate at +-448, then round to nearest even."""
+    return T.cast(T.clamp(v, T.float32(-E4M3_MAX), T.float32(E4M3_MAX)), "float8_e4m3fn")
