@@ -124,7 +124,9 @@ def parse_nvidia_smi_topo(text: str) -> tuple[str, int]:
 
     NV<k> between every pair of GPUs means NVLink with at least k links per pair; with 4 or more GPUs
     that is an NVSwitch board. Any pair without NVLink makes the node "pcie"."""
-    rows = [line.split() for line in text.splitlines() if re.match(r"^\s*GPU\d+\s", line)]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # colour codes when run on a terminal
+    # Matrix rows start at column 0 with their GPU; the header line starts with whitespace.
+    rows = [line.split() for line in text.splitlines() if re.match(r"GPU\d+\s", line)]
     if not rows:
         return "unknown", 0
     n = len(rows)

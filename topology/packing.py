@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["replicate_greedy", "pack_equal", "expand_replicas"]
+__all__ = ["replicate_greedy", "replicate_packable", "packing_lower_bound", "pack_equal", "expand_replicas"]
 
 
 def replicate_greedy(weight_BE: torch.Tensor, num_physical: int) -> torch.Tensor:
@@ -27,6 +27,64 @@ def replicate_greedy(weight_BE: torch.Tensor, num_physical: int) -> torch.Tensor
         hot_B = (w_BE / counts_BE).argmax(-1)
         counts_BE[rows_B, hot_B] += 1
     return counts_BE
+
+
+def packing_lower_bound(load_BE: torch.Tensor, counts_BE: torch.Tensor, num_packs: int) -> torch.Tensor:
+    """A lower bound on the heaviest pack when the replicas are packed ``P / num_packs`` per pack.
+
+    The larger of the mean pack load and, for every m >= 0, the m + 1 lightest of the
+    ``m * num_packs + 1`` heaviest replicas (by pigeonhole some pack holds m + 1 of them) plus the
+    ``P / num_packs - m - 1`` lightest replicas of all (that pack's other slots).
+
+    Returns bound_B (float64).
+    """
+    expert_BP, _ = expand_replicas(counts_BE)
+    weight_BP = (load_BE.double() / counts_BE).gather(-1, expert_BP).sort(-1, descending=True).values
+    B, P = weight_BP.shape
+    per_pack = P // num_packs
+    csum_BP = torch.cat([torch.zeros(B, 1, dtype=torch.float64), weight_BP.cumsum(-1)], -1)
+    bound_B = csum_BP[:, P] / num_packs
+    for m in range(per_pack):
+        top = m * num_packs + 1  # items top-m-1 .. top-1 are the m + 1 lightest of the heaviest `top`
+        rest = per_pack - m - 1
+        bound_B = torch.maximum(bound_B, csum_BP[:, top] - csum_BP[:, top - m - 1]
+                                + csum_BP[:, P] - csum_BP[:, P - rest])
+    return bound_B
+
+
+def replicate_packable(load_BE: torch.Tensor, num_physical: int, num_packs: int) -> torch.Tensor:
+    """Replica counts like :func:`replicate_greedy`, unless giving the heavy experts fewer extra
+    replicas lowers :func:`packing_lower_bound`.
+
+    Greedy replication can leave, say, 36 equally heavy replicas for 32 GPUs: four GPUs then carry two.
+    Candidate k stops greedy replication k slots early (k up to the number of packs) and gives the
+    k remaining slots to the k lightest single-replica experts (splitting them is harmless); the
+    candidate with the lowest bound wins, the fewest stops on ties.
+
+    Returns counts_BE (int64).
+    """
+    B, E = load_BE.shape
+    w_BE = load_BE.double()
+    rows_B = torch.arange(B)
+    extras = num_physical - E
+    picks = []
+    counts_BE = torch.ones(B, E, dtype=torch.int64)
+    for _ in range(extras):
+        hot_B = (w_BE / counts_BE).argmax(-1)
+        picks.append(hot_B)
+        counts_BE[rows_B, hot_B] += 1
+    best_counts_BE = counts_BE.clone()
+    best_bound_B = packing_lower_bound(w_BE, counts_BE, num_packs)
+    for k in range(1, min(extras, num_packs) + 1):
+        counts_BE[rows_B, picks[extras - k]] -= 1  # undo the k-th last greedy pick
+        candidate_BE = counts_BE.clone()
+        cold_BE = torch.where(candidate_BE == 1, w_BE, float("inf")).argsort(dim=-1, stable=True)[:, :k]
+        candidate_BE.scatter_add_(1, cold_BE, torch.ones_like(cold_BE))
+        bound_B = packing_lower_bound(w_BE, candidate_BE, num_packs)
+        better_B = bound_B < best_bound_B * (1 - 1e-9)
+        best_counts_BE[better_B] = candidate_BE[better_B]
+        best_bound_B = torch.where(better_B, bound_B, best_bound_B)
+    return best_counts_BE
 
 
 def expand_replicas(counts_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,9 +2,11 @@
 
 Four phases per layer (see ``topology/README.md`` for the picture):
 
-1. **Replicas.** Replica counts as EPLB's global policy picks them: every expert once, then each extra
-   slot to the expert whose replicas are heaviest. A replica of ``e`` carries ``v_e = load_e / count_e``
-   (the replica rule of :mod:`topology.routing` keeps replicas equally loaded).
+1. **Replicas.** Replica counts as EPLB's global policy picks them (every expert once, then each extra
+   slot to the expert whose replicas are heaviest), unless stopping that a few slots early provably
+   packs better (:func:`topology.packing.replicate_packable`: 36 equal hot replicas on 32 GPUs put two
+   on four GPUs). A replica of ``e`` carries ``v_e = load_e / count_e`` (the replica rule of
+   :mod:`topology.routing` keeps replicas equally loaded).
 2. **Homes.** Whole expert groups are packed onto nodes (heaviest group first, onto the lightest node
    with room), so a token's group-limited routes meet few nodes. Each expert's first replica goes to
    its group's home node.
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from .cluster import Topology
-from .packing import pack_equal, replicate_greedy
+from .packing import pack_equal, replicate_packable
 
 __all__ = ["locality_policy", "home_nodes"]
 
@@ -83,7 +85,7 @@ def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int
                     expert_groups: int | None) -> torch.Tensor:
     """Places replicas for balance first and node-local traffic second; returns phy2log_LP."""
     L, E = load_LE.shape
-    counts_LE = replicate_greedy(load_LE, num_physical)
+    counts_LE = replicate_packable(load_LE, num_physical, topology.num_gpus)
     home_LE = home_nodes(load_LE, topology, num_physical, expert_groups)
     load_np = load_LE.double().numpy()
     counts_np = counts_LE.numpy()
