@@ -1,0 +1,92 @@
+"""The weighted reduce kernel (plain and fused with FP8 dequantization) against the reference.
+
+Tolerance: none. The kernel rounds every product and every sum to float32 in the reference's order
+k = 0 .. K-1 (explicit IEEE operations, no FMA), so outputs are compared bit for bit; every
+output element is checked, and outputs start as poison."""
+
+import pytest
+import torch
+
+from kernels import lowering
+from kernels.reduce import reference
+from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel, weighted_reduce
+from kernels.testing import fp8_rows, poison_allocator, reduce_routes
+
+CASES = [  # (T, K, P, D, y dtype, index dtype, out dtype)
+    (0, 8, 64, 7168, torch.bfloat16, torch.int32, torch.bfloat16),
+    (37, 6, 120, 300, torch.float32, torch.int64, torch.float32),
+    (20, 8, 50, 100, torch.bfloat16, torch.int32, torch.bfloat16),
+    (9, 2, 30, 64, torch.float16, torch.int64, torch.float32),
+    (6, 3, 0, 32, torch.float32, torch.int32, torch.float32),
+    (130, 8, 700, 7168, torch.bfloat16, torch.int32, torch.bfloat16),
+    (65, 4, 200, 7168 + 64, torch.float32, torch.int32, torch.bfloat16),
+]
+
+
+def assert_same_bits(out, expected):
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.stride() == expected.stride()
+    assert torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,p,d,dtype,index_dtype,out_dtype", CASES)
+def test_matches_reference_bit_for_bit(t, k, p, d, dtype, index_dtype, out_dtype, seed):
+    y_PD = torch.randn(p, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    pos_TK, weights_TK = reduce_routes(t, k, p, dtype=index_dtype, seed=seed)
+    poison_allocator("cuda")
+    out = weighted_reduce(y_PD.cuda(), pos_TK.cuda(), weights_TK.cuda(), out_dtype=out_dtype)
+    assert_same_bits(out, reference.weighted_reduce(y_PD, pos_TK, weights_TK, out_dtype=out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["fp32_sf", "packed_sf"])
+@pytest.mark.parametrize("t,k,p,d,group", [(25, 4, 40, 300, 128), (33, 8, 90, 256, 64), (200, 8, 600, 7168, 128)])
+def test_fp8_dequantization_matches_reference(t, k, p, d, group, packed, seed):
+    q_PD, sf_PG = fp8_rows(p, d, group=group, packed=packed, seed=seed)
+    pos_TK, weights_TK = reduce_routes(t, k, p, seed=seed)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        poison_allocator("cuda")
+        out = weighted_reduce(
+            q_PD.cuda(), pos_TK.cuda(), weights_TK.cuda(), sf_PG=sf_PG.cuda(), group=group, out_dtype=out_dtype
+        )
+        expected = reference.weighted_reduce(q_PD, pos_TK, weights_TK, sf_PG=sf_PG, group=group, out_dtype=out_dtype)
+        assert_same_bits(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kwargs,error,argname",
+    [
+        (dict(y_PD=torch.ones(8, 4, dtype=torch.int32)), TypeError, "y_PD"),
+        (dict(y_PD=torch.randn(8, 256)), ValueError, "y_PD"),
+        (dict(pos_TK=torch.full((3, 2), 8)), ValueError, "pos_TK"),
+        (dict(weights_TK=torch.ones(3, 2).bfloat16()), TypeError, "weights_TK"),
+        (dict(out_dtype=torch.int64), TypeError, "out_dtype"),
+        (dict(sf_PG=torch.ones(8, 2)), ValueError, "sf_PG"),
+    ],
+    ids=["y_dtype", "y_device", "pos_range", "weights_dtype", "out_dtype", "sf_with_bf16_y"],
+)
+def test_bad_input_names_the_argument(kwargs, error, argname):
+    args = dict(y_PD=torch.randn(8, 256), pos_TK=torch.zeros(3, 2, dtype=torch.int64), weights_TK=torch.ones(3, 2))
+    args.update(kwargs)
+    device = "cpu" if argname == "y_PD" and error is ValueError else "cuda"
+    args = {name: v.to(device) if isinstance(v, torch.Tensor) else v for name, v in args.items()}
+    with pytest.raises(error, match=f"^{argname}: expected"):
+        weighted_reduce(args.pop("y_PD"), args.pop("pos_TK"), args.pop("weights_TK"), **args)
+
+
+SPECIALIZATIONS = [  # (num_cols, topk, y, index, out, group, packed): combine and dispatch-backward in
+    # the runtime (int32 positions, y's own dtype out) at hidden 7168 and 64, then the fused FP8 path
+    (7168, 8, "bfloat16", "int32", "bfloat16", 128, False),
+    (64, 2, "float32", "int32", "float32", 128, False),
+    (64, 2, "bfloat16", "int32", "bfloat16", 128, False),
+    (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, False),
+    (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, True),
+    (300, 6, "float32", "int64", "float32", 128, False),
+]
+
+
+def test_compiles_for_sm90a():
+    with lowering.compile_only():
+        for spec in SPECIALIZATIONS:
+            assert "__fmul_rn" in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
