@@ -3,7 +3,7 @@
 Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
 device, and the PyTorch reference otherwise. The blockwise casts take the kernel for block sides
 that are powers of two (:func:`kernels.quant.tiles.supports_block`; 1x128, 128x128 and 128x1 among
-them) and the reference for any other block shape.
+them) and the reference for any other block shape; so does ``swiglu_per_token_cast`` for its group.
 
 Shape suffixes as in :mod:`kernels.quant.reference`.
 """
@@ -13,6 +13,7 @@ import torch
 from kernels.permute.reference import ExpertLayout
 from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import blockwise_cast
+from kernels.quant import swiglu_kernel
 from kernels.quant.cast_back_kernel import cast_back as cast_back_kernel
 from kernels.quant.tiles import supports_block
 from kernels.select import use_tilelang
@@ -70,6 +71,8 @@ def cast_back(
 
 def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu`."""
+    if _kernel_for(x_TI2):
+        return swiglu_kernel.swiglu(x_TI2)
     return reference.swiglu(x_TI2)
 
 
@@ -77,11 +80,15 @@ def swiglu_per_token_cast(
     x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.quant.reference.swiglu_per_token_cast`."""
+    if _kernel_for(x_TI2, (1, group)):
+        return swiglu_kernel.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
     return reference.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
 
 
 def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu_backward`."""
+    if _kernel_for(x_TI2):
+        return swiglu_kernel.swiglu_backward(x_TI2, grad_TI)
     return reference.swiglu_backward(x_TI2, grad_TI)
 
 

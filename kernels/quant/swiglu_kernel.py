@@ -1,0 +1,179 @@
+"""SwiGLU kernels: forward (optionally fused with the per-token FP8 cast of its float32 result) and
+backward (see :mod:`kernels.quant.reference` for the functions).
+
+A CTA covers ``[tile_m, tile_n]`` of the output (whole scale groups when casting, as in
+:mod:`kernels.quant.blockwise_cast_kernel`), loading the matching gate and up tiles with 16-byte
+vectors. The float32 math is written as separate IEEE operations in the order PyTorch's CUDA
+kernels evaluate the reference (``silu(g) = g / (1 + expf(-g))``, ``sigmoid(g) = 1 / (1 +
+expf(-g))``, no FMA, precise ``expf``), so results match the reference run on the GPU; the CPU
+reference's vectorized ``exp`` may differ from CUDA's by an ulp.
+
+Shape suffixes: T tokens, I intermediate (the output width; the input ``x_TI2 = [gate | up]`` is
+``[T, 2 * I]``), G scale groups along I.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.quant.reference import E4M3, FLOAT_DTYPES
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    blockwise_tile,
+    check_cuda,
+    scale_and_inverse,
+    supports_block,
+    tl_dtype,
+    to_e4m3,
+    vector_layout,
+    vector_width,
+)
+from kernels.validate import check_positive, check_tensor
+
+
+@T.macro
+def silu(g):
+    return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_swiglu_forward_kernel(inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool):
+    """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
+    float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(inter, T.dtype(dtype).bytes)
+    tile_m, tile_n, threads = blockwise_tile(inter, (1, group), vec)
+    tile_g = tile_n // group
+    layout = vector_layout(tile_m, tile_n, threads, vec)
+    sf_dtype = "uint8" if pack_sf else "float32"
+    out_dtype = "float8_e4m3fn" if cast else dtype
+
+    @T.macro
+    def load_swiglu(x_TI2, pm, pn, y_frag):
+        gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+        up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+        T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
+        T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
+        T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
+        for i, j in T.Parallel(tile_m, tile_n):
+            y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
+
+    @T.prim_func
+    def swiglu_forward(
+        x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
+        out_TI: T.Tensor[(num_tokens, inter), out_dtype],
+        sf_TG: T.Tensor[(num_tokens, T.ceildiv(inter, group)), sf_dtype],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
+            y_frag = T.alloc_fragment((tile_m, tile_n), "float32")
+            load_swiglu(x_TI2, pm, pn, y_frag)
+            if cast:
+                amax = T.alloc_fragment((tile_m, tile_g), "float32")
+                inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
+                T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_g, group]), amax, dim=2)
+                for i, g in T.Parallel(tile_m, tile_g):
+                    sf, inv = scale_and_inverse(amax[i, g], round_sf, pack_sf)
+                    sf_TG[pm * tile_m + i, pn * tile_g + g] = sf
+                    inv_frag[i, g] = inv
+                for i, j in T.Parallel(tile_m, tile_n):
+                    out_TI[pm * tile_m + i, pn * tile_n + j] = to_e4m3(y_frag[i, j] * inv_frag[i, j // group])
+            else:
+                for i, j in T.Parallel(tile_m, tile_n):
+                    out_TI[pm * tile_m + i, pn * tile_n + j] = T.cast(y_frag[i, j], out_dtype)
+
+    return swiglu_forward
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
+    """``(x_TI2, grad_TI, grad_TI2)`` kernel: ``[d gate | d up]`` of ``silu(gate) * up``."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(inter, T.dtype(dtype).bytes)
+    tile_m, tile_n, threads = blockwise_tile(inter, (1, 128), vec)
+    layout = vector_layout(tile_m, tile_n, threads, vec)
+
+    @T.prim_func
+    def swiglu_backward(
+        x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
+        grad_TI: T.Tensor[(num_tokens, inter), grad_dtype],
+        grad_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
+            gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            grad_frag = T.alloc_fragment((tile_m, tile_n), grad_dtype)
+            T.annotate_layout({gate_frag: layout, up_frag: layout, grad_frag: layout})
+            T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
+            T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
+            T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
+            for i, j in T.Parallel(tile_m, tile_n):
+                gate = T.cast(gate_frag[i, j], "float32")
+                up = T.cast(up_frag[i, j], "float32")
+                grad = T.cast(grad_frag[i, j], "float32")
+                sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
+                # (grad * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
+                d_silu = T.ieee_mul(sig, T.ieee_add(T.float32(1), T.ieee_mul(gate, T.ieee_sub(T.float32(1), sig))))
+                d_gate = T.ieee_mul(T.ieee_mul(grad, up), d_silu)
+                d_up = T.ieee_mul(grad, T.ieee_mul(gate, sig))
+                grad_TI2[pm * tile_m + i, pn * tile_n + j] = T.cast(d_gate, dtype)
+                grad_TI2[pm * tile_m + i, inter + pn * tile_n + j] = T.cast(d_up, dtype)
+
+    return swiglu_backward
+
+
+def _check_x(x_TI2: torch.Tensor) -> int:
+    """Validates ``x_TI2`` and returns I."""
+    check_tensor("x_TI2", x_TI2, dtype=FLOAT_DTYPES, ndim=2)
+    check_cuda("x_TI2", x_TI2)
+    if x_TI2.shape[1] % 2:
+        raise ValueError(f"x_TI2: expected an even last dim ([gate | up]), got shape {tuple(x_TI2.shape)}")
+    return x_TI2.shape[1] // 2
+
+
+def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+    """TileLang :func:`kernels.quant.reference.swiglu`: ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``
+    (``x_TI2`` on a CUDA device; copied first if not contiguous)."""
+    inter = _check_x(x_TI2)
+    t = x_TI2.shape[0]
+    y_TI = torch.empty((t, inter), dtype=x_TI2.dtype, device=x_TI2.device)
+    if t == 0 or inter == 0:
+        return y_TI
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False)
+    kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device))  # scales unused
+    return y_TI
+
+
+def swiglu_per_token_cast(
+    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TileLang :func:`kernels.quant.reference.swiglu_per_token_cast`: ``q_TI`` ``[T, I]``
+    float8_e4m3fn and ``sf_TG`` ``[T, ceil(I / group)]`` float32 (uint8 when ``pack_sf``); ``group``
+    a power of two up to 1024."""
+    check_positive("group", group)
+    inter = _check_x(x_TI2)
+    if not supports_block((1, group)):
+        raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
+    if pack_sf and not round_sf:
+        raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
+    t = x_TI2.shape[0]
+    q_TI = torch.empty((t, inter), dtype=E4M3, device=x_TI2.device)
+    sf_TG = torch.empty((t, -(-inter // group)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_TI2.device)
+    if t == 0 or inter == 0:
+        return q_TI, sf_TG
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf)
+    kernel(x_TI2.contiguous(), q_TI, sf_TG)
+    return q_TI, sf_TG
+
+
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+    """TileLang :func:`kernels.quant.reference.swiglu_backward`: ``grad_TI2`` ``[T, 2 * I]`` in
+    ``x_TI2.dtype``."""
+    inter = _check_x(x_TI2)
+    t = x_TI2.shape[0]
+    check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=(t, inter), device=x_TI2.device)
+    grad_TI2 = torch.empty_like(x_TI2, memory_format=torch.contiguous_format)
+    if t == 0 or inter == 0:
+        return grad_TI2
+    kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype))
+    kernel(x_TI2.contiguous(), grad_TI.contiguous(), grad_TI2)
+    return grad_TI2

@@ -1,0 +1,112 @@
+"""The SwiGLU kernels (forward, forward fused with the per-token FP8 cast, backward) against the
+reference run on the same GPU (CUDA's ``expf`` and the CPU's vectorized ``exp`` may differ by an
+ulp, so the CPU reference is not the yardstick here).
+
+Tolerances: the kernels evaluate the reference's float32 operations in the same order with IEEE
+rounding, so they are expected to match bit for bit; the tests allow one ulp of the output dtype
+(swiglu, backward), and for the fused cast one e4m3 step per byte and a float32 ulp on the scales,
+in case an ``expf`` differs by an ulp. Every output element is checked; outputs start as poison."""
+
+import pytest
+import torch
+
+from kernels import lowering
+from kernels.quant import reference
+from kernels.quant.swiglu_kernel import (
+    get_swiglu_backward_kernel,
+    get_swiglu_forward_kernel,
+    swiglu,
+    swiglu_backward,
+    swiglu_per_token_cast,
+)
+from kernels.testing import poison_allocator, swiglu_input
+
+SHAPES = [(0, 2048), (1, 64), (37, 100), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def assert_within_one_ulp(out, expected):
+    assert out.dtype == expected.dtype and out.shape == expected.shape and out.stride() == expected.stride()
+    torch.testing.assert_close(out, expected, rtol=ULP[out.dtype], atol=1e-30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter", SHAPES)
+def test_forward_matches_reference(t, inter, dtype, seed):
+    x_TI2, _ = swiglu_input(t, inter, dtype=dtype, device="cuda", seed=seed)
+    poison_allocator("cuda")
+    assert_within_one_ulp(swiglu(x_TI2), reference.swiglu(x_TI2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter", SHAPES)
+def test_backward_matches_reference(t, inter, dtype, seed):
+    x_TI2, grad_TI = swiglu_input(t, inter, dtype=dtype, device="cuda", seed=seed)
+    poison_allocator("cuda")
+    assert_within_one_ulp(swiglu_backward(x_TI2, grad_TI), reference.swiglu_backward(x_TI2, grad_TI))
+
+
+def e4m3_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 codes lie between two e4m3 tensors, elementwise (+0 and -0 are 0 apart)."""
+    def ordinal(t):
+        code = t.view(torch.uint8).int()
+        magnitude = code & 0x7F
+        return torch.where(code >= 0x80, -magnitude, magnitude)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+SF_MODES = {"fp32_sf": (False, False), "ue8m0_sf": (True, False), "packed_sf": (True, True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sf_mode", SF_MODES)
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("t,inter", SHAPES)
+def test_fused_cast_matches_reference(t, inter, group, sf_mode, seed):
+    round_sf, pack_sf = SF_MODES[sf_mode]
+    x_TI2, _ = swiglu_input(t, inter, dtype=torch.bfloat16, device="cuda", seed=seed)
+    poison_allocator("cuda")
+    q, sf = swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
+    q_ref, sf_ref = reference.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
+    assert q.dtype == q_ref.dtype and q.shape == q_ref.shape and sf.dtype == sf_ref.dtype and sf.shape == sf_ref.shape
+    steps = e4m3_steps_apart(q, q_ref)
+    assert steps.numel() == 0 or int(steps.max()) <= 1
+    if pack_sf:
+        assert torch.equal(sf, sf_ref)
+    else:
+        torch.testing.assert_close(sf, sf_ref, rtol=2.0**-23, atol=0)
+
+
+@pytest.mark.gpu
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="^x_TI2: expected"):
+        swiglu(torch.randn(4, 7, device="cuda"))
+    with pytest.raises(ValueError, match="^x_TI2: expected"):
+        swiglu(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="^grad_TI: expected"):
+        swiglu_backward(torch.randn(4, 8, device="cuda"), torch.randn(4, 8, device="cuda"))
+    with pytest.raises(ValueError, match="^group: expected"):
+        swiglu_per_token_cast(torch.randn(4, 8, device="cuda"), group=100)
+    with pytest.raises(ValueError, match="^pack_sf: expected"):
+        swiglu_per_token_cast(torch.randn(4, 8, device="cuda"), pack_sf=True)
+
+
+def test_compiles_for_sm90a():
+    """The runtime's SwiGLU widths: the tiny model's expert (64) and dense (128) MLPs in float32 and
+    bfloat16, DeepSeek's expert intermediate 2048 in bfloat16 (plain and fused with the cast), and
+    a ragged width."""
+    with lowering.compile_only():
+        for spec in [
+            (64, "float32", 128, False, False, False),
+            (128, "bfloat16", 128, False, False, False),
+            (2048, "bfloat16", 128, False, False, False),
+            (2048, "bfloat16", 128, True, True, True),
+            (300, "float16", 128, True, False, False),
+        ]:
+            assert "expf" in lowering.kernel_source(get_swiglu_forward_kernel(*spec)), spec
+        for spec in [(64, "float32", "float32"), (128, "bfloat16", "bfloat16"), (2048, "bfloat16", "bfloat16")]:
+            assert "expf" in lowering.kernel_source(get_swiglu_backward_kernel(*spec)), spec
