@@ -4,7 +4,9 @@ Pure PyTorch on the CPU; imports nothing of ``ep_runtime``. See ``topology/READM
 """
 
 from .cluster import Link, Topology
-from .plan import POLICIES, Migration, Plan, migration, plan, plan_from_phy2log
+from .discover import discover
+from .planner import POLICIES, Migration, Plan, migration, plan, plan_from_phy2log
+from .replanner import replan
 from .traffic import Traffic, TrafficModel
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "TrafficModel",
     "POLICIES",
     "plan",
+    "replan",
+    "discover",
     "plan_from_phy2log",
     "migration",
 ]

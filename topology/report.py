@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .cluster import Topology
-from .plan import POLICIES, Plan, plan, plan_from_phy2log
+from .planner import POLICIES, Plan, plan, plan_from_phy2log
 from .traffic import TrafficModel
 
 __all__ = ["main", "compare", "draw"]

@@ -63,10 +63,9 @@ class Migration:
 
     Fields:
         source_LP: [L, P] for each physical slot of the new plan, the old plan's slot whose weights it
-            takes: on the same GPU when the GPU already held that expert, else on the same node when
-            one does, else the lowest-numbered old replica.
+            takes (itself when unchanged; see :func:`migration` for the order of preference).
         moved_LP: [L, P] bool, True where the source is on another GPU (weights travel).
-        experts_moved_L: [L] slots whose weights travel, per layer.
+        experts_moved_L: [L] expert weights that travel per layer (one per GPU and expert arriving).
         expert_bytes: bytes of one expert's weights.
     """
 
@@ -229,22 +228,22 @@ def _describe(x: object) -> str:
 
 
 # ------------------------------------------------------------------------------------- validation
-def _check_load(load: object) -> torch.Tensor:
+def _check_load(load: object, name: str = "load") -> torch.Tensor:
     if not isinstance(load, torch.Tensor):
         try:
             load = torch.as_tensor(load, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"load: expected a [layers, experts] tensor of numbers, got {type(load).__name__}") from exc
+            raise TypeError(f"{name}: expected a [layers, experts] tensor of numbers, got {type(load).__name__}") from exc
     if load.dtype.is_complex or load.dtype == torch.bool:
-        raise TypeError(f"load: expected a real dtype, got {load.dtype}")
+        raise TypeError(f"{name}: expected a real dtype, got {load.dtype}")
     if load.dim() != 2 or load.shape[0] < 1 or load.shape[1] < 1:
-        raise ValueError(f"load: expected a [layers, experts] tensor with both >= 1, got shape {tuple(load.shape)}")
+        raise ValueError(f"{name}: expected a [layers, experts] tensor with both >= 1, got shape {tuple(load.shape)}")
     load = load.detach().cpu().to(torch.float64)
     bad = ~torch.isfinite(load)
     if bad.any():
-        raise ValueError(f"load: expected finite values, got {int(bad.sum())} NaN/Inf entries")
+        raise ValueError(f"{name}: expected finite values, got {int(bad.sum())} NaN/Inf entries")
     if (load < 0).any():
-        raise ValueError(f"load: expected values >= 0, got minimum {float(load.min())}")
+        raise ValueError(f"{name}: expected values >= 0, got minimum {float(load.min())}")
     return load
 
 
@@ -368,36 +367,43 @@ def _invert(phy2log_LP: torch.Tensor, counts_LE: torch.Tensor) -> torch.Tensor:
 
 
 def migration(old: Plan, new: Plan, *, expert_bytes: int = DEFAULT_EXPERT_BYTES) -> Migration:
-    """The copies that turn ``old``'s placement into ``new``'s (same layers, experts, topology)."""
+    """The copies that turn ``old``'s placement into ``new``'s (same layers, experts and GPUs).
+
+    Weights travel to a GPU only for an expert it did not hold before (a second replica on a GPU that
+    already has one copies locally). Each new slot's source is, in order of preference: the same slot
+    when it held the expert; another slot of the same GPU; a slot on the same node; the expert's
+    lowest-numbered old replica.
+    """
     if (old.num_layers, old.num_experts) != (new.num_layers, new.num_experts):
         raise ValueError(f"new: expected {old.num_layers} layers x {old.num_experts} experts like old, got "
                          f"{new.num_layers} x {new.num_experts}")
-    if old.topology.num_gpus != new.topology.num_gpus:
-        raise ValueError(f"new: expected {old.topology.num_gpus} GPUs like old, got {new.topology.num_gpus}")
-    G = new.topology.num_gpus
-    node_G = torch.tensor(new.topology.node_of_gpu)
-    old_gpu_Q = torch.arange(old.num_physical_experts) // old.experts_per_gpu
-    new_gpu_P = torch.arange(new.num_physical_experts) // new.experts_per_gpu
+    if old.topology.node_of_gpu != new.topology.node_of_gpu:
+        raise ValueError(f"new: expected the GPUs and nodes of old ({old.topology.num_nodes} x "
+                         f"{old.topology.gpus_per_node}), got {new.topology.num_nodes} x {new.topology.gpus_per_node}")
+    node_G = new.topology.node_of_gpu
+    old_gpu_Q = (torch.arange(old.num_physical_experts) // old.experts_per_gpu).tolist()
+    new_gpu_P = (torch.arange(new.num_physical_experts) // new.experts_per_gpu).tolist()
     L, P = new.phy2log_LP.shape
     source_LP = torch.empty(L, P, dtype=torch.int64)
-    moved_LP = torch.zeros(L, P, dtype=torch.bool)
     for layer in range(L):
         old_P = old.phy2log_LP[layer].tolist()
-        # Old slots of each expert per GPU, consumed as new slots reuse them (a multiset per GPU).
-        local: dict[tuple[int, int], list[int]] = {}
+        on_gpu: dict[tuple[int, int], int] = {}
+        on_node: dict[tuple[int, int], int] = {}
+        anywhere: dict[int, int] = {}
         for q, e in enumerate(old_P):
-            local.setdefault((e, int(old_gpu_Q[q])), []).append(q)
-        first = {}
-        for q, e in enumerate(old_P):
-            first.setdefault(e, q)
+            on_gpu.setdefault((e, old_gpu_Q[q]), q)
+            on_node.setdefault((e, node_G[old_gpu_Q[q]]), q)
+            anywhere.setdefault(e, q)
         for p, e in enumerate(new.phy2log_LP[layer].tolist()):
-            g = int(new_gpu_P[p])
-            if local.get((e, g)):
-                source_LP[layer, p] = local[(e, g)].pop(0)
-                continue
-            moved_LP[layer, p] = True
-            same_node = [q for q in old.log2phy_LER[layer, e].tolist()
-                         if q >= 0 and int(node_G[old_gpu_Q[q]]) == int(node_G[g])]
-            source_LP[layer, p] = same_node[0] if same_node else first[e]
-    return Migration(source_LP=source_LP, moved_LP=moved_LP, experts_moved_L=moved_LP.sum(-1),
+            g = new_gpu_P[p]
+            if p < len(old_P) and old_P[p] == e and old_gpu_Q[p] == g:
+                source_LP[layer, p] = p
+            else:
+                source_LP[layer, p] = on_gpu.get((e, g), on_node.get((e, node_G[g]), anywhere[e]))
+    moved_LP = torch.tensor(old_gpu_Q)[source_LP] != torch.tensor(new_gpu_P)
+    # One transfer per (GPU, expert) that arrives; duplicates on that GPU copy locally.
+    experts_moved_L = torch.tensor([len({(new_gpu_P[p], int(new.phy2log_LP[layer, p]))
+                                         for p in moved_LP[layer].nonzero().flatten().tolist()})
+                                    for layer in range(L)], dtype=torch.int64)
+    return Migration(source_LP=source_LP, moved_LP=moved_LP, experts_moved_L=experts_moved_L,
                      expert_bytes=expert_bytes)

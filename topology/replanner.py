@@ -9,8 +9,8 @@ from-scratch ``locality`` plan achieves (max/mean GPU load). Two kinds of move:
   replica of another expert (one copy; replica counts change, so every GPU holding either expert
   sees its load change, and the move is judged on the whole layer).
 
-A move's cost is the change in weight copies counted against the *original* placement (moving an
-expert back where it already was is free). Each step takes, if some move brings the busiest GPU to the
+A move's cost is the change in expert weights that travel, counted against the *original* placement:
+one per (GPU, expert) the GPU did not hold before; moving an expert back where it was is free. Each step takes, if some move brings the busiest GPU to the
 target, the cheapest such move; otherwise the move with the best load reduction per copy. Ties lean
 towards keeping experts on their group's home node (the node holding most of the group now).
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .cluster import Topology
-from .plan import DEFAULT_EXPERT_BYTES, Plan, _check_load, migration, plan, plan_from_phy2log
+from .planner import DEFAULT_EXPERT_BYTES, Plan, _check_load, migration, plan, plan_from_phy2log
 from .traffic import TrafficModel
 
 __all__ = ["replan"]
@@ -58,7 +58,7 @@ def replan(
     """
     if not isinstance(current, Plan):
         raise TypeError(f"current: expected a topology.Plan, got {type(current).__name__}")
-    load_LE = _check_load(new_load)
+    load_LE = _check_load(new_load, "new_load")
     if load_LE.shape != current.load_LE.shape:
         raise ValueError(f"new_load: expected shape {tuple(current.load_LE.shape)} like the current plan, got "
                          f"{tuple(load_LE.shape)}")
@@ -112,12 +112,12 @@ def _replan_layer(phy2log_P: np.ndarray, load_E: np.ndarray, target: float, home
         return np.bincount(gpu_P, weights=load_E[phy] / count_E[phy], minlength=G)
 
     def copies_to(e: np.ndarray, g: np.ndarray) -> np.ndarray:
-        """+1 where placing e on g needs a copy (no original replica of e on g left unused)."""
-        return (held_EG[e, g] >= original_EG[e, g]).astype(np.float64)
+        """+1 where placing e on g makes its weights travel (g holds no copy of e, and held none)."""
+        return ((held_EG[e, g] == 0) & (original_EG[e, g] == 0)).astype(np.float64)
 
     def copies_from(e: np.ndarray, g: np.ndarray) -> np.ndarray:
-        """-1 where removing e from g undoes a copy."""
-        return -(held_EG[e, g] > original_EG[e, g]).astype(np.float64)
+        """-1 where removing e from g takes away the only copy that travelled there."""
+        return -((held_EG[e, g] == 1) & (original_EG[e, g] == 0)).astype(np.float64)
 
     def off_home(e: np.ndarray, g: np.ndarray) -> np.ndarray:
         return ((node_of_gpu_G[g] != home_E[e]) & (count_E[e] < N)).astype(np.float64)
