@@ -3,13 +3,15 @@
 Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
 device, and the PyTorch reference otherwise. The blockwise casts take the kernel for block sides
 that are powers of two (:func:`kernels.quant.tiles.supports_block`; 1x128, 128x128 and 128x1 among
-them) and the reference for any other block shape; so does ``swiglu_per_token_cast`` for its group.
+them) and the reference for any other block shape; so do ``swiglu_per_token_cast`` and
+``expand_per_token_cast`` for their group.
 
 Shape suffixes as in :mod:`kernels.quant.reference`.
 """
 
 import torch
 
+from kernels.permute import expand_quant_kernel
 from kernels.permute.reference import ExpertLayout
 from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import blockwise_cast
@@ -96,6 +98,8 @@ def expand_per_token_cast(
     x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.quant.reference.expand_per_token_cast`."""
+    if _kernel_for(x_TD, (1, group)):
+        return expand_quant_kernel.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
     return reference.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
 
 
