@@ -221,7 +221,7 @@ class Topology:
         if hosts and len(hosts) != nodes:
             raise ValueError(f"{source}: hosts: expected {nodes} names, got {len(hosts)}")
         return cls(num_nodes=nodes, gpus_per_node=gpus_per_node, intra_node=intra_link, inter_node=inter_link,
-                   hosts=tuple(hosts), gpu=str(data.get("gpu", "")), name=str(data.get("name", path_stem(source))))
+                   hosts=tuple(hosts), gpu=str(data.get("gpu", "")), name=str(data.get("name", _path_stem(source))))
 
     def to_dict(self) -> dict:
         """The description :meth:`from_dict` reads back (bandwidths in GB/s)."""
@@ -236,7 +236,7 @@ class Topology:
         return out
 
 
-def path_stem(source: str) -> str:
+def _path_stem(source: str) -> str:
     return Path(source).stem if source else ""
 
 

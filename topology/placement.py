@@ -17,7 +17,11 @@ Four phases per layer (see ``topology/README.md`` for the picture):
    the lightest node until node loads agree to 0.05%, picking among the swaps that close the gap
    (nearly) best the one that sends the least load away from its home.
 4. **GPUs.** Inside each node: longest-processing-time packing onto its GPUs (equal counts), then
-   swaps that lower the node's heaviest GPU until none does.
+   swaps that lower the node's heaviest GPU until none does. Last, swaps between the busiest GPU and
+   any other GPU, across nodes, while the busiest is more than 0.1% above a packing lower bound (this
+   matters with few replicas per GPU, where node loads can agree while their GPUs cannot pack evenly);
+   among the swaps that lower it at least half as much as the best, the one that sends the least load
+   away from home.
 
 Shape suffixes: L layers, E logical experts, P physical experts, G GPUs, N nodes, C expert groups,
 I items (replicas) of one layer.
@@ -128,15 +132,58 @@ def _place_layer(load_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, t
     expert_I = np.array(expert_I)
     node_I = np.array(node_I)
     _balance_nodes(expert_I, node_I, weight_E, home_E, E, N, fair)
-    # Phase 4: GPUs inside each node.
+    # Phase 4: GPUs inside each node, then swaps across nodes while they still lower the busiest GPU.
     per_gpu = num_physical // topology.num_gpus
-    phy2log_P = np.empty(num_physical, dtype=np.int64)
+    gpu_I = np.empty(len(expert_I), dtype=np.int64)
     for n, gpus in enumerate(topology.gpus_of_node):
         items = np.nonzero(node_I == n)[0]
-        gpu_of_item = _pack_gpus(weight_E[expert_I[items]], len(gpus), per_gpu)
-        for k, g in enumerate(gpus):
-            phy2log_P[g * per_gpu:(g + 1) * per_gpu] = np.sort(expert_I[items[gpu_of_item == k]])
+        gpu_I[items] = np.array(gpus)[_pack_gpus(weight_E[expert_I[items]], len(gpus), per_gpu)]
+    if N > 1:
+        _swap_across_nodes(gpu_I, weight_E[expert_I], home_E[expert_I], np.array(topology.node_of_gpu),
+                           topology.num_gpus, per_gpu)
+    phy2log_P = np.empty(num_physical, dtype=np.int64)
+    for g in range(topology.num_gpus):
+        phy2log_P[g * per_gpu:(g + 1) * per_gpu] = np.sort(expert_I[gpu_I == g])
     return phy2log_P
+
+
+def _swap_across_nodes(gpu_I: np.ndarray, weight_I: np.ndarray, home_I: np.ndarray, node_of_gpu_G: np.ndarray,
+                       G: int, per_gpu: int) -> None:
+    """Phase 4b: swaps between the busiest GPU and any other, until the busiest is within 0.1% of the
+    mean or of a packing lower bound, or no swap lowers it. Among the swaps that lower it at least half
+    as much as the best one, the one sending the least load away from its home node (updates gpu_I)."""
+    load_G = np.bincount(gpu_I, weights=weight_I, minlength=G)
+    w_desc = np.sort(weight_I)[::-1]
+    csum = np.concatenate([[0.0], np.cumsum(w_desc)])
+    P = len(weight_I)
+    bound = load_G.mean()
+    for m in range(per_gpu):  # the bound of topology.packing.packing_lower_bound
+        top, rest = m * G + 1, per_gpu - m - 1
+        if top <= P:
+            bound = max(bound, csum[top] - csum[top - m - 1] + csum[P] - csum[P - rest])
+    target = max(bound, load_G.mean()) * (1 + 1e-3)
+    for _ in range(4 * P):
+        hi = int(load_G.argmax())
+        if load_G[hi] <= target:
+            break
+        a = np.nonzero(gpu_I == hi)[0]
+        b = np.nonzero(gpu_I != hi)[0]
+        shift_AB = weight_I[a][:, None] - weight_I[b][None, :]
+        gain_AB = load_G[hi] - np.maximum(load_G[hi] - shift_AB, load_G[gpu_I[b]][None, :] + shift_AB)
+        best = gain_AB.max()
+        if best <= 1e-12 * load_G[hi]:
+            break
+        node_a, node_b = node_of_gpu_G[hi], node_of_gpu_G[gpu_I[b]]
+        leave_AB = (weight_I[a][:, None] * ((node_b[None, :] != home_I[a][:, None]).astype(float)
+                                            - (node_a != home_I[a]).astype(float)[:, None])
+                    + weight_I[b][None, :] * ((node_a != home_I[b]).astype(float)
+                                              - (node_b != home_I[b]).astype(float))[None, :])
+        score_AB = np.where(gain_AB >= 0.5 * best, leave_AB, np.inf)
+        i, j = np.unravel_index(int(score_AB.argmin()), score_AB.shape)
+        k = gpu_I[b[j]]
+        gpu_I[a[i]], gpu_I[b[j]] = k, hi
+        load_G[hi] -= shift_AB[i, j]
+        load_G[k] += shift_AB[i, j]
 
 
 def _balance_nodes(expert_I: np.ndarray, node_I: np.ndarray, weight_E: np.ndarray, home_E: np.ndarray,
