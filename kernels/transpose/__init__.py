@@ -1,5 +1,21 @@
-"""Batched matrix transpose (see :mod:`kernels.transpose.reference`)."""
+"""Batched matrix transpose (see :mod:`kernels.transpose.reference`).
 
-from kernels.transpose.reference import batched_transpose
+``batched_transpose`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so
+for the input's device, and the reference otherwise.
+"""
+
+import torch
+
+from kernels.select import use_tilelang
+from kernels.transpose import reference
+from kernels.transpose.batched_transpose_kernel import batched_transpose as batched_transpose_kernel
+
+
+def batched_transpose(x_BMN: torch.Tensor) -> torch.Tensor:
+    """See :func:`kernels.transpose.reference.batched_transpose`."""
+    if isinstance(x_BMN, torch.Tensor) and x_BMN.dim() in (2, 3) and use_tilelang(x_BMN.device):
+        return batched_transpose_kernel(x_BMN)
+    return reference.batched_transpose(x_BMN)
+
 
 __all__ = ["batched_transpose"]

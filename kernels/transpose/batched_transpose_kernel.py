@@ -1,0 +1,77 @@
+"""Batched transpose kernel for any dtype (see :mod:`kernels.transpose.reference`).
+
+Elements are moved as raw bits (an unsigned integer of the element's width, so float8 and every
+other dtype share one kernel per width). A CTA (256 threads) stages a ``[tile, tile]`` tile in shared
+memory (128 x 128 for 1- and 2-byte elements, 64 x 64 otherwise), read from ``x`` with row-contiguous
+vectors; each thread then gathers a column run of up to 16 bytes from shared memory into registers and
+stores it as one vector along the output row. Shared rows are padded by 4 bytes so column reads
+spread over the banks (a swizzle or in-register 4x4 byte transposes would remove the remaining
+conflicts for 1-byte elements).
+
+Shape suffixes: B batch, M rows, N columns.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.quant.tiles import PASS_CONFIGS, check_cuda, vector_layout, vector_width
+from kernels.validate import check_tensor
+
+BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str):
+    """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64)."""
+    batch = T.dynamic("batch")
+    elem_bytes = T.dtype(bits_dtype).bytes
+    tile = 128 if elem_bytes <= 2 else 64
+    threads = 256
+    pad = max(1, 4 // elem_bytes)
+    in_vec, out_vec = vector_width(cols, elem_bytes), vector_width(rows, elem_bytes)
+
+    @T.prim_func
+    def batched_transpose(
+        x_BMN: T.Tensor[(batch, rows, cols), bits_dtype],
+        out_BNM: T.Tensor[(batch, cols, rows), bits_dtype],
+    ):
+        with T.Kernel(T.ceildiv(cols, tile), T.ceildiv(rows, tile), batch, threads=threads) as (pn, pm, b):
+            tile_MN = T.alloc_shared((tile, tile + pad), bits_dtype)
+            column = T.alloc_local((out_vec,), bits_dtype)
+            tid = T.get_thread_binding()
+            for i, j in T.Parallel(tile, tile, loop_layout=vector_layout(tile, tile, threads, in_vec)):
+                tile_MN[i, j] = x_BMN[b, pm * tile + i, pn * tile + j]
+            T.sync_threads()
+            # Thread-owned output vectors: out_vec consecutive rows of one tile column, gathered from
+            # shared memory, then stored as one vector along the output row.
+            for v in T.unroll(tile * tile // (out_vec * threads)):
+                flat = (v * threads + tid) * out_vec
+                n_in_tile, m_in_tile = flat // tile, flat % tile
+                for k in T.unroll(out_vec):
+                    column[k] = tile_MN[m_in_tile + k, n_in_tile]
+                if pn * tile + n_in_tile < cols and pm * tile + m_in_tile < rows:
+                    for k in T.vectorized(out_vec):
+                        out_BNM[b, pn * tile + n_in_tile, pm * tile + m_in_tile + k] = column[k]
+
+    return batched_transpose
+
+
+def batched_transpose(x_BMN: torch.Tensor) -> torch.Tensor:
+    """The TileLang twin of :func:`kernels.transpose.reference.batched_transpose`: ``[B, N, M]``
+    (``[N, M]`` for 2-D input) in new row-major memory, any dtype, bit for bit. ``x_BMN`` must be
+    on a CUDA device (copied first if not contiguous)."""
+    check_tensor("x_BMN", x_BMN)
+    if x_BMN.dim() not in (2, 3):
+        raise ValueError(f"x_BMN: expected a 2-D or 3-D tensor, got shape {tuple(x_BMN.shape)}")
+    check_cuda("x_BMN", x_BMN)
+    if x_BMN.element_size() not in BITS_DTYPES:
+        raise TypeError(f"x_BMN: expected elements of 1, 2, 4 or 8 bytes, got {x_BMN.dtype}")
+    x_3d = x_BMN if x_BMN.dim() == 3 else x_BMN[None]
+    b, m, n = x_3d.shape
+    out = torch.empty((b, n, m), dtype=x_BMN.dtype, device=x_BMN.device)
+    if out.numel():
+        bits = BITS_DTYPES[x_BMN.element_size()]
+        kernel = get_batched_transpose_kernel(m, n, str(T.dtype(bits)))
+        kernel(x_3d.contiguous().view(bits), out.view(bits))
+    return out if x_BMN.dim() == 3 else out[0]
