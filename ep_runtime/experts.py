@@ -8,7 +8,6 @@ expert-major layout (see ``kernels.permute.ExpertLayout``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.permute import ExpertLayout

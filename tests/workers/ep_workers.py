@@ -11,7 +11,6 @@ from ep_runtime.config import MoEConfig, ParallelConfig, RouterConfig
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.moe import MoELayer
 from ep_runtime.parallel import init_parallel, single_process
-from ep_runtime.router import Routing
 
 TOKENS, HIDDEN = 24, 32
 
