@@ -113,22 +113,23 @@ def _place_layer(load_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, t
     fill_N = np.bincount(home_E, minlength=N)
     expert_I = [*range(E)]
     node_I = [*home_E.tolist()]
-    holds = [{int(n)} for n in home_E]
+    holds_EN = np.zeros((E, N), dtype=bool)
+    holds_EN[np.arange(E), home_E] = True
     # Phase 3a: extra replicas, heaviest first.
     extra = np.repeat(np.arange(E), counts_E - 1)
     extra = extra[np.argsort(-weight_E[extra], kind="stable")]
     slack = _SPREAD_TOLERANCE * fair
     for e in extra.tolist():
-        room = [n for n in range(N) if fill_N[n] < slots]
-        lightest = min(node_load_N[n] for n in room)
+        room_N = fill_N < slots
+        lightest = node_load_N[room_N].min()
         spread = counts_E[e] >= N
-        preferred = [n for n in room if (n not in holds[e]) == spread and node_load_N[n] <= lightest + slack]
-        n = min(preferred or room, key=lambda m: node_load_N[m])
+        preferred_N = room_N & (holds_EN[e] != spread) & (node_load_N <= lightest + slack)
+        n = int(np.where(preferred_N if preferred_N.any() else room_N, node_load_N, np.inf).argmin())
         expert_I.append(e)
         node_I.append(n)
         node_load_N[n] += weight_E[e]
         fill_N[n] += 1
-        holds[e].add(n)
+        holds_EN[e, n] = True
     expert_I = np.array(expert_I)
     node_I = np.array(node_I)
     _balance_nodes(expert_I, node_I, weight_E, home_E, E, N, fair)
