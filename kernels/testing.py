@@ -149,3 +149,18 @@ def swiglu_input(
     x_TI2 = 3 * torch.randn(num_tokens, 2 * inter, generator=gen)
     grad_TI = torch.randn(num_tokens, inter, generator=gen)
     return x_TI2.to(dtype).to(device), grad_TI.to(dtype).to(device)
+
+
+def random_bits(
+    rows: int, cols: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0
+) -> torch.Tensor:
+    """A matrix of uniformly random bytes viewed as ``dtype`` (every bit pattern, NaNs included): the
+    input of ops that only move elements (expand, unexpand, transpose), compared as bits.
+
+    Returns:
+        x_MN: [M, N] ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    bytes_MN = torch.randint(0, 256, (rows, cols * size), generator=gen, dtype=torch.uint8)
+    return bytes_MN.view(dtype).to(device)

@@ -4,7 +4,8 @@
 ``expert_layout`` runs the sync-free kernels of ``expert_layout_kernel.py``: with ``num_rows=None``
 it lays out into the static capacity :func:`max_rows` and then reads ``offsets_E[-1]`` on the host
 to trim ``src_P`` (the one host sync, as in the reference); with ``num_rows`` given it never syncs
-and needs ``num_rows >= max_rows(...)``. ``expand`` and ``unexpand`` run the references for now.
+and needs ``num_rows >= max_rows(...)``. ``expand`` and ``unexpand`` run the row-copy kernels of
+``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows).
 """
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import ExpertLayout, expand, max_rows, unexpand
+from .reference import ExpertLayout, max_rows
 
 __all__ = ["ExpertLayout", "expand", "expert_layout", "max_rows", "unexpand"]
 
@@ -37,3 +38,21 @@ def expert_layout(
         src_P=layout.src_P[:needed],
         alignment=alignment,
     )
+
+
+def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """Gathers tokens into the layout; see :func:`kernels.permute.reference.expand`."""
+    if not (isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device)):
+        return reference.expand(x_TD, layout)
+    from .expand_kernel import expand as kernel
+
+    return kernel(x_TD, layout)
+
+
+def unexpand(y_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """Gathers layout rows back per route; see :func:`kernels.permute.reference.unexpand`."""
+    if not (isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device)):
+        return reference.unexpand(y_PD, layout)
+    from .expand_kernel import unexpand as kernel
+
+    return kernel(y_PD, layout)
