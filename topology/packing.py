@@ -1,14 +1,34 @@
 """Packing primitives shared by every placement policy, batched over independent problems.
 
+Computed with numpy on the CPU (single-threaded, so small problems do not pay for thread start-up or
+suffer when other processes hold the cores); tensors in and out.
+
 Shape suffixes: B independent problems (layers, or layers x nodes), E logical experts, P physical
-experts (replicas), N items, K packs.
+experts (replicas), N items, K packs, Q queries.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["replicate_greedy", "replicate_packable", "packing_lower_bound", "pack_equal", "expand_replicas"]
+
+
+def _np(t: torch.Tensor | np.ndarray, dtype) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(dtype, copy=False) if isinstance(t, torch.Tensor) else t.astype(dtype)
+
+
+def _greedy_picks(w_BE: np.ndarray, extras: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    B, E = w_BE.shape
+    counts_BE = np.ones((B, E), dtype=np.int64)
+    rows_B = np.arange(B)
+    picks = []
+    for _ in range(extras):
+        hot_B = (w_BE / counts_BE).argmax(-1)
+        picks.append(hot_B)
+        counts_BE[rows_B, hot_B] += 1
+    return counts_BE, picks
 
 
 def replicate_greedy(weight_BE: torch.Tensor, num_physical: int) -> torch.Tensor:
@@ -19,14 +39,39 @@ def replicate_greedy(weight_BE: torch.Tensor, num_physical: int) -> torch.Tensor
 
     Returns counts_BE (int64), each row summing to ``num_physical``.
     """
-    B, E = weight_BE.shape
-    counts_BE = torch.ones(B, E, dtype=torch.int64)
-    rows_B = torch.arange(B)
-    w_BE = weight_BE.double()
-    for _ in range(num_physical - E):
-        hot_B = (w_BE / counts_BE).argmax(-1)
-        counts_BE[rows_B, hot_B] += 1
-    return counts_BE
+    w_BE = _np(weight_BE, np.float64)
+    counts_BE, _ = _greedy_picks(w_BE, num_physical - w_BE.shape[1])
+    return torch.from_numpy(counts_BE)
+
+
+def _lower_bound(w_BE: np.ndarray, counts_BE: np.ndarray, num_packs: int) -> np.ndarray:
+    B, E = w_BE.shape
+    weight_BE = w_BE / counts_BE
+    order_BE = np.argsort(-weight_BE, axis=-1, kind="stable")
+    count_BE = np.take_along_axis(counts_BE, order_BE, -1).astype(np.float64)
+    replica_w_BE = np.take_along_axis(weight_BE, order_BE, -1)
+    ends_BE = count_BE.cumsum(-1)  # replicas up to and including each expert, heaviest first
+    mass_BE = (replica_w_BE * count_BE).cumsum(-1)
+    P = int(counts_BE[0].sum())
+    per_pack = P // num_packs
+    levels = [m for m in range(per_pack) if m * num_packs + 1 <= P]
+    # Prefix sizes whose weight the bounds need: top, top - m - 1 and P - rest for each level m.
+    sizes = sorted({n for m in levels for n in (m * num_packs + 1, m * num_packs - m, P - (per_pack - m - 1))})
+    n_Q = np.array(sizes, dtype=np.float64)
+    at_BQ = np.minimum((ends_BE[:, None, :] < n_Q[None, :, None]).sum(-1), E - 1)  # expert of the n-th replica
+    prev_BQ = np.maximum(at_BQ - 1, 0)
+    before_BQ = np.where(at_BQ > 0, np.take_along_axis(ends_BE, prev_BQ, -1), 0.0)
+    mass_before_BQ = np.where(at_BQ > 0, np.take_along_axis(mass_BE, prev_BQ, -1), 0.0)
+    heaviest_BQ = np.where(n_Q > 0, mass_before_BQ + (n_Q - before_BQ) * np.take_along_axis(replica_w_BE, at_BQ, -1),
+                           0.0)
+    column = {n: q for q, n in enumerate(sizes)}
+    total_B = mass_BE[:, -1]
+    bound_B = total_B / num_packs
+    for m in levels:
+        top, rest = m * num_packs + 1, per_pack - m - 1
+        bound_B = np.maximum(bound_B, heaviest_BQ[:, column[top]] - heaviest_BQ[:, column[top - m - 1]]
+                             + total_B - heaviest_BQ[:, column[P - rest]])
+    return bound_B
 
 
 def packing_lower_bound(load_BE: torch.Tensor, counts_BE: torch.Tensor, num_packs: int) -> torch.Tensor:
@@ -38,34 +83,7 @@ def packing_lower_bound(load_BE: torch.Tensor, counts_BE: torch.Tensor, num_pack
 
     Returns bound_B (float64).
     """
-    w_BE = load_BE.double()
-    weight_BE = w_BE / counts_BE
-    order_BE = weight_BE.argsort(dim=-1, descending=True, stable=True)
-    count_BE = counts_BE.gather(-1, order_BE).double()
-    replica_w_BE = weight_BE.gather(-1, order_BE)
-    ends_BE = count_BE.cumsum(-1)  # replicas up to and including each expert, heaviest first
-    mass_BE = (replica_w_BE * count_BE).cumsum(-1)
-    B, E = w_BE.shape
-    P = int(counts_BE[0].sum())
-    per_pack = P // num_packs
-
-    def heaviest(n: int) -> torch.Tensor:
-        """Total weight of the n heaviest replicas, [B]."""
-        if n <= 0:
-            return torch.zeros(B, dtype=torch.float64)
-        at_B = torch.searchsorted(ends_BE, torch.full((B, 1), float(n), dtype=torch.float64)).clamp(max=E - 1)
-        before_B = torch.where(at_B > 0, ends_BE.gather(-1, (at_B - 1).clamp(min=0)), 0.0)
-        mass_before_B = torch.where(at_B > 0, mass_BE.gather(-1, (at_B - 1).clamp(min=0)), 0.0)
-        return (mass_before_B + (n - before_B) * replica_w_BE.gather(-1, at_B)).squeeze(-1)
-
-    total_B = mass_BE[:, -1]
-    bound_B = total_B / num_packs
-    for m in range(per_pack):
-        top, rest = m * num_packs + 1, per_pack - m - 1
-        if top > P:
-            break
-        bound_B = torch.maximum(bound_B, heaviest(top) - heaviest(top - m - 1) + total_B - heaviest(P - rest))
-    return bound_B
+    return torch.from_numpy(_lower_bound(_np(load_BE, np.float64), _np(counts_BE, np.int64), num_packs))
 
 
 def replicate_packable(load_BE: torch.Tensor, num_physical: int, num_packs: int) -> torch.Tensor:
@@ -80,18 +98,13 @@ def replicate_packable(load_BE: torch.Tensor, num_physical: int, num_packs: int)
 
     Returns counts_BE (int64).
     """
-    B, E = load_BE.shape
-    w_BE = load_BE.double()
-    rows_B = torch.arange(B)
+    w_BE = _np(load_BE, np.float64)
+    B, E = w_BE.shape
+    rows_B = np.arange(B)
     extras = num_physical - E
-    picks = []
-    counts_BE = torch.ones(B, E, dtype=torch.int64)
-    for _ in range(extras):
-        hot_B = (w_BE / counts_BE).argmax(-1)
-        picks.append(hot_B)
-        counts_BE[rows_B, hot_B] += 1
-    best_counts_BE = counts_BE.clone()
-    best_bound_B = packing_lower_bound(w_BE, counts_BE, num_packs)
+    counts_BE, picks = _greedy_picks(w_BE, extras)
+    best_counts_BE = counts_BE.copy()
+    best_bound_B = _lower_bound(w_BE, counts_BE, num_packs)
     top_k = min(extras, num_packs)
     tried = [k for k in range(1, top_k + 1) if k <= 32 or (k <= 128 and k % 4 == 0) or k % 16 == 0]
     undone = 0
@@ -99,25 +112,27 @@ def replicate_packable(load_BE: torch.Tensor, num_physical: int, num_packs: int)
         while undone < k:  # undo greedy picks from the last one back
             undone += 1
             counts_BE[rows_B, picks[extras - undone]] -= 1
-        candidate_BE = counts_BE.clone()
-        cold_BE = torch.where(candidate_BE == 1, w_BE, float("inf")).argsort(dim=-1, stable=True)[:, :k]
-        candidate_BE.scatter_add_(1, cold_BE, torch.ones_like(cold_BE))
-        bound_B = packing_lower_bound(w_BE, candidate_BE, num_packs)
+        candidate_BE = counts_BE.copy()
+        cold_BK = np.argsort(np.where(candidate_BE == 1, w_BE, np.inf), axis=-1, kind="stable")[:, :k]
+        np.add.at(candidate_BE, (rows_B[:, None], cold_BK), 1)
+        bound_B = _lower_bound(w_BE, candidate_BE, num_packs)
         better_B = bound_B < best_bound_B * (1 - 1e-9)
         best_counts_BE[better_B] = candidate_BE[better_B]
-        best_bound_B = torch.where(better_B, bound_B, best_bound_B)
-    return best_counts_BE
+        best_bound_B = np.where(better_B, bound_B, best_bound_B)
+    return torch.from_numpy(best_counts_BE)
 
 
 def expand_replicas(counts_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists replicas expert-major: expert_BP[b, p] is the expert of replica p, rank_BP its replica rank."""
-    B, E = counts_BE.shape
-    P = int(counts_BE[0].sum())
-    end_BE = counts_BE.cumsum(-1)
-    p_BP = torch.arange(P).expand(B, P).contiguous()
-    expert_BP = torch.searchsorted(end_BE, p_BP, right=True)
-    rank_BP = p_BP - (end_BE - counts_BE).gather(-1, expert_BP)
-    return expert_BP, rank_BP
+    c_BE = _np(counts_BE, np.int64)
+    B, E = c_BE.shape
+    P = int(c_BE[0].sum())
+    end_BE = c_BE.cumsum(-1)
+    p_P = np.arange(P)
+    expert_BP = np.stack([np.searchsorted(end_BE[b], p_P, side="right") for b in range(B)]) if B else \
+        np.empty((0, P), dtype=np.int64)
+    rank_BP = p_P - np.take_along_axis(end_BE - c_BE, expert_BP, -1)
+    return torch.from_numpy(expert_BP.astype(np.int64)), torch.from_numpy(rank_BP.astype(np.int64))
 
 
 def pack_equal(weight_BN: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,25 +143,22 @@ def pack_equal(weight_BN: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, t
 
     Returns pack_BN (pack of each item) and slot_BN (its position inside the pack), both int64.
     """
-    B, N = weight_BN.shape
+    w_BN = _np(weight_BN, np.float64)
+    B, N = w_BN.shape
     per_pack = N // num_packs
-    pack_BN = torch.empty(B, N, dtype=torch.int64)
-    slot_BN = torch.empty(B, N, dtype=torch.int64)
     if per_pack == 1:
-        pack_BN.copy_(torch.arange(N).expand(B, N))
-        slot_BN.zero_()
-        return pack_BN, slot_BN
-    w_BN = weight_BN.double()
-    order_BN = w_BN.sort(dim=-1, descending=True, stable=True).indices
-    load_BK = torch.zeros(B, num_packs, dtype=torch.float64)
-    fill_BK = torch.zeros(B, num_packs, dtype=torch.int64)
-    rows_B = torch.arange(B)
-    inf = torch.tensor(float("inf"), dtype=torch.float64)
+        return torch.arange(N).expand(B, N).clone(), torch.zeros(B, N, dtype=torch.int64)
+    pack_BN = np.empty((B, N), dtype=np.int64)
+    slot_BN = np.empty((B, N), dtype=np.int64)
+    order_BN = np.argsort(-w_BN, axis=-1, kind="stable")
+    load_BK = np.zeros((B, num_packs))
+    fill_BK = np.zeros((B, num_packs), dtype=np.int64)
+    rows_B = np.arange(B)
     for j in range(N):
         item_B = order_BN[:, j]
-        pack_B = torch.where(fill_BK < per_pack, load_BK, inf).argmin(-1)
+        pack_B = np.where(fill_BK < per_pack, load_BK, np.inf).argmin(-1)
         pack_BN[rows_B, item_B] = pack_B
         slot_BN[rows_B, item_B] = fill_BK[rows_B, pack_B]
         load_BK[rows_B, pack_B] += w_BN[rows_B, item_B]
         fill_BK[rows_B, pack_B] += 1
-    return pack_BN, slot_BN
+    return torch.from_numpy(pack_BN), torch.from_numpy(slot_BN)

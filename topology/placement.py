@@ -89,25 +89,42 @@ def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int
                     expert_groups: int | None) -> torch.Tensor:
     """Places replicas for balance first and node-local traffic second; returns phy2log_LP."""
     L, E = load_LE.shape
-    counts_LE = replicate_packable(load_LE, num_physical, topology.num_gpus)
+    N, G = topology.num_nodes, topology.num_gpus
+    slots = num_physical // N
+    per_gpu = num_physical // G
+    counts_LE = replicate_packable(load_LE, num_physical, G)
     home_LE = home_nodes(load_LE, topology, num_physical, expert_groups)
-    load_np = load_LE.double().numpy()
+    weight_LE = (load_LE.double() / counts_LE).numpy()
     counts_np = counts_LE.numpy()
     home_np = home_LE.numpy()
+    # Phases 2-3, per layer: the replicas of each node; [L, P] expert ids, node-major.
+    expert_LI = np.empty((L, num_physical), dtype=np.int64)
+    for layer in range(L):
+        expert_I, node_I = _nodes_of_replicas(weight_LE[layer], counts_np[layer], home_np[layer], N, slots)
+        expert_LI[layer] = expert_I[np.argsort(node_I, kind="stable")]
+    # Phase 4, all layers and nodes at once: longest-processing-time onto each node's GPUs.
+    weight_LI = np.take_along_axis(weight_LE, expert_LI, 1)
+    gpu_in_node_BS, _ = pack_equal(torch.from_numpy(weight_LI).view(L * N, slots), topology.gpus_per_node)
+    gpus_of_node_NK = np.array(topology.gpus_of_node)
+    gpu_LI = gpus_of_node_NK[np.arange(N)[:, None], gpu_in_node_BS.view(L, N, slots).numpy()].reshape(L, -1)
+    node_of_gpu_G = np.array(topology.node_of_gpu)
     phy2log_LP = torch.empty(L, num_physical, dtype=torch.int64)
     for layer in range(L):
-        phy2log_LP[layer] = torch.from_numpy(
-            _place_layer(load_np[layer], counts_np[layer], home_np[layer], topology, num_physical))
+        gpu_I, weight_I = gpu_LI[layer], weight_LI[layer]
+        for n in range(N):
+            _refine_node(gpu_I, weight_I, slice(n * slots, (n + 1) * slots), gpus_of_node_NK[n])
+        if N > 1:
+            _swap_across_nodes(gpu_I, weight_I, home_np[layer][expert_LI[layer]], node_of_gpu_G, G, per_gpu)
+        order_I = np.lexsort((expert_LI[layer], gpu_I))  # by GPU, experts ascending inside a GPU
+        phy2log_LP[layer] = torch.from_numpy(expert_LI[layer][order_I])
     return phy2log_LP
 
 
-def _place_layer(load_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, topology: Topology,
-                 num_physical: int) -> np.ndarray:
-    N = topology.num_nodes
-    E = len(load_E)
-    slots = num_physical // N
-    weight_E = load_E / counts_E
-    fair = load_E.sum() / N
+def _nodes_of_replicas(weight_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, N: int,
+                       slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phases 2 and 3 of one layer: (expert, node) of every replica."""
+    E = len(weight_E)
+    fair = float((weight_E * counts_E).sum()) / N
     # Phase 2: first replicas at home.
     node_load_N = np.bincount(home_E, weights=weight_E, minlength=N)
     fill_N = np.bincount(home_E, minlength=N)
@@ -133,19 +150,30 @@ def _place_layer(load_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, t
     expert_I = np.array(expert_I)
     node_I = np.array(node_I)
     _balance_nodes(expert_I, node_I, weight_E, home_E, E, N, fair)
-    # Phase 4: GPUs inside each node, then swaps across nodes while they still lower the busiest GPU.
-    per_gpu = num_physical // topology.num_gpus
-    gpu_I = np.empty(len(expert_I), dtype=np.int64)
-    for n, gpus in enumerate(topology.gpus_of_node):
-        items = np.nonzero(node_I == n)[0]
-        gpu_I[items] = np.array(gpus)[_pack_gpus(weight_E[expert_I[items]], len(gpus), per_gpu)]
-    if N > 1:
-        _swap_across_nodes(gpu_I, weight_E[expert_I], home_E[expert_I], np.array(topology.node_of_gpu),
-                           topology.num_gpus, per_gpu)
-    phy2log_P = np.empty(num_physical, dtype=np.int64)
-    for g in range(topology.num_gpus):
-        phy2log_P[g * per_gpu:(g + 1) * per_gpu] = np.sort(expert_I[gpu_I == g])
-    return phy2log_P
+    return expert_I, node_I
+
+
+def _refine_node(gpu_I: np.ndarray, weight_I: np.ndarray, items: slice, gpus: np.ndarray) -> None:
+    """Phase 4a: swaps inside one node that lower its busiest GPU, until none does (updates gpu_I)."""
+    if len(gpus) == 1 or (items.stop - items.start) == len(gpus):
+        return
+    gpu_S, weight_S = gpu_I[items], weight_I[items]  # a view: swaps write through
+    local_S = np.searchsorted(gpus, gpu_S)
+    load_K = np.bincount(local_S, weights=weight_S, minlength=len(gpus))
+    for _ in range(4 * len(weight_S)):
+        hi = int(load_K.argmax())
+        a = np.nonzero(local_S == hi)[0]
+        b = np.nonzero(local_S != hi)[0]
+        shift_AB = weight_S[a][:, None] - weight_S[b][None, :]
+        gain_AB = load_K[hi] - np.maximum(load_K[hi] - shift_AB, load_K[local_S[b]][None, :] + shift_AB)
+        i, j = np.unravel_index(int(gain_AB.argmax()), gain_AB.shape)
+        if gain_AB[i, j] <= 1e-12 * load_K[hi]:
+            break
+        k = local_S[b[j]]
+        local_S[a[i]], local_S[b[j]] = k, hi
+        load_K[hi] -= shift_AB[i, j]
+        load_K[k] += shift_AB[i, j]
+    gpu_S[:] = gpus[local_S]
 
 
 def _swap_across_nodes(gpu_I: np.ndarray, weight_I: np.ndarray, home_I: np.ndarray, node_of_gpu_G: np.ndarray,
@@ -217,32 +245,3 @@ def _balance_nodes(expert_I: np.ndarray, node_I: np.ndarray, weight_E: np.ndarra
         node_I[a[i]], node_I[b[j]] = light, heavy
         node_load_N[heavy] -= shift_AB[i, j]
         node_load_N[light] += shift_AB[i, j]
-
-
-def _pack_gpus(weight_I: np.ndarray, num_gpus: int, per_gpu: int) -> np.ndarray:
-    """Phase 4: LPT with equal counts, then max-lowering swaps; returns the GPU (0..num_gpus-1) of each item."""
-    gpu_I = np.empty(len(weight_I), dtype=np.int64)
-    load_K = np.zeros(num_gpus)
-    fill_K = np.zeros(num_gpus, dtype=np.int64)
-    for i in np.argsort(-weight_I, kind="stable"):
-        k = int(np.where(fill_K < per_gpu, load_K, np.inf).argmin())
-        gpu_I[i] = k
-        load_K[k] += weight_I[i]
-        fill_K[k] += 1
-    if num_gpus == 1 or per_gpu == 1:
-        return gpu_I
-    for _ in range(4 * len(weight_I)):
-        hi = int(load_K.argmax())
-        a = np.nonzero(gpu_I == hi)[0]
-        b = np.nonzero(gpu_I != hi)[0]
-        shift_AB = weight_I[a][:, None] - weight_I[b][None, :]
-        new_max_AB = np.maximum(load_K[hi] - shift_AB, load_K[gpu_I[b]][None, :] + shift_AB)
-        gain_AB = load_K[hi] - new_max_AB
-        i, j = np.unravel_index(int(gain_AB.argmax()), gain_AB.shape)
-        if gain_AB[i, j] <= 1e-12 * load_K[hi]:
-            break
-        k = gpu_I[b[j]]
-        gpu_I[a[i]], gpu_I[b[j]] = k, hi
-        load_K[hi] -= shift_AB[i, j]
-        load_K[k] += shift_AB[i, j]
-    return gpu_I
