@@ -21,7 +21,8 @@ Four phases per layer (see ``topology/README.md`` for the picture):
    any other GPU, across nodes, while the busiest is more than 0.1% above a packing lower bound (this
    matters with few replicas per GPU, where node loads can agree while their GPUs cannot pack evenly);
    among the swaps that lower it at least half as much as the best, the one that sends the least load
-   away from home.
+   away from home. Two replicas of one expert on one GPU (a wasted slot) are split up by a swap when
+   one exists that makes the busiest GPU at most 0.05% (of the mean) busier.
 
 Shape suffixes: L layers, E logical experts, P physical experts, G GPUs, N nodes, C expert groups,
 I items (replicas) of one layer.
@@ -40,6 +41,7 @@ __all__ = ["locality_policy", "home_nodes"]
 _SPREAD_TOLERANCE = 0.002  # node-load slack (fraction of a node's fair share) for keeping a preference
 _NODE_GAP = 0.0005  # stop balancing nodes when heaviest and lightest differ by this fraction
 _EXTRA_REPLICA_COST = 0.3  # moving an extra replica off its node costs this much of a first replica
+_DUPLICATE_SLACK = 0.0005  # load (fraction of the mean GPU) that splitting a same-GPU pair may add
 
 
 def home_nodes(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert_groups: int | None) -> torch.Tensor:
@@ -115,9 +117,42 @@ def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int
             _refine_node(gpu_I, weight_I, slice(n * slots, (n + 1) * slots), gpus_of_node_NK[n])
         if N > 1:
             _swap_across_nodes(gpu_I, weight_I, home_np[layer][expert_LI[layer]], node_of_gpu_G, G, per_gpu)
+        _separate_duplicates(gpu_I, weight_I, expert_LI[layer], node_of_gpu_G, G)
         order_I = np.lexsort((expert_LI[layer], gpu_I))  # by GPU, experts ascending inside a GPU
         phy2log_LP[layer] = torch.from_numpy(expert_LI[layer][order_I])
     return phy2log_LP
+
+
+def _separate_duplicates(gpu_I: np.ndarray, weight_I: np.ndarray, expert_I: np.ndarray, node_of_gpu_G: np.ndarray,
+                         G: int) -> None:
+    """Phase 4c: two replicas of one expert on one GPU waste a slot; swap one of them with a replica
+    elsewhere (same node first, then the smallest load change) when no GPU then exceeds the busiest
+    GPU's load by more than 0.05% of the mean (updates gpu_I)."""
+    held_GE = np.zeros((G, int(expert_I.max()) + 1), dtype=np.int64)
+    np.add.at(held_GE, (gpu_I, expert_I), 1)
+    if held_GE.max() < 2:
+        return
+    load_G = np.bincount(gpu_I, weights=weight_I, minlength=G)
+    ceiling = load_G.max() + _DUPLICATE_SLACK * load_G.mean()
+    for i in range(len(gpu_I)):
+        g, e = int(gpu_I[i]), int(expert_I[i])
+        if held_GE[g, e] < 2:
+            continue
+        shift_J = weight_I[i] - weight_I  # what GPU gpu_I[j] gains by taking item i for item j
+        fits_J = ((gpu_I != g) & (held_GE[gpu_I, e] == 0) & (held_GE[g, expert_I] == 0)
+                  & (load_G[gpu_I] + shift_J <= ceiling) & (load_G[g] - shift_J <= ceiling))
+        if not fits_J.any():
+            continue
+        far_J = node_of_gpu_G[gpu_I] != node_of_gpu_G[g]
+        j = int(np.where(fits_J, far_J * (1.0 + 2 * ceiling) + np.abs(shift_J), np.inf).argmin())
+        k, x = int(gpu_I[j]), int(expert_I[j])
+        held_GE[g, e] -= 1
+        held_GE[k, e] += 1
+        held_GE[k, x] -= 1
+        held_GE[g, x] += 1
+        gpu_I[i], gpu_I[j] = k, g
+        load_G[k] += shift_J[j]
+        load_G[g] -= shift_J[j]
 
 
 def _nodes_of_replicas(weight_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, N: int,
