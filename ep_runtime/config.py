@@ -71,6 +71,53 @@ class MoEConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MHCConfig:
+    """mHC: the residual stream widened to ``n`` streams, mixed around every sublayer
+    (``ep_runtime/mhc.py``)."""
+
+    n: int = 4  # residual streams
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6  # the norm's, the pre weights' and Sinkhorn's epsilon
+    recompute: bool = False  # recompute the mixing coefficients in backward instead of keeping them
+
+    def __post_init__(self):
+        p = "model.mhc"
+        _require(_is_int(self.n) and self.n >= 1, f"{p}.n", "an int >= 1", self.n)
+        _require(_is_int(self.sinkhorn_iters) and self.sinkhorn_iters >= 1, f"{p}.sinkhorn_iters", "an int >= 1",
+                 self.sinkhorn_iters)
+        _require(isinstance(self.eps, (int, float)) and 0 <= self.eps < float("inf"), f"{p}.eps",
+                 "a finite float >= 0", self.eps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngramConfig:
+    """Engram: hashed n-gram memory added to the residual before the attention of ``layers``
+    (``ep_runtime/engram.py``). Its tables are sharded by rows over the EP group."""
+
+    layers: tuple[int, ...] = (0,)  # blocks that get an Engram (distinct, in [0, model.num_layers))
+    max_ngram: int = 3  # n-gram orders 2..max_ngram; also the short conv's dilation
+    num_heads: int = 2  # hash heads (tables) per order
+    table_size: int = 1009  # rows of a table: the smallest unused prime >= this
+    head_dim: int = 16  # width of one table's rows; the memory vector is (max_ngram - 1) * num_heads of them
+
+    def __post_init__(self):
+        p = "model.engram"
+        object.__setattr__(self, "layers", tuple(self.layers))  # a list from a command line or JSON
+        _require(len(self.layers) >= 1 and all(_is_int(i) and i >= 0 for i in self.layers)
+                 and len(set(self.layers)) == len(self.layers), f"{p}.layers", "distinct ints >= 0, at least one",
+                 self.layers)
+        _require(_is_int(self.max_ngram) and self.max_ngram >= 2, f"{p}.max_ngram", "an int >= 2", self.max_ngram)
+        _require(_is_int(self.num_heads) and self.num_heads >= 1, f"{p}.num_heads", "an int >= 1", self.num_heads)
+        _require(_is_int(self.table_size) and self.table_size >= 2, f"{p}.table_size", "an int >= 2",
+                 self.table_size)
+        _require(_is_int(self.head_dim) and self.head_dim >= 1, f"{p}.head_dim", "an int >= 1", self.head_dim)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A tiny DeepSeek-style decoder: attention + MoE blocks (the first ``dense_layers`` dense)."""
 
@@ -82,6 +129,8 @@ class ModelConfig:
     dense_layers: int = 0
     dense_hidden: int = 128
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mhc: MHCConfig | None = None  # None: one residual stream
+    engram: EngramConfig | None = None  # None: no Engram layers
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden", "num_layers", "num_heads", "max_seq_len", "dense_hidden"):
@@ -90,6 +139,24 @@ class ModelConfig:
                  f"a divisor of hidden={self.hidden}", self.num_heads)
         _require(0 <= self.dense_layers <= self.num_layers, "model.dense_layers",
                  f"in [0, num_layers={self.num_layers}]", self.dense_layers)
+        if self.engram is not None:
+            _require(all(i < self.num_layers for i in self.engram.layers), "model.engram.layers",
+                     f"layers in [0, num_layers={self.num_layers})", self.engram.layers)
+
+
+def v4_model_config(**overrides) -> ModelConfig:
+    """A tiny DeepSeek-V4-style model: mHC with 4 streams around every sublayer, Engram memory
+    before the first and the last block, a dense first block, then MoE (8 routed experts, top-2
+    sigmoid routing, one shared expert). Trains on 2 CPU processes in about a minute.
+    ``overrides`` replace top-level ``ModelConfig`` fields."""
+    fields = dict(vocab_size=256, hidden=64, num_layers=3, num_heads=4, max_seq_len=64, dense_layers=1,
+                  dense_hidden=128,
+                  moe=MoEConfig(num_experts=8, expert_hidden=64, num_shared_experts=1,
+                                router=RouterConfig(scoring="sigmoid", topk=2)),
+                  mhc=MHCConfig(n=4),
+                  engram=EngramConfig(layers=(0, 2), max_ngram=3, num_heads=2, table_size=1009, head_dim=16))
+    fields.update(overrides)
+    return ModelConfig(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
