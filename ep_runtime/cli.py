@@ -1,6 +1,6 @@
 """The ``ep-runtime`` command.
 
-    ep-runtime train ...              the main job (this module)
+    ep-runtime train ...              the main job: local processes, or Ray actors (--launcher ray)
     ep-runtime plan ...               expert placement (``topology.report``)
     ep-runtime bench <name> ...       benchmarks (``ep_runtime.bench.<name>``: kernels, ep-scaling, ...)
 
@@ -29,7 +29,6 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--experts", type=int, help="override the preset's routed experts")
     p.add_argument("--topk", type=int, help="override the preset's routes per token")
     p.add_argument("--ep", type=int, help="EP group size (default: all ranks)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default: one per GPU, else 2)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
@@ -38,7 +37,28 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--out", default=TrainConfig.out_dir, help="output directory (default runs/)")
     p.add_argument("--name", help="run name (default: the preset)")
-    p.add_argument("--timeout", type=float, default=ParallelConfig.timeout_s, help="collective timeout, s")
+    p.add_argument("--timeout", type=float, default=ParallelConfig.timeout_s,
+                   help="collective timeout, s: a rank that does not take part for this long ends the job")
+    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every, metavar="N",
+                   help="save a checkpoint every N steps under OUT/NAME/ckpt/ (default 0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint (same world size and EP size)")
+    return p
+
+
+def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """How ``ep-runtime train`` starts its workers (not used under torchrun, which starts them)."""
+    p.add_argument("--launcher", choices=("local", "ray"), default="local",
+                   help="local processes (default), or Ray actors on a Ray cluster")
+    p.add_argument("--num-workers", "--nproc", dest="num_workers", type=int,
+                   help="worker processes (default: one per GPU, else 2)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the job this many times after a worker failure, from the newest checkpoint "
+                        "(default 0: fail at once, naming the rank)")
+    ray = p.add_argument_group("ray launcher")
+    ray.add_argument("--address", help="Ray cluster: auto, or HOST:PORT (default: RAY_ADDRESS, else a local Ray)")
+    ray.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default: 1 if the cluster has GPUs)")
+    ray.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per worker (default 1)")
     return p
 
 
@@ -54,22 +74,43 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
     model = ModelConfig(hidden=preset["hidden"], num_layers=preset["num_layers"], num_heads=preset["num_heads"],
                         max_seq_len=max(64, a.seq_len), moe=moe)
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                        out_dir=a.out, name=a.name or a.model)
+                        out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
+                        resume=a.resume)
     return JobConfig(model=model, parallel=ParallelConfig(ep=a.ep, timeout_s=a.timeout), train=train)
 
 
 def _train(a: argparse.Namespace) -> None:
-    import torch
-
-    from launch.local import launch_local
+    import logging
 
     from .train import worker
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
     cfg = job_config_from_args(a)
-    nproc = a.nproc or torch.cuda.device_count() or 2
-    results = launch_local(worker, cfg, nproc=nproc)
-    losses = results[0]["losses"]
-    print(f"trained {len(losses)} steps on {nproc} processes: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if a.launcher == "ray":
+        from launch.ray import RayConfig, WorkerFailed, launch_ray
+
+        config = RayConfig(address=a.address, num_workers=a.num_workers, gpus_per_worker=a.gpus_per_worker,
+                           cpus_per_worker=a.cpus_per_worker, max_restarts=a.max_restarts)
+        try:
+            results = launch_ray(worker, cfg, config=config)
+        except WorkerFailed as failure:
+            raise SystemExit(f"ep-runtime train: {failure}") from None
+    else:
+        import torch
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        from launch.local import launch_local
+
+        nproc = a.num_workers or torch.cuda.device_count() or 2
+        try:
+            results = launch_local(worker, cfg, nproc=nproc, max_restarts=a.max_restarts)
+        except ChildFailedError as failure:
+            raise SystemExit(f"ep-runtime train: {failure.format_msg()}") from None
+    first = results[0]
+    losses, resumed = first["losses"], first["first_step"] > 1
+    where = f" (resumed at step {first['first_step']})" if resumed else ""
+    summary = f": loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
+    print(f"trained {len(losses)} steps on {len(results)} processes{where}{summary}")
 
 
 def _bench(name: str, argv: list[str]) -> None:
@@ -88,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ep-runtime", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train_parser(sub.add_parser("train", help="train the tiny MoE model with expert parallelism"))
+    launch_arguments(train_parser(sub.add_parser("train", help="train the tiny MoE model with expert parallelism")))
     plan = sub.add_parser("plan", help="place experts on a cluster (ep-runtime plan --help)", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="benchmarks: ep-runtime bench <name> --help")

@@ -183,11 +183,14 @@ class TrainConfig:
     out_dir: str = "runs"
     name: str = "tiny"
     log_every: int = 10
+    checkpoint_every: int = 0  # steps between checkpoints (out_dir/name/ckpt/step_<n>/); 0: none
+    resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "log_every"):
             _require(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
         _require(self.lr > 0, "train.lr", "> 0", self.lr)
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", self.checkpoint_every)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,13 +7,22 @@ parameters are averaged over all ranks, expert parameters over the ``dp`` replic
 
 A job without the torch.distributed environment (no ``WORLD_SIZE``) runs as one process that holds
 every expert, with no process group at all.
+
+The job's key-value store (a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT``) is created here too: hosted
+by the launcher when it says so (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun's agent, the Ray
+launcher's driver), else by rank 0. Besides bootstrapping the process groups it carries failure
+reports (``report_failure``), so a rank whose collective broke can name the rank that caused it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +47,7 @@ class ParallelContext:
     ep_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None  # the replicas of this rank's experts
     mesh: DeviceMesh | None
+    store: dist.Store | None = None  # the job's key-value store (failure reports)
 
     @property
     def distributed(self) -> bool:
@@ -45,7 +55,17 @@ class ParallelContext:
 
     @property
     def node_rank(self) -> int:
-        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", 0)))
+        return node_rank()
+
+    @property
+    def where(self) -> str:
+        """``rank 3 (node 1, local 1)``: how logs and errors name this process."""
+        return f"rank {self.rank} (node {self.node_rank}, local {self.local_rank})"
+
+
+def node_rank() -> int:
+    """This process's node: ``GROUP_RANK`` as torchrun and the Ray launcher set it."""
+    return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
 
 
 def default_device(local_rank: int) -> torch.device:
@@ -64,21 +84,171 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     if "WORLD_SIZE" not in os.environ:
         return single_process()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ep = cfg.ep or world
     if world % ep:
         raise ValueError(f"parallel.ep: expected a divisor of the world size {world}, got {ep}")
     device = default_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    store = None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        store = job_store(rank, world, timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
     ctx = ParallelContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
                           ep_rank=mesh.get_local_rank("ep"), ep_size=ep, ep_group=mesh.get_group("ep"),
-                          dp_group=mesh.get_group("dp"), mesh=mesh)
-    log.info("rank %d/%d (node %d, local %d) on %s: ep %d/%d", rank, world, ctx.node_rank, local_rank,
-             device, ctx.ep_rank, ep)
+                          dp_group=mesh.get_group("dp"), mesh=mesh, store=store)
+    log.info("%s of %d on %s: ep %d/%d, collective timeout %.0f s", ctx.where, world, device, ctx.ep_rank, ep,
+             cfg.timeout_s)
     return ctx
+
+
+def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The job's store at ``MASTER_ADDR:MASTER_PORT``: a client of the launcher's store when
+    ``TORCHELASTIC_USE_AGENT_STORE=True``, else hosted by rank 0 (what ``env://`` does)."""
+    hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=rank == 0 and not hosted_by_launcher, timeout=timeout)
+
+
+def prefix_group(size: int) -> dist.ProcessGroup | None:
+    """A process group of ranks ``[0, size)`` (an EP group smaller than the job, for benchmarks):
+    every rank calls this; None for ``size == 1`` (one rank needs no group)."""
+    group = dist.new_group(list(range(size))) if size > 1 else None
+    return group if dist.get_rank() < size else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure reports: the rank whose error came first takes the blame, a rank whose collective broke
+# says whose fault it was, and a rank that is stuck does not outlive the job.
+
+
+class RankFailed(RuntimeError):
+    """Training failed on this rank. ``culprits`` are the ranks this rank holds responsible: itself
+    when the error started here (``primary``), else the ranks that reported an error of their own,
+    or those that never reported at all (withheld, hung or dead)."""
+
+    def __init__(self, message: str, *, rank: int, culprits: tuple[int, ...], primary: bool):
+        super().__init__(message)
+        self.rank, self.culprits, self.primary = rank, culprits, primary
+
+    def __reduce__(self):  # survives pickling (Ray sends it to the driver)
+        return _rank_failed, (str(self), self.rank, self.culprits, self.primary)
+
+
+def _rank_failed(message, rank, culprits, primary):
+    return RankFailed(message, rank=rank, culprits=culprits, primary=primary)
+
+
+def restart_count() -> int:
+    """How many times the launcher has restarted this job (torchrun and the Ray launcher set it)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """A collective or the store failed (timed out, or a peer went away): a consequence, usually,
+    of another rank's failure. gloo raises plain RuntimeErrors naming its source files."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in ("/gloo/", "NCCL", "Connection closed by peer"))
+
+
+def _summary(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _report_key(name: object) -> str:
+    """Store keys of this attempt's failure reports (a restarted torchrun job keeps its store)."""
+    return f"ep_runtime/attempt_{restart_count()}/failed/{name}"
+
+
+def report_failure(ctx: ParallelContext, exc: BaseException, *, step: int, grace_s: float) -> RankFailed:
+    """Records this rank's failure in the job's store and returns the error to raise, naming the
+    rank responsible. An error of this rank's own is reported at once. A communication error
+    waits up to ``grace_s`` for the other ranks' reports, then names the ranks that reported an
+    error of their own or, if none did, the ranks that never reported (withheld, hung or dead)."""
+    comm = is_communication_error(exc)
+    mine = {"where": ctx.where, "step": step, "error": _summary(exc), "comm": comm}
+    if not comm:
+        if ctx.store is not None:
+            with contextlib.suppress(Exception):  # a courtesy to the other ranks; the error stands anyway
+                ctx.store.set(_report_key(ctx.rank), json.dumps(mine))
+                ctx.store.add(_report_key("count"), 1)
+        return RankFailed(f"{ctx.where} failed at step {step}: {mine['error']}", rank=ctx.rank,
+                          culprits=(ctx.rank,), primary=True)
+    message = f"{ctx.where} stopped at step {step}: a collective failed ({mine['error']})"
+    if ctx.store is None:
+        return RankFailed(message, rank=ctx.rank, culprits=(), primary=False)
+    try:
+        ctx.store.set(_report_key(ctx.rank), json.dumps(mine))
+        reported = ctx.store.add(_report_key("count"), 1)
+        deadline = time.monotonic() + grace_s
+        while reported < ctx.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            reported = ctx.store.add(_report_key("count"), 0)
+        reports = {r: json.loads(ctx.store.get(_report_key(r))) for r in range(ctx.world_size)
+                   if ctx.store.check([_report_key(r)])}
+    except Exception as store_exc:  # noqa: BLE001 - the store's host may be the process that died
+        return RankFailed(f"{message}; the job's store is unreachable too ({_summary(store_exc)}), so which rank "
+                          "failed first is unknown here: see the launcher's report", rank=ctx.rank, culprits=(),
+                          primary=False)
+    own_errors = {r: rep for r, rep in reports.items() if not rep["comm"]}
+    silent = tuple(r for r in range(ctx.world_size) if r not in reports)
+    if own_errors:
+        causes = "; ".join(f"{rep['where']} failed at step {rep['step']}: {rep['error']}"
+                           for rep in own_errors.values())
+        return RankFailed(f"{message}, because {causes}", rank=ctx.rank, culprits=tuple(own_errors), primary=False)
+    if silent:
+        names = ", ".join(f"rank {r}" for r in silent)
+        return RankFailed(f"{message}: {names} never reported within {grace_s:.0f} s (withheld, hung or dead)",
+                          rank=ctx.rank, culprits=silent, primary=False)
+    return RankFailed(f"{message}; every rank reported a communication error", rank=ctx.rank, culprits=(),
+                      primary=False)
+
+
+class FailureWatch:
+    """While active (a context manager), a thread ends this process if another rank has reported a
+    failure and this one has neither finished nor reported within ``grace_s``, or if the job's
+    store has been unreachable that long: a withheld or stuck rank does not outlive its job (a
+    launcher only ends the processes of its own node). Polls its own store connection every
+    ``poll_s``; does nothing in a single-process job."""
+
+    def __init__(self, ctx: ParallelContext, *, grace_s: float, poll_s: float = 1.0):
+        self.ctx, self.grace_s, self.poll_s = ctx, grace_s, poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ep_runtime-failure-watch", daemon=True)
+
+    def __enter__(self) -> FailureWatch:  # noqa: PYI034
+        if self.ctx.store is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        since = None  # when trouble was first seen
+        store = None
+        while not self._done.wait(self.poll_s):
+            try:
+                store = store or dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                               is_master=False, timeout=datetime.timedelta(seconds=10))
+                if store.check([_report_key(self.ctx.rank)]) or store.add(_report_key("count"), 0) == 0:
+                    since = None
+                    continue
+                trouble = "; ".join(json.loads(store.get(_report_key(r)))["where"] + " reported a failure"
+                                    for r in range(self.ctx.world_size) if store.check([_report_key(r)]))
+            except Exception as exc:  # noqa: BLE001 - the store's host has gone: the job is over
+                trouble, store = f"the job's store is unreachable ({_summary(exc)})", None
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.grace_s and not self._done.is_set():
+                log.error("%s: ending this process, which neither finished nor failed within %.0f s of this: %s",
+                          self.ctx.where, self.grace_s, trouble)
+                logging.shutdown()
+                os._exit(1)

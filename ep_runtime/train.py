@@ -1,8 +1,19 @@
 """The training worker that every launcher runs (local processes, torchrun, Ray).
 
 ``python -m ep_runtime.train [options]`` under torchrun runs it in each process; ``ep-runtime
-train`` starts local processes that run the same function. The process group comes from the
-environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+train`` starts local processes (or Ray actors) that run the same function. The process group comes
+from the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, GROUP_RANK for the node).
+
+Failures: an error on a rank ends the job with a ``RankFailed`` naming the rank and its error; a
+rank whose collective breaks or times out (``--timeout``) names the rank that failed first or the
+ranks that never answered (see ``parallel.report_failure``). A restarted job
+(``TORCHELASTIC_RESTART_COUNT`` > 0, set by torchrun and the Ray launcher) continues from the
+newest checkpoint, if there is one; ``--resume`` asks for that explicitly.
+
+Fault injection, for tests: ``EP_RUNTIME_FAIL_AT_STEP=RANK:STEP[:HOW]`` makes rank RANK, at the
+start of step STEP of the job's first attempt (restart count 0), ``raise`` a RuntimeError (the
+default), ``kill`` itself (SIGKILL, no report), or ``hang`` (stop taking part in collectives until
+the launcher ends it). It is read in ``InjectedFault.from_env`` and nowhere else.
 """
 
 from __future__ import annotations
@@ -10,19 +21,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
+from . import checkpoint
 from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
-from .metrics import MetricsLog, plot_loss
+from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
-from .parallel import ParallelContext, init_parallel
+from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
 
 log = logging.getLogger("ep_runtime.train")
 
@@ -58,19 +74,81 @@ def global_expert_load(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tenso
     return load_LE
 
 
-def _setup_logging(ctx: ParallelContext) -> None:
-    fmt = f"%(asctime)s [node {ctx.node_rank} rank {ctx.rank}/{ctx.world_size} local {ctx.local_rank}] %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
-    logging.getLogger("ep_runtime").setLevel(logging.INFO if ctx.rank == 0 else logging.WARNING)
+FAULT_ENV = "EP_RUNTIME_FAIL_AT_STEP"
+FAULT_KINDS = ("raise", "kill", "hang")
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A test's fault: rank ``rank`` fails at the start of step ``step`` in the way ``how``."""
+
+    rank: int
+    step: int
+    how: str
+
+    @staticmethod
+    def from_env() -> InjectedFault | None:
+        """Parses ``EP_RUNTIME_FAIL_AT_STEP=RANK:STEP[:HOW]``; None if unset or the job restarted."""
+        spec = os.environ.get(FAULT_ENV)
+        if not spec or restart_count() > 0:
+            return None
+        rank, _, rest = spec.partition(":")
+        step, _, how = rest.partition(":")
+        how = how or "raise"
+        if not (rank.isdigit() and step.isdigit()) or how not in FAULT_KINDS:
+            raise ValueError(f"{FAULT_ENV}: expected RANK:STEP[:HOW] with HOW one of {FAULT_KINDS}, got {spec!r}")
+        return InjectedFault(int(rank), int(step), how)
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        if (rank, step) != (self.rank, self.step):
+            return
+        log.warning("%s=%d:%d:%s: injecting the fault now", FAULT_ENV, rank, step, self.how)
+        if self.how == "raise":
+            raise RuntimeError(f"injected fault ({FAULT_ENV}) at step {step}")
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # "hang": withheld from every collective until the launcher ends this process
+            time.sleep(1)
+
+
+def _setup_logging() -> None:
+    """Every line carries node, rank and local rank (read from the launcher's environment, so the
+    lines before the process group exists carry them too)."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    where = f"node {node_rank()} rank {rank}/{world} local {os.environ.get('LOCAL_RANK', '0')}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{where}] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    logging.getLogger("ep_runtime").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logging.getLogger("ep_runtime.parallel").setLevel(logging.INFO)  # one line per rank: where it runs
 
 
 def worker(cfg: JobConfig) -> dict:
-    """Trains ``cfg.model`` for ``cfg.train.steps`` steps; returns this rank's summary."""
+    """Trains ``cfg.model`` up to step ``cfg.train.steps``; returns this rank's summary:
+    ``{"rank", "node", "host", "restart", "first_step", "losses"}`` (the losses of the steps this
+    process ran, from ``first_step``; every rank logs the global mean)."""
+    _setup_logging()
     ctx = init_parallel(cfg.parallel)
-    _setup_logging(ctx)
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    at = _Position()
+    grace_s = min(cfg.parallel.timeout_s, 30.0)
+    try:
+        with FailureWatch(ctx, grace_s=grace_s):
+            return _train(cfg, ctx, at)
+    except Exception as exc:
+        failure = report_failure(ctx, exc, step=at.step, grace_s=grace_s)
+        log.error("%s", failure)
+        raise failure from exc
+
+
+@dataclass
+class _Position:
+    step: int = 0  # the step in progress (0: setting up), for failure reports
+
+
+def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
+    if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     t = cfg.train
+    fault = InjectedFault.from_env()
     torch.manual_seed(t.seed)
     model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx), ep_rank=ctx.ep_rank, seed=t.seed)
     model.to(ctx.device)
@@ -80,13 +158,38 @@ def worker(cfg: JobConfig) -> dict:
                 else contextlib.nullcontext())
 
     run_dir = Path(t.out_dir) / t.name
-    metrics = MetricsLog(run_dir) if ctx.rank == 0 else None
-    log.info("training %s: %d ranks, EP %d, %d experts, %d steps -> %s", t.name, ctx.world_size, ctx.ep_size,
-             cfg.model.moe.num_experts, t.steps, run_dir)
-    progress = _progress(t.steps, enabled=ctx.rank == 0)
+    ckpt_dir = run_dir / "ckpt"
+    placement = checkpoint.Placement.of(ctx, cfg.model.moe.num_experts)
+    first_step = 1
+    if t.resume or restart_count() > 0:
+        saved = checkpoint.latest_step(ckpt_dir, ctx)
+        if saved is None and t.resume:
+            raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
+        if saved is not None:
+            checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, placement=placement, ctx=ctx)
+            log.info("resumed from %s (restart %d)", checkpoint.step_dir(ckpt_dir, saved), restart_count())
+            first_step = saved + 1
+    elif ckpt_dir.is_dir():  # a fresh run must never resume from an older run's files
+        log.info("a fresh run: deleting earlier checkpoints under %s", ckpt_dir)
+        checkpoint.clear(ckpt_dir, ctx)
+
+    metrics = None
+    if ctx.rank == 0:
+        old = run_dir / "metrics.jsonl"
+        earlier = read_metrics(old) if first_step > 1 and old.is_file() else []
+        metrics = MetricsLog(run_dir)
+        for record_ in earlier:
+            if record_["step"] < first_step:
+                metrics.write(record_)
+    log.info("training %s: %d ranks, EP %d, %d experts, steps %d..%d -> %s", t.name, ctx.world_size, ctx.ep_size,
+             cfg.model.moe.num_experts, first_step, t.steps, run_dir)
+    progress = _progress(t.steps, initial=first_step - 1, enabled=ctx.rank == 0)
     losses = []
     tokens_per_step = t.batch_size * t.seq_len * ctx.world_size
-    for step in range(1, t.steps + 1):
+    for step in range(first_step, t.steps + 1):
+        at.step = step
+        if fault:
+            fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
         tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=(t.seed * 1_000_003 + step) * 4099 + ctx.rank)
         with autocast:
@@ -104,34 +207,41 @@ def worker(cfg: JobConfig) -> dict:
             mean_loss /= ctx.world_size
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start
-        record = {"step": step, "loss": losses[-1], "tokens_per_s": tokens_per_step / elapsed,
-                  "step_time_s": elapsed, "expert_load": load_LE.tolist(),
-                  "load_imbalance": float((load_LE.max(-1).values / load_LE.float().mean(-1)).max())}
+        if t.checkpoint_every and step % t.checkpoint_every == 0:
+            checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, placement=placement, ctx=ctx)
+        record_ = {"step": step, "loss": losses[-1], "tokens_per_s": tokens_per_step / elapsed,
+                   "step_time_s": elapsed, "expert_load": load_LE.tolist(),
+                   "load_imbalance": float((load_LE.max(-1).values / load_LE.float().mean(-1)).max())}
         if metrics:
-            metrics.write(record)
+            metrics.write(record_)
         progress.update(1)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % t.log_every == 0 or step == t.steps:
             log.info("step %d loss %.4f tokens/s %.0f max/mean expert load %.2f load %s", step, losses[-1],
-                     record["tokens_per_s"], record["load_imbalance"], load_LE.tolist())
+                     record_["tokens_per_s"], record_["load_imbalance"], load_LE.tolist())
     progress.close()
-    summary = {"rank": ctx.rank, "losses": losses}
+    summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
+               "first_step": first_step, "losses": losses}
     if metrics:
         metrics.close()
         png = plot_loss(metrics.path, run_dir / "loss.png", floor=data.mean_successor_entropy())
-        log.info("loss %.3f -> %.3f (data entropy %.3f, uniform %.3f); wrote %s and %s", losses[0], losses[-1],
-                 data.mean_successor_entropy(), data.uniform_loss, metrics.path, png)
+        if losses:
+            log.info("loss %.3f -> %.3f (data entropy %.3f, uniform %.3f); wrote %s and %s", losses[0], losses[-1],
+                     data.mean_successor_entropy(), data.uniform_loss, metrics.path, png)
     if ctx.distributed:
         dist.destroy_process_group()
     return summary
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, *, initial: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="train", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+    # A bar on a terminal only: in log files and Ray's log stream the step lines show progress.
+    return tqdm(total=total, initial=initial, desc="train", disable=not (enabled and sys.stderr.isatty()),
+                file=sys.stderr, dynamic_ncols=True)
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
     """Entry point under torchrun: ``torchrun ... -m ep_runtime.train [train options]``."""
     from .cli import job_config_from_args, train_parser

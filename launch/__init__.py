@@ -1,2 +1,4 @@
 """Starting processes: the only place in ep-runtime that does. ``local`` runs workers on this
-machine (torchrun's elastic agent, standalone rendezvous)."""
+machine (torchrun's elastic agent, standalone rendezvous); ``ray`` runs them as Ray actors on a Ray
+cluster. Both give each worker torchrun's environment and return the workers' results by rank;
+multi-node torchrun needs no launcher of ours (``torchrun ... -m ep_runtime.train``)."""

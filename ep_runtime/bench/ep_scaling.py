@@ -1,0 +1,462 @@
+"""``ep-runtime bench ep-scaling``: the MoE layer and its bare dispatch/combine at EP sizes 1, 2, 4, ...
+
+For each EP size (ranks ``[0, size)`` of the job form the EP group; the others wait) and each
+scaling mode it measures:
+
+- ``weak``: a fixed load per rank (``--tokens-per-rank``): ideally the time stays flat;
+  efficiency = t(EP 1) / t(EP n).
+- ``strong``: a fixed global load (``--tokens-per-rank`` x the largest EP size, split over the
+  group): ideally the time falls as 1/n; efficiency = t(EP 1) / (n * t(EP n)).
+
+Per size: the MoE layer's forward+backward time (router, dispatch, experts, combine, shared
+expert) and tokens/s over the group; dispatch and combine alone (no autograd, expert outputs
+replaced by the received tokens) with GB/s per rank; ``all_to_all_single`` of the same bytes for
+comparison; load imbalance (max/mean routes per rank and per expert).
+
+Bytes counted per rank: dispatch, the token rows this rank sends to *other* ranks (one row per
+token per destination rank) as they travel: ``hidden`` bytes of FP8 plus ``ceil(hidden/128)``
+float32 scales when ``--fp8-dispatch``, else ``hidden`` elements of the activation dtype; combine,
+the rows it sends back to other ranks (``hidden`` elements of the activation dtype, BF16 on GPU).
+Router weights and counts (a few bytes per row) are not counted; rows a rank keeps are not
+counted (no link carries them), so EP 1 moves 0 bytes. Times are the median over ``--iters``
+iterations (after ``--warmup``) of the slowest rank of the group; on GPU from CUDA events.
+
+Launchers: ``--launcher local`` (processes on this machine: one per GPU, else 2 CPU workers),
+``ray`` (actors on a Ray cluster, ``--address``), ``torchrun-env`` (this process is one rank of a
+torchrun job; the default when ``WORLD_SIZE`` is set):
+
+    ep-runtime bench ep-scaling                       # small shape, 2 CPU workers
+    torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.ep_scaling --shape deepseek-v3
+
+Writes ``ep_scaling_<shape>.json`` and ``.png`` (throughput and efficiency against EP size) under
+``--out``.
+
+Shape letters: T tokens, D hidden, K routes per token, E experts, P layout rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SHAPES = {
+    # DeepSeek-V3's MoE layer: 256 routed experts (8 groups, 4 kept), top-8, one shared expert.
+    "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, num_groups=8, topk_groups=4, expert_hidden=2048,
+                        tokens_per_rank=4096, fp8_dispatch=True, alignment=128, routed_scaling_factor=2.5),
+    # For CPU workers (gloo): the shape of the curve in seconds.
+    "small": dict(hidden=128, num_experts=8, topk=2, num_groups=1, topk_groups=None, expert_hidden=128,
+                  tokens_per_rank=256, fp8_dispatch=False, alignment=8, routed_scaling_factor=1.0),
+}
+MODES = ("weak", "strong")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSpec:
+    shape: str
+    hidden: int
+    num_experts: int
+    topk: int
+    num_groups: int
+    topk_groups: int | None
+    expert_hidden: int
+    tokens_per_rank: int
+    fp8_dispatch: bool
+    alignment: int
+    routed_scaling_factor: float
+    max_ep: int | None = None  # None: the world size
+    modes: tuple[str, ...] = MODES
+    warmup: int = 2
+    iters: int = 5
+    timeout_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden", "num_experts", "topk", "expert_hidden", "tokens_per_rank", "iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench.{name}: expected >= 1, got {getattr(self, name)!r}")
+        if self.warmup < 0:
+            raise ValueError(f"bench.warmup: expected >= 0, got {self.warmup!r}")
+        if self.max_ep is not None and self.max_ep < 1:
+            raise ValueError(f"bench.max_ep: expected >= 1, got {self.max_ep!r}")
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"bench.modes: expected a non-empty subset of {MODES}, got {self.modes!r}")
+
+    def ep_sizes(self, world: int) -> list[int]:
+        """1, 2, 4, ... up to ``max_ep`` (and ``max_ep`` itself), those that divide the experts."""
+        top = min(self.max_ep or world, world)
+        sizes = sorted({2**i for i in range(int(math.log2(top)) + 1)} | {top})
+        return [s for s in sizes if self.num_experts % s == 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker (one per rank, under any launcher).
+
+
+def bench_worker(spec: BenchSpec) -> dict | None:
+    """Measures every (mode, EP size); rank 0 returns the results, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from ..config import ParallelConfig
+    from ..parallel import init_parallel, prefix_group
+
+    ctx = init_parallel(ParallelConfig(timeout_s=spec.timeout_s))
+    if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    sizes = spec.ep_sizes(ctx.world_size)
+    points = [(mode, size) for mode in spec.modes for size in sizes]
+    progress = _progress(len(points), enabled=ctx.rank == 0)
+    rows = []
+    groups = {size: prefix_group(size) if ctx.distributed else None for size in sizes}  # collective: all ranks
+    for mode, size in points:
+        group = groups[size]
+        if ctx.rank < size:
+            tokens = spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(sizes) // size
+            row = _measure(spec, ctx, group, size, tokens)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()  # the layer of this size is gone; the next one may be larger
+            row["mode"] = mode
+            rows.append(row)
+            if ctx.rank == 0:
+                progress.write(_row_line(row))
+        progress.update(1)
+        if ctx.distributed:
+            dist.barrier()
+    progress.close()
+    result = {"device": _device_name(ctx.device), "world_size": ctx.world_size, "rows": rows}
+    if ctx.distributed:
+        dist.destroy_process_group()
+    return result if ctx.rank == 0 else None
+
+
+def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
+    """One EP group of ``size`` ranks, ``tokens`` tokens per rank: the layer, then dispatch/combine."""
+    import torch
+    import torch.distributed as dist
+
+    from ..dispatch import AllToAllDispatcher
+
+    device, rank = ctx.device, ctx.rank
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment,
+                                    fp8=spec.fp8_dispatch)
+    layer = _build_layer(spec, dispatcher, ep_rank=rank, device=device, dtype=dtype)
+    g = torch.Generator(device).manual_seed(spec.seed * 7919 + rank)
+    x_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)
+    grad_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)
+    timer = _Timer(device)
+
+    def sync():
+        if group is not None:
+            dist.barrier(group=group, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
+
+    def layer_step():
+        x = x_TD.detach().requires_grad_()
+        layer(x[None]).backward(grad_TD[None])
+        for p in layer.parameters():
+            p.grad = None
+
+    layer_ms = []
+    for i in range(spec.warmup + spec.iters):
+        sync()
+        ms = timer.time(layer_step)
+        if i >= spec.warmup:
+            layer_ms.append(ms)
+    load_E = layer.load_E.to(device=device, dtype=torch.int64)
+
+    out = {}
+
+    def dispatch():
+        out["x_PD"], out["layout"], out["handle"] = dispatcher.dispatch(x_TD, idx_TK, w_TK)
+
+    with torch.no_grad():
+        routing = layer.router(x_TD)
+        idx_TK, w_TK = routing.topk_idx_TK, routing.topk_weights_TK
+        dispatch_ms, combine_ms, a2a_ms = [], [], []
+        for i in range(spec.warmup + spec.iters):
+            sync()
+            d_ms = timer.time(dispatch)
+            sync()
+            c_ms = timer.time(lambda: dispatcher.combine(out["x_PD"], out["handle"]))
+            if i >= spec.warmup:
+                dispatch_ms.append(d_ms)
+                combine_ms.append(c_ms)
+        splits = out["handle"].route.splits
+        routes_here = int(out["layout"].counts_E.sum())
+        if group is not None:  # all_to_all_single of the dispatch's token bytes, for comparison
+            row_bytes = _dispatch_row_bytes(spec, dtype)
+            send = torch.empty(sum(splits.send) * row_bytes, dtype=torch.uint8, device=device)
+            recv = torch.empty(sum(splits.recv) * row_bytes, dtype=torch.uint8, device=device)
+            for i in range(spec.warmup + spec.iters):
+                sync()
+                ms = timer.time(lambda: dist.all_to_all_single(recv, send, [r * row_bytes for r in splits.recv],
+                                                               [s * row_bytes for s in splits.send], group=group))
+                if i >= spec.warmup:
+                    a2a_ms.append(ms)
+
+    # The slowest rank of the group sets the pace: max over ranks per iteration, then the median.
+    times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters], dtype=torch.float64,
+                         device=device)
+    counts = torch.tensor([sum(splits.send) - splits.send[rank], sum(splits.recv) - splits.recv[rank], routes_here],
+                          dtype=torch.float64, device=device)
+    per_rank = torch.zeros(size, 3, dtype=torch.float64, device=device)
+    per_rank[rank] = counts
+    if group is not None:
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(per_rank, group=group)
+        dist.all_reduce(load_E, group=group)
+    layer_t, dispatch_t, combine_t, a2a_t = (statistics.median(r) for r in times.tolist())
+    sent_rows, back_rows, routes = per_rank.T.tolist()
+    dispatch_bytes = max(sent_rows) * _dispatch_row_bytes(spec, dtype)
+    combine_bytes = max(back_rows) * spec.hidden * torch.empty((), dtype=dtype).element_size()
+    row = {
+        "ep": size, "tokens_per_rank": tokens, "global_tokens": tokens * size,
+        "layer_ms": layer_t, "layer_tokens_per_s": tokens * size / layer_t * 1e3,
+        "dispatch_ms": dispatch_t, "combine_ms": combine_t,
+        "dispatch_combine_tokens_per_s": tokens * size / (dispatch_t + combine_t) * 1e3,
+        "dispatch_bytes_per_rank": dispatch_bytes, "combine_bytes_per_rank": combine_bytes,
+        "dispatch_gbps_per_rank": dispatch_bytes / dispatch_t / 1e6,
+        "combine_gbps_per_rank": combine_bytes / combine_t / 1e6,
+        "a2a_same_bytes_ms": a2a_t if group is not None else None,
+        "a2a_same_bytes_gbps_per_rank": dispatch_bytes / a2a_t / 1e6 if group is not None else None,
+        "rank_imbalance": max(routes) / (sum(routes) / len(routes)) if sum(routes) else 1.0,
+        "expert_imbalance": float(load_E.max() / load_E.float().mean()) if int(load_E.sum()) else 1.0,
+    }
+    return row
+
+
+def _dispatch_row_bytes(spec: BenchSpec, dtype) -> int:
+    import torch
+
+    if spec.fp8_dispatch:
+        return spec.hidden + math.ceil(spec.hidden / 128) * 4
+    return spec.hidden * torch.empty((), dtype=dtype).element_size()
+
+
+def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
+    """The MoE layer, built on the meta device and initialised in place on ``device`` in ``dtype``
+    (DeepSeek-V3's 256 experts would take 45 GB of host memory in float32 first)."""
+    import torch
+
+    from ..config import MoEConfig, RouterConfig
+    from ..moe import MoELayer
+
+    router = RouterConfig(scoring="sigmoid", topk=spec.topk, num_groups=spec.num_groups,
+                          topk_groups=spec.topk_groups, routed_scaling_factor=spec.routed_scaling_factor,
+                          bias_update_rate=0.0)
+    cfg = MoEConfig(num_experts=spec.num_experts, expert_hidden=spec.expert_hidden, num_shared_experts=1,
+                    alignment=spec.alignment, fp8_dispatch=spec.fp8_dispatch, router=router)
+    with torch.device("meta"):
+        layer = MoELayer(cfg, spec.hidden, dispatcher, ep_rank=ep_rank, seed=spec.seed)
+    layer = layer.to(dtype=dtype).to_empty(device=device)
+    g = torch.Generator(device).manual_seed(spec.seed * 1_000_003 + ep_rank)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            # Expert weights are [E, in, out], linear layers' [out, in].
+            fan_in = p.shape[-2] if name.startswith("experts.") else p.shape[-1]
+            p.normal_(0.0, fan_in**-0.5, generator=g)
+        for b in layer.buffers():
+            b.zero_()
+    layer.load_E = torch.zeros(spec.num_experts, dtype=torch.int32)
+    return layer
+
+
+class _Timer:
+    """Milliseconds of ``fn()``: CUDA events on GPU (synchronised), ``perf_counter`` on CPU."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def time(self, fn) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end)
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+
+
+def _device_name(device) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads per rank)"
+
+
+def _progress(total: int, *, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="ep-scaling", disable=not (enabled and sys.stderr.isatty()), file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def _row_line(r: dict) -> str:
+    a2a = f"{r['a2a_same_bytes_gbps_per_rank']:7.2f}" if r["a2a_same_bytes_gbps_per_rank"] is not None else "      -"
+    return (f"{r['mode']:>6} EP {r['ep']:>3} {r['tokens_per_rank']:>7} tok/rank | layer {r['layer_ms']:9.3f} ms "
+            f"{r['layer_tokens_per_s']:12.0f} tok/s | dispatch {r['dispatch_ms']:8.3f} ms "
+            f"{r['dispatch_gbps_per_rank']:7.2f} GB/s | combine {r['combine_ms']:8.3f} ms "
+            f"{r['combine_gbps_per_rank']:7.2f} GB/s | a2a {a2a} GB/s | imbalance rank {r['rank_imbalance']:.2f} "
+            f"expert {r['expert_imbalance']:.2f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The program: parse, launch, add efficiencies, print, write JSON and the plot.
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ep-runtime bench ep-scaling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launcher", choices=("local", "ray", "torchrun-env"),
+                   help="default: torchrun-env under torchrun (WORLD_SIZE set), else local")
+    p.add_argument("--num-workers", type=int, help="workers to start (local, ray): default one per GPU, else 2")
+    p.add_argument("--address", help="Ray cluster address (ray launcher): auto or HOST:PORT")
+    p.add_argument("--gpus-per-worker", type=float, help="ray launcher: default 1 if the cluster has GPUs")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="layer shape: small (default on CPU), deepseek-v3 "
+                   "(hidden 7168, 256 experts, top-8, 4096 tokens per rank, FP8 dispatch; default on GPU)")
+    for name in ("hidden", "experts", "topk", "expert-hidden", "tokens-per-rank"):
+        p.add_argument(f"--{name}", type=int, help="override the shape's value")
+    p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=None,
+                   help="tokens travel as FP8 e4m3 with 1x128 scales (default: the shape's)")
+    p.add_argument("--max-ep", type=int, help="largest EP size (default: all workers)")
+    p.add_argument("--modes", default=",".join(MODES), help="weak,strong (default both)")
+    p.add_argument("--warmup", type=int, default=BenchSpec.warmup)
+    p.add_argument("--iters", type=int, default=BenchSpec.iters)
+    p.add_argument("--timeout", type=float, default=BenchSpec.timeout_s, help="collective timeout, s")
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    return p
+
+
+def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
+    shape = a.shape or ("deepseek-v3" if on_gpu else "small")
+    values = dict(SHAPES[shape])
+    for key, value in (("hidden", a.hidden), ("num_experts", a.experts), ("topk", a.topk),
+                       ("expert_hidden", a.expert_hidden), ("tokens_per_rank", a.tokens_per_rank),
+                       ("fp8_dispatch", a.fp8_dispatch)):
+        if value is not None:
+            values[key] = value
+    if values["num_experts"] % values["num_groups"]:  # an override of the experts: one group
+        values.update(num_groups=1, topk_groups=None)
+    return BenchSpec(shape=shape, **values, max_ep=a.max_ep, modes=tuple(m for m in a.modes.split(",") if m),
+                     warmup=a.warmup, iters=a.iters, timeout_s=a.timeout)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    import torch
+
+    a = parser().parse_args(argv)
+    launcher = a.launcher or ("torchrun-env" if "WORLD_SIZE" in os.environ else "local")
+    spec = spec_from_args(a, on_gpu=torch.cuda.is_available())
+    if launcher == "torchrun-env":
+        result = bench_worker(spec)
+        if result is None:  # not rank 0
+            return None
+    elif launcher == "ray":
+        from launch.ray import RayConfig, launch_ray
+
+        config = RayConfig(address=a.address, num_workers=a.num_workers, gpus_per_worker=a.gpus_per_worker)
+        result = launch_ray(bench_worker, spec, config=config)[0]
+    else:
+        from launch.local import launch_local
+
+        result = launch_local(bench_worker, spec, nproc=a.num_workers or torch.cuda.device_count() or 2)[0]
+    report = _report(spec, result, launcher)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"ep_scaling_{spec.shape}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png_path = plot(report, out / f"ep_scaling_{spec.shape}.png")
+    print(f"ep-scaling on {report['device']} ({launcher}, {report['world_size']} workers), shape {spec.shape}:")
+    for row in report["rows"]:
+        print(_row_line(row) + f" | efficiency layer {row['layer_efficiency']:.2f}")
+    print(f"wrote {json_path} and {png_path}")
+    return report
+
+
+def _report(spec: BenchSpec, result: dict, launcher: str) -> dict:
+    """Adds efficiencies against EP 1 of the same mode."""
+    rows = result["rows"]
+    for row in rows:
+        base = next(r for r in rows if r["mode"] == row["mode"] and r["ep"] == 1)
+        scale = 1 if row["mode"] == "weak" else row["ep"]
+        row["layer_efficiency"] = base["layer_ms"] / (scale * row["layer_ms"])
+        row["dispatch_combine_efficiency"] = ((base["dispatch_ms"] + base["combine_ms"])
+                                              / (scale * (row["dispatch_ms"] + row["combine_ms"])))
+    return {
+        "benchmark": "ep-scaling", "device": result["device"], "world_size": result["world_size"],
+        "launcher": launcher, "commit": _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": __import__("torch").__version__, "spec": asdict(spec),
+        "bytes_counted": "per rank: dispatch = token rows sent to other ranks (FP8 bytes + float32 1x128 scales "
+                         "with fp8_dispatch, else activation dtype); combine = rows sent back to other ranks "
+                         "(activation dtype); router weights, counts and rows kept on the rank not counted",
+        "timing": "median over iters (after warmup) of the slowest rank per iteration; CUDA events on GPU",
+        "rows": rows,
+    }
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False,
+                              cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def plot(report: dict, png_path: Path) -> Path:
+    """Throughput (tokens/s) and efficiency against EP size, weak and strong scaling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tput, ax_eff) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, style in (("weak", "-o"), ("strong", "--s")):
+        rows = sorted((r for r in report["rows"] if r["mode"] == mode), key=lambda r: r["ep"])
+        if not rows:
+            continue
+        eps = [r["ep"] for r in rows]
+        ax_tput.plot(eps, [r["layer_tokens_per_s"] for r in rows], style, color="C0",
+                     label=f"MoE layer fwd+bwd, {mode}")
+        ax_tput.plot(eps, [r["dispatch_combine_tokens_per_s"] for r in rows], style, color="C1",
+                     label=f"dispatch+combine, {mode}")
+        ax_eff.plot(eps, [r["layer_efficiency"] for r in rows], style, color="C0", label=f"MoE layer, {mode}")
+        ax_eff.plot(eps, [r["dispatch_combine_efficiency"] for r in rows], style, color="C1",
+                    label=f"dispatch+combine, {mode}")
+    ax_tput.set(xlabel="EP size", ylabel="tokens/s (whole group)", xscale="log", yscale="log",
+                title="throughput")
+    ax_eff.axhline(1.0, color="gray", linewidth=0.8)
+    ax_eff.set(xlabel="EP size", ylabel="efficiency vs EP 1", xscale="log", title="scaling efficiency")
+    for ax in (ax_tput, ax_eff):
+        eps = sorted({r["ep"] for r in report["rows"]})
+        ax.set_xticks(eps, [str(e) for e in eps])
+        ax.legend(fontsize=7)
+    spec = report["spec"]
+    fig.suptitle(f"ep-scaling, {report['device']}: hidden {spec['hidden']}, {spec['num_experts']} experts, "
+                 f"top-{spec['topk']}, {spec['tokens_per_rank']} tokens/rank, "
+                 f"{'FP8' if spec['fp8_dispatch'] else 'no FP8'} dispatch", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path
+
+
+if __name__ == "__main__":
+    main()

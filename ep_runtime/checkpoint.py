@@ -1,0 +1,145 @@
+"""Checkpoints: one file per rank, loadable by a job of the same world size and EP size.
+
+    <out_dir>/<name>/ckpt/step_<n>/rank_<r>.pt
+
+A rank's file holds its model state (the dense parameters every rank has, the experts this rank
+holds, the router biases), its optimizer state, the step, the RNG state and the expert placement
+it was saved under (world size, EP size and rank, which experts). A step is complete when every
+rank has its file: resuming picks the newest step that is complete on all ranks (they agree
+through one all-gather), so a job killed while saving resumes from the step before, and a job of
+another world size or EP size is told so instead of loading the wrong experts.
+
+Each rank writes and deletes only its own files, so the directory need not be shared between
+nodes as long as each rank resumes where it saved (a shared filesystem lets it resume anywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .parallel import ParallelContext
+
+KEEP = 2  # complete steps kept on disk; older ones are deleted after a save completes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Which experts this rank holds: ``[first_expert, first_expert + num_local_experts)`` of
+    ``num_experts`` in every MoE layer, as EP rank ``ep_rank`` of ``ep_size``."""
+
+    world_size: int
+    ep_size: int
+    ep_rank: int
+    num_experts: int
+    first_expert: int
+    num_local_experts: int
+
+    @staticmethod
+    def of(ctx: ParallelContext, num_experts: int) -> Placement:
+        local = num_experts // ctx.ep_size
+        return Placement(world_size=ctx.world_size, ep_size=ctx.ep_size, ep_rank=ctx.ep_rank,
+                         num_experts=num_experts, first_expert=ctx.ep_rank * local, num_local_experts=local)
+
+    def describe(self) -> str:
+        last = self.first_expert + self.num_local_experts - 1
+        return (f"world size {self.world_size}, EP {self.ep_size} (EP rank {self.ep_rank} holds experts "
+                f"{self.first_expert}..{last} of {self.num_experts})")
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step_{step}"
+
+
+def rank_file(directory: Path, step: int, rank: int) -> Path:
+    return step_dir(directory, step) / f"rank_{rank}.pt"
+
+
+def save(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+         placement: Placement, ctx: ParallelContext) -> Path:
+    """Writes this rank's file for ``step`` (atomically: a temporary file renamed), waits for every
+    rank's, then deletes this rank's files of all but the newest ``KEEP`` steps. Collective."""
+    path = rank_file(directory, step, ctx.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "placement": asdict(placement), "model": model.state_dict(),
+             "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    if ctx.distributed:
+        dist.barrier()  # every rank has this step now: older ones may go
+    for old in _own_steps(directory, ctx.rank)[:-KEEP]:
+        rank_file(directory, old, ctx.rank).unlink(missing_ok=True)
+        _remove_if_empty(step_dir(directory, old))
+    return path
+
+
+def latest_step(directory: Path, ctx: ParallelContext) -> int | None:
+    """The newest step with a file on every rank (None if there is none). Collective.
+
+    Raises ValueError if some ranks have checkpoint files and others none: the checkpoint was saved
+    by a job of another world size."""
+    mine = set(_own_steps(directory, ctx.rank))
+    every = [mine]
+    if ctx.distributed:
+        every = [set() for _ in range(ctx.world_size)]
+        dist.all_gather_object(every, mine)
+    common = set.intersection(*every)
+    if common:
+        return max(common)
+    with_files = [r for r, steps in enumerate(every) if steps]
+    if with_files:
+        raise ValueError(f"checkpoint {directory}: ranks {with_files} have checkpoint files but ranks "
+                         f"{[r for r in range(ctx.world_size) if r not in with_files]} of this job of "
+                         f"{ctx.world_size} have none, so no step is complete: resume with the world size "
+                         "it was saved with")
+    return None
+
+
+def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+         placement: Placement, ctx: ParallelContext) -> None:
+    """Restores this rank's state of ``step``, after checking it was saved under ``placement``."""
+    path = rank_file(directory, step, ctx.rank)
+    state = torch.load(path, map_location=ctx.device, weights_only=False)
+    saved = Placement(**state["placement"])
+    if saved != placement:
+        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {placement.describe()}: "
+                         "resume with the world size and EP size it was saved with")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"].cpu())
+    if state["cuda_rng"] is not None and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), ctx.device)
+
+
+def clear(directory: Path, ctx: ParallelContext) -> None:
+    """Deletes this rank's checkpoint files (a fresh run must never resume from an older run's)."""
+    for step in _own_steps(directory, ctx.rank):
+        rank_file(directory, step, ctx.rank).unlink(missing_ok=True)
+        _remove_if_empty(step_dir(directory, step))
+
+
+def _own_steps(directory: Path, rank: int) -> list[int]:
+    """Steps for which this rank has a file, ascending."""
+    if not Path(directory).is_dir():
+        return []
+    steps = []
+    for entry in Path(directory).iterdir():
+        match = re.fullmatch(r"step_(\d+)", entry.name)
+        if match and (entry / f"rank_{rank}.pt").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:  # other ranks' files are still there (shared filesystem), or it is gone
+        pass
