@@ -109,7 +109,7 @@ def draw(plans: list[Plan], layer: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(plans), 1, figsize=(max(8, plans[0].topology.num_gpus * 0.28), 2.6 * len(plans)),
+    fig, axes = plt.subplots(len(plans), 1, figsize=(min(30, max(8, plans[0].topology.num_gpus * 0.28)), 2.6 * len(plans)),
                              squeeze=False)
     for ax, p in zip(axes[:, 0], plans):
         t = p.topology
