@@ -10,16 +10,16 @@ from .replanner import replan
 from .traffic import Traffic, TrafficModel
 
 __all__ = [
+    "POLICIES",
     "Link",
-    "Topology",
-    "Plan",
     "Migration",
+    "Plan",
+    "Topology",
     "Traffic",
     "TrafficModel",
-    "POLICIES",
-    "plan",
-    "replan",
     "discover",
-    "plan_from_phy2log",
     "migration",
+    "plan",
+    "plan_from_phy2log",
+    "replan",
 ]

@@ -77,7 +77,7 @@ def eplb_hierarchical(load_LE: torch.Tensor, topology: Topology, num_physical: i
 def greedy(load_LE: torch.Tensor, topology: Topology, num_physical: int) -> torch.Tensor:
     """Plain greedy: the same replica counts as EPLB's global policy, but each replica is placed in
     expert-id order (not heaviest first) on the least-loaded GPU that still has room."""
-    L, E = load_LE.shape
+    L = load_LE.shape[0]
     G = topology.num_gpus
     per_gpu = num_physical // G
     counts_LE = replicate_greedy(load_LE, num_physical)

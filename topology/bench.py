@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in (0.8, 1.0, 1.2):
         sub = [r for r in rows if r["s"] == s]
 
-        def mean(key):
+        def mean(key, sub=sub):
             return sum(r[key] for r in sub) / len(sub)
 
         bal_ok = all(r["locality_balance"] <= 1.01 * r["eplb_global_balance"] for r in sub)

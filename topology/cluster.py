@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Link", "Topology", "INTRA_NODE_KINDS", "INTER_NODE_KINDS"]
+__all__ = ["INTER_NODE_KINDS", "INTRA_NODE_KINDS", "Link", "Topology"]
 
 INTRA_NODE_KINDS = ("nvswitch", "nvlink", "pcie", "host")
 """Links inside a node: NVSwitch (all-to-all NVLink), NVLink (direct, not switched), PCIe (no
@@ -159,7 +159,7 @@ class Topology:
         inter_node: str = "rdma",
         gpu: str = "H100-SXM-80GB",
         name: str = "",
-    ) -> "Topology":
+    ) -> Topology:
         """Identical nodes; defaults describe H100 SXM nodes with 8x 400 Gb/s RDMA NICs."""
         _check_int("nodes", nodes)
         inter = None if nodes == 1 else Link(kind=inter_node, bandwidth_GBps=nic_GBps, count=nics_per_node)
@@ -168,7 +168,7 @@ class Topology:
                    inter_node=inter, gpu=gpu, name=name or f"{nodes}x{gpus_per_node}")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Topology":
+    def from_file(cls, path: str | Path) -> Topology:
         """Reads a YAML (``.yaml``/``.yml``) or JSON description; see ``topology/examples/``.
 
         Keys: ``nodes``, ``gpus_per_node``, ``intra_node: {kind, bandwidth}``, ``inter_node: {kind,
@@ -186,10 +186,10 @@ class Topology:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def from_dict(cls, data: object, *, source: str = "topology") -> "Topology":
+    def from_dict(cls, data: object, *, source: str = "topology") -> Topology:
         """Builds a Topology from the parsed description (the schema of :meth:`from_file`)."""
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+            raise TypeError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
         known = {"name", "nodes", "gpus_per_node", "gpu", "hosts", "intra_node", "inter_node"}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -204,13 +204,13 @@ class Topology:
         gpus_per_node = _check_int(f"{source}: gpus_per_node", need("gpus_per_node"))
         intra = need("intra_node")
         if not isinstance(intra, dict):
-            raise ValueError(f"{source}: intra_node: expected a mapping with kind and bandwidth, got {intra!r}")
+            raise TypeError(f"{source}: intra_node: expected a mapping with kind and bandwidth, got {intra!r}")
         intra_link = _link(f"{source}: intra_node", intra, count_key=None)
         inter = data.get("inter_node")
         inter_link = None
         if inter is not None:
             if not isinstance(inter, dict):
-                raise ValueError(f"{source}: inter_node: expected a mapping with kind, nics and bandwidth, "
+                raise TypeError(f"{source}: inter_node: expected a mapping with kind, nics and bandwidth, "
                                  f"got {inter!r}")
             inter_link = _link(f"{source}: inter_node", inter, count_key="nics")
         elif nodes > 1:
@@ -258,7 +258,7 @@ def parse_bandwidth(name: str, value: object) -> float:
             raise ValueError(f"{name}: unknown unit {unit!r}; use Gb/s (bits) or GB/s (bytes)")
         gbps = number * scale
     else:
-        raise ValueError(f"{name}: expected a bandwidth, got {value!r}")
+        raise TypeError(f"{name}: expected a bandwidth (number or string), got {value!r}")
     if not (math.isfinite(gbps) and gbps > 0):
         raise ValueError(f"{name}: expected a positive bandwidth, got {value!r}")
     return gbps

@@ -74,7 +74,7 @@ def discover(group: object = None, *, host: str | None = None, name: str = "disc
 
 
 def _describe_self(host: str) -> dict:
-    info = {"host": host, "local_rank": int(os.environ.get("LOCAL_RANK", -1))}
+    info = {"host": host, "local_rank": int(os.environ.get("LOCAL_RANK", "-1"))}
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         info["device"] = torch.cuda.get_device_name(index)
@@ -88,9 +88,30 @@ def _describe_self(host: str) -> dict:
 
 def _gpu_links(index: int, device_name: str) -> tuple[str, float]:
     """(kind, GB/s per GPU) of the rank's GPU from NVML, nvidia-smi, or the device name."""
+    found = _nvml_links(index)
+    if found is not None:
+        return found
+    if shutil.which("nvidia-smi"):
+        try:
+            text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20,
+                                  check=False).stdout
+            kind, links = parse_nvidia_smi_topo(text)
+            if kind != "unknown":
+                return kind, (links * _NVLINK_GBPS_PER_LINK if links else _PCIE_GBPS_PER_LANE[4] * 16)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if re.search(r"\b(H100|H200|H800|A100|B200|GB200)\b", device_name) and "PCIe" not in device_name:
+        return "nvswitch", 450.0 if "A100" not in device_name else 300.0
+    return "pcie", _PCIE_GBPS_PER_LANE[4] * 16
+
+
+def _nvml_links(index: int) -> tuple[str, float] | None:
+    """(kind, GB/s per GPU) from NVML; None when pynvml is missing or NVML fails."""
     try:
         import pynvml  # nvidia-ml-py, optional
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         links = 0
@@ -104,19 +125,8 @@ def _gpu_links(index: int, device_name: str) -> tuple[str, float]:
         gen = pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
         width = pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)
         return "pcie", _PCIE_GBPS_PER_LANE.get(gen, 2.0) * width
-    except Exception:  # noqa: BLE001 - NVML missing or failing: fall through to nvidia-smi
-        pass
-    if shutil.which("nvidia-smi"):
-        try:
-            text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
-            kind, links = parse_nvidia_smi_topo(text)
-            if kind != "unknown":
-                return kind, (links * _NVLINK_GBPS_PER_LINK if links else _PCIE_GBPS_PER_LANE[4] * 16)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    if re.search(r"\b(H100|H200|H800|A100|B200|GB200)\b", device_name) and "PCIe" not in device_name:
-        return "nvswitch", 450.0 if "A100" not in device_name else 300.0
-    return "pcie", _PCIE_GBPS_PER_LANE[4] * 16
+    except pynvml.NVMLError:
+        return None
 
 
 def parse_nvidia_smi_topo(text: str) -> tuple[str, int]:

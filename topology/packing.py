@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["replicate_greedy", "replicate_packable", "packing_lower_bound", "pack_equal", "expand_replicas"]
+__all__ = ["expand_replicas", "pack_equal", "packing_lower_bound", "replicate_greedy", "replicate_packable"]
 
 
 def _np(t: torch.Tensor | np.ndarray, dtype) -> np.ndarray:
@@ -45,7 +45,7 @@ def replicate_greedy(weight_BE: torch.Tensor, num_physical: int) -> torch.Tensor
 
 
 def _lower_bound(w_BE: np.ndarray, counts_BE: np.ndarray, num_packs: int) -> np.ndarray:
-    B, E = w_BE.shape
+    E = w_BE.shape[1]
     weight_BE = w_BE / counts_BE
     order_BE = np.argsort(-weight_BE, axis=-1, kind="stable")
     count_BE = np.take_along_axis(counts_BE, order_BE, -1).astype(np.float64)
@@ -125,7 +125,7 @@ def replicate_packable(load_BE: torch.Tensor, num_physical: int, num_packs: int)
 def expand_replicas(counts_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists replicas expert-major: expert_BP[b, p] is the expert of replica p, rank_BP its replica rank."""
     c_BE = _np(counts_BE, np.int64)
-    B, E = c_BE.shape
+    B = c_BE.shape[0]
     P = int(c_BE[0].sum())
     end_BE = c_BE.cumsum(-1)
     p_P = np.arange(P)

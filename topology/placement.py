@@ -36,7 +36,7 @@ import torch
 from .cluster import Topology
 from .packing import pack_equal, replicate_packable
 
-__all__ = ["locality_policy", "home_nodes"]
+__all__ = ["home_nodes", "locality_policy"]
 
 _SPREAD_TOLERANCE = 0.002  # node-load slack (fraction of a node's fair share) for keeping a preference
 _NODE_GAP = 0.0005  # stop balancing nodes when heaviest and lightest differ by this fraction
@@ -90,7 +90,7 @@ def home_nodes(load_LE: torch.Tensor, topology: Topology, num_physical: int, exp
 def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int,
                     expert_groups: int | None) -> torch.Tensor:
     """Places replicas for balance first and node-local traffic second; returns phy2log_LP."""
-    L, E = load_LE.shape
+    L = load_LE.shape[0]
     N, G = topology.num_nodes, topology.num_gpus
     slots = num_physical // N
     per_gpu = num_physical // G

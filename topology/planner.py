@@ -19,9 +19,9 @@ from .baselines import eplb_global, eplb_hierarchical, greedy, no_replication
 from .cluster import Topology
 from .placement import locality_policy
 from .routing import choose_replicas, replica_fractions
-from .traffic import Traffic, TrafficModel, count_traffic
+from .traffic import DEFAULT_TRAFFIC, Traffic, TrafficModel, count_traffic
 
-__all__ = ["Plan", "Migration", "plan", "plan_from_phy2log", "migration", "POLICIES"]
+__all__ = ["POLICIES", "Migration", "Plan", "migration", "plan", "plan_from_phy2log"]
 
 
 def _global(load_LE, topology, num_physical, expert_groups):
@@ -199,13 +199,13 @@ class Plan:
         """A few lines: sizes, replicas, balance, traffic (and migration when replanned)."""
         t = self.topology
         lines = [
-            f"plan '{self.policy}': {self.num_layers} layers, {self.num_experts} experts -> "
-            f"{self.num_physical_experts} physical ({self.experts_per_gpu} per GPU) on {t.num_nodes} nodes x "
-            f"{t.gpus_per_node} GPUs; groups: {self.expert_groups}",
-            f"  replicas: max {int(self.replica_counts_LE.max())}, experts with >1: "
-            f"{float((self.replica_counts_LE > 1).sum(-1).double().mean()):.1f} per layer",
-            f"  balance (max/mean GPU load): mean over layers {self.balance:.4f}, worst layer "
-            f"{float(self.balance_L.max()):.4f}",
+            (f"plan '{self.policy}': {self.num_layers} layers, {self.num_experts} experts -> "
+             f"{self.num_physical_experts} physical ({self.experts_per_gpu} per GPU) on {t.num_nodes} nodes x "
+             f"{t.gpus_per_node} GPUs; groups: {self.expert_groups}"),
+            (f"  replicas: max {int(self.replica_counts_LE.max())}, experts with >1: "
+             f"{float((self.replica_counts_LE > 1).sum(-1).double().mean()):.1f} per layer"),
+            (f"  balance (max/mean GPU load): mean over layers {self.balance:.4f}, worst layer "
+             f"{float(self.balance_L.max()):.4f}"),
         ]
         if self.traffic is not None:
             tr = self.traffic
@@ -249,7 +249,7 @@ def _check_load(load: object, name: str = "load") -> torch.Tensor:
 
 def _check_args(load_LE: torch.Tensor, topology: object, num_physical_experts: object,
                 expert_groups: object, policy: object) -> None:
-    L, E = load_LE.shape
+    E = load_LE.shape[1]
     if not isinstance(topology, Topology):
         raise TypeError(f"topology: expected a topology.Topology, got {type(topology).__name__}")
     G = topology.num_gpus
@@ -276,7 +276,7 @@ def plan(
     expert_groups: int | None = None,
     policy: str = "locality",
     *,
-    traffic: TrafficModel | None = TrafficModel(),
+    traffic: TrafficModel | None = DEFAULT_TRAFFIC,
 ) -> Plan:
     """Decides replicas per expert and the GPU of every replica.
 
@@ -306,7 +306,7 @@ def plan_from_phy2log(
     *,
     policy: str = "custom",
     expert_groups: int | None = None,
-    traffic: TrafficModel | None = TrafficModel(),
+    traffic: TrafficModel | None = DEFAULT_TRAFFIC,
     migration: Migration | None = None,
 ) -> Plan:
     """Builds a :class:`Plan` (inverse map, counts, loads, traffic) from a physical-to-logical map."""
@@ -334,7 +334,9 @@ def plan_from_phy2log(
     if traffic is not None:
         routes_LTK = traffic.routes_LTK
         if routes_LTK is None:
-            from .synthetic import draw_routes  # here, so `python -m topology.synthetic` runs cleanly
+            from .synthetic import (
+                draw_routes,  # here, so `python -m topology.synthetic` runs cleanly
+            )
 
             topk_groups = traffic.topk_groups
             if expert_groups is not None and topk_groups is None:

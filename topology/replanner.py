@@ -25,8 +25,15 @@ import numpy as np
 import torch
 
 from .cluster import Topology
-from .planner import DEFAULT_EXPERT_BYTES, Plan, _check_load, migration, plan, plan_from_phy2log
-from .traffic import TrafficModel
+from .planner import (
+    DEFAULT_EXPERT_BYTES,
+    Plan,
+    _check_load,
+    migration,
+    plan,
+    plan_from_phy2log,
+)
+from .traffic import DEFAULT_TRAFFIC, TrafficModel
 
 __all__ = ["replan"]
 
@@ -40,7 +47,7 @@ def replan(
     *,
     tolerance: float = 0.02,
     expert_bytes: int = DEFAULT_EXPERT_BYTES,
-    traffic: TrafficModel | None = TrafficModel(),
+    traffic: TrafficModel | None = DEFAULT_TRAFFIC,
 ) -> Plan:
     """A plan for ``new_load`` close to ``current``: each layer's balance within ``tolerance`` of a
     from-scratch plan's (best effort: a layer stops early if no move improves it).

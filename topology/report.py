@@ -21,7 +21,7 @@ from .cluster import Topology
 from .planner import POLICIES, Plan, plan, plan_from_phy2log
 from .traffic import TrafficModel
 
-__all__ = ["main", "compare", "draw"]
+__all__ = ["compare", "draw", "main"]
 
 COMPARED = ("locality", "eplb_global", "eplb_hierarchical", "greedy", "none")
 

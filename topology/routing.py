@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["replica_fractions", "choose_replicas"]
+__all__ = ["choose_replicas", "replica_fractions"]
 
 _PHI = 0.6180339887498949  # golden ratio conjugate: consecutive token indices spread evenly
 _PSI = 0.7548776662466927  # plastic-number conjugate: decorrelates experts

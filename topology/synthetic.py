@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["zipf_popularity", "draw_routes", "route_load", "write_load_file", "main"]
+__all__ = ["draw_routes", "main", "route_load", "write_load_file", "zipf_popularity"]
 
 
 def zipf_popularity(num_layers: int, num_experts: int, s: float, *, seed: int = 0) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from .cluster import Topology
 from .routing import choose_replicas, replica_fractions
 
-__all__ = ["TrafficModel", "Traffic", "count_traffic"]
+__all__ = ["DEFAULT_TRAFFIC", "Traffic", "TrafficModel", "count_traffic"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +47,18 @@ class TrafficModel:
     seed: int = 0
     tokens_per_gpu: int = 4096
     token_bytes: int = 7168 * 2
+
+    def __post_init__(self) -> None:
+        for name in ("topk", "sample_tokens", "tokens_per_gpu", "token_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrafficModel.{name}: expected a positive int, got {value!r}")
+        if self.topk_groups is not None and (not isinstance(self.topk_groups, int) or self.topk_groups < 1):
+            raise ValueError(f"TrafficModel.topk_groups: expected a positive int or None, got {self.topk_groups!r}")
+
+
+DEFAULT_TRAFFIC = TrafficModel()
+"""The default estimate: 512 routes per layer drawn from the load, top-8, 4096 tokens per GPU, bf16 7168."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +107,7 @@ def count_traffic(
     token_bytes: int,
 ) -> Traffic:
     """Counts the sample's transfers under the replica rule and scales them to bytes per step."""
-    L, T, K = routes_LTK.shape
+    L, T, _ = routes_LTK.shape
     G, N = topology.num_gpus, topology.num_nodes
     node_of_gpu_G = torch.tensor(topology.node_of_gpu)
     local_rank_G = torch.tensor(topology.local_rank_of_gpu)

@@ -18,7 +18,7 @@ def _brute_force(p, routes_LTK):
     """Per-token loops: transfers per token as DeepEP's internode dispatch sends them."""
     t = p.topology
     G = t.num_gpus
-    L, T, K = routes_LTK.shape
+    L, T, _ = routes_LTK.shape
     remote = torch.zeros(L, dtype=torch.float64)
     nvlink = torch.zeros(L, dtype=torch.float64)
     for layer in range(L):
