@@ -209,12 +209,13 @@ class Plan:
         ]
         if self.traffic is not None:
             tr = self.traffic
+            inter = t.inter_node.kind if t.inter_node is not None else "none"
             lines.append(
-                f"  traffic per token: {tr.remote_nodes_per_token:.3f} remote nodes (RDMA), "
+                f"  traffic per token: {tr.remote_nodes_per_token:.3f} remote nodes ({inter}), "
                 f"{tr.intra_node_copies_per_token:.3f} intra-node copies ({t.intra_node.kind})")
             lines.append(
                 f"  dispatch bytes per step ({tr.tokens_per_step} tokens x {self.num_layers} layers): "
-                f"RDMA {tr.inter_node_bytes / 1e9:.2f} GB, {t.intra_node.kind} {tr.intra_node_bytes / 1e9:.2f} GB")
+                f"{inter} {tr.inter_node_bytes / 1e9:.2f} GB, {t.intra_node.kind} {tr.intra_node_bytes / 1e9:.2f} GB")
         if self.migration is not None:
             m = self.migration
             lines.append(f"  migration: {m.experts_moved} expert copies ({m.bytes_moved / 1e9:.2f} GB)")

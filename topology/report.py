@@ -68,7 +68,7 @@ def compare(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert
 
 def _table(results: dict[str, tuple[Plan, float] | str]) -> str:
     head = (f"{'policy':<18} {'P':>5} {'balance':>8} {'worst':>8} {'remote nodes':>13} {'intra copies':>13} "
-            f"{'RDMA GB':>9} {'NVLink GB':>10} {'plan s':>7}")
+            f"{'inter GB':>9} {'intra GB':>10} {'plan s':>7}")
     lines = [head, "-" * len(head)]
     for name, result in results.items():
         if isinstance(result, str):
@@ -80,8 +80,8 @@ def _table(results: dict[str, tuple[Plan, float] | str]) -> str:
             f"{name:<18} {p.num_physical_experts:>5} {p.balance:>8.4f} {float(p.balance_L.max()):>8.4f} "
             f"{tr.remote_nodes_per_token:>13.3f} {tr.intra_node_copies_per_token:>13.3f} "
             f"{tr.inter_node_bytes / 1e9:>9.2f} {tr.intra_node_bytes / 1e9:>10.2f} {seconds:>7.3f}")
-    lines.append("balance = mean over layers of max/mean GPU load; remote nodes = RDMA transfers per token; "
-                 "GB = dispatch bytes per step, all layers")
+    lines.append("balance = mean over layers of max/mean GPU load; remote nodes = inter-node (RDMA) transfers "
+                 "per token; GB = dispatch bytes per step over inter-/intra-node links, all layers")
     return "\n".join(lines)
 
 
