@@ -1,0 +1,918 @@
+"""``ep-runtime bench kernels``: every routing / permute / quant / reduce / transpose op against its
+peers, at DeepSeek-V3's shapes, in one run.
+
+    ep-runtime bench kernels [--shapes large|small|all] [--ops a,b] [--iters N] [--skip-peers]
+                             [--skip-compile] [--quick] [--device cuda|cpu] [--out PATH]
+
+For each shape and op: the op's public function (``kernels.<family>.<op>``: the TileLang kernel on
+Hopper, the reference elsewhere) is checked once against the reference on fresh inputs (a new seed
+each run unless ``--seed``), then timed, then its peers on the same inputs: the reference in eager
+PyTorch, ``torch.compile`` of the reference, and tile-kernels 2.1.0 where it has the op. A peer
+that fails to import, compile or run is recorded as an error string.
+
+Timing (CUDA): warm-up calls, then each timed call is preceded by a read of a 512 MiB buffer (L2 is
+50 MiB on an H100: the op's inputs start in device memory; a read, not a write, so no dirty lines
+are written back inside the timed region) and bracketed by CUDA events; the median over the runs
+(up to ``--iters``, fewer for slow calls: about half a second per measurement). The copy ceiling
+is a ``copy_`` of a 1 GiB buffer, timed the same way in the same run; GB/s everywhere counts bytes
+read plus bytes written.
+
+Bytes are the op's minimal traffic (each input byte read once, each output byte written once; for
+gathers only the rows that are read), listed per op in ``bytes_note``; the same count divides every
+implementation's time, so a peer that moves more bytes shows a lower GB/s.
+
+Fused ops (router + counts, expand + per-token cast, SwiGLU + per-token cast, weighted reduce with
+FP8 dequantization) are also timed as the unfused sequence of our own ops; the bar compares the
+speedup with the ratio of bytes the fusion saves.
+
+On the CPU (``--device cpu``) only the references run (the public ops pick them there), with host
+timers and no peers; ``--quick`` there uses a tiny shape: a smoke test of the program.
+
+Shape suffixes: T tokens, E experts, K routes per token, D hidden, I SwiGLU intermediate, P layout
+rows, G scale groups, B batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark configuration (DeepSeek-V3's MoE layer by default)."""
+
+    tokens: int
+    hidden: int = 7168
+    experts: int = 256
+    groups: int = 8
+    topk_groups: int = 4
+    topk: int = 8
+    alignment: int = 128
+    intermediate: int = 2048  # SwiGLU output width per expert (moe_intermediate_size)
+    transpose_batch: int = 8  # batched_transpose input: [B, T / B, D]
+    routed_scaling_factor: float = 2.5
+
+
+SHAPES = {
+    "large": Shape(tokens=16384),
+    "small": Shape(tokens=128),
+    "tiny": Shape(tokens=64, hidden=256, experts=16, groups=4, topk_groups=2, topk=4, alignment=8, intermediate=128),
+}
+
+# Ops whose cost is moving bytes at these shapes (held to the copy-bandwidth bar); the routing ops
+# touch a few MiB and are latency-bound.
+MEMORY_BOUND = {
+    "expand", "unexpand", "per_token_cast", "per_block_cast", "per_channel_cast", "cast_back", "swiglu",
+    "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
+    "expand_per_token_cast",
+}
+
+
+@dataclasses.dataclass
+class Case:
+    """One op at one shape: ours, its reference (eager and compiled), peers, bytes, check rule."""
+
+    op: str
+    ours: Callable[[], Any]
+    reference: Callable[..., Any]  # called as reference(*args); torch.compile wraps it
+    args: tuple
+    bytes: int
+    bytes_note: str
+    exact: bool = True  # outputs must match bit for bit; else float closeness (rtol 1e-5)
+    peers: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    # peers doing only part of the op's work: timed and shown, left out of the "fastest peer" ratio
+    partial_peers: tuple[str, ...] = ()
+    unfused: Callable[[], Any] | None = None  # fused ops: the same work as a sequence of our ops
+    unfused_bytes: int = 0
+    unfused_note: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and cases
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Inputs:
+    """Every op's inputs for one shape, built once on the device from the shared generators."""
+
+    def __init__(self, shape: Shape, device: torch.device, seed: int):
+        # Built with the references, so that each kernel's first call in the benchmark is its first
+        # call in the process (its compile time is measured there).
+        from kernels.permute import reference as permute
+        from kernels.quant import reference as quant
+        from kernels.routing import reference as routing
+        from kernels.testing import cast_input, router_inputs, swiglu_input
+
+        s = shape
+        self.shape, self.device = s, device
+        self.router_options = dict(
+            topk=s.topk, scoring="sigmoid", num_groups=s.groups, topk_groups=s.topk_groups, normalize=True,
+            routed_scaling_factor=s.routed_scaling_factor,
+        )
+        self.logits_TE, self.bias_E = router_inputs(s.tokens, s.experts, device=device, seed=seed)
+        self.topk_idx_TK, self.weights_TK = routing.topk_route(self.logits_TE, bias_E=self.bias_E, **self.router_options)
+        self.layout = permute.expert_layout(self.topk_idx_TK, s.experts, alignment=s.alignment)
+        self.capacity = permute.max_rows(s.tokens, s.topk, s.experts, s.alignment)
+        self.x_TD = cast_input(s.tokens, s.hidden, device=device, seed=seed + 1)
+        self.y_PD = permute.expand(self.x_TD, self.layout)  # stands in for the experts' outputs
+        self.q_PD, self.sf_PG = quant.per_token_cast(self.y_PD)
+        self.q_TD, self.sf_TG = quant.per_token_cast(self.x_TD)
+        self.x_TI2, self.grad_TI = swiglu_input(s.tokens, s.intermediate, device=device, seed=seed + 2)
+        self.routed = int((self.layout.pos_TK >= 0).sum())  # rows a gather by pos_TK reads
+
+
+def build_cases(inp: Inputs, names: list[str], with_peers: bool) -> tuple[list[Case], dict[str, str]]:
+    """The cases for ``names`` that exist in this checkout, and why any others were skipped."""
+    builders = {name: fn for name, fn in CASE_BUILDERS.items() if name in names}
+    cases, skipped = [], {}
+    tk = _tile_kernels() if with_peers else None
+    for name, builder in builders.items():
+        try:
+            case = builder(inp, tk)
+        except _Missing as missing:
+            skipped[name] = str(missing)
+            continue
+        cases.append(case)
+    return cases, skipped
+
+
+class _Missing(Exception):
+    """The op is not in this checkout (a fused kernel not written yet)."""
+
+
+def _tile_kernels():
+    """The tile-kernels module, or the import error as a string."""
+    try:
+        import tile_kernels
+
+        return tile_kernels
+    except Exception as error:  # any failure to import is reported, not raised
+        return f"{type(error).__name__}: {error}"
+
+
+def _tk_peer(tk, name: str, call: Callable[[Any], Any]) -> dict[str, Callable[[], Any]]:
+    """``{"tile_kernels": thunk}``; the thunk raises the import error if tile-kernels is missing."""
+    if tk is None:
+        return {}
+    if isinstance(tk, str):
+        def failed():
+            raise RuntimeError(f"tile_kernels unavailable: {tk}")
+
+        return {name: failed}
+    return {name: lambda: call(tk)}
+
+
+def _case_topk_route(inp: Inputs, tk) -> Case:
+    from kernels import routing
+    from kernels.routing import reference
+
+    s, opts = inp.shape, inp.router_options
+    logits, bias = inp.logits_TE, inp.bias_E
+
+    def ref(logits_TE, bias_E):
+        return reference.topk_route(logits_TE, bias_E=bias_E, **opts)
+
+    peers = {}
+    scores_TE = (torch.sigmoid(logits) + bias).contiguous()  # topk_gate takes selection scores
+    weights_TK = inp.weights_TK.contiguous()
+    peers.update(_tk_peer(tk, "tile_kernels.topk_gate", lambda tk: tk.moe.topk_gate(scores_TE, s.topk)))
+    peers.update(_tk_peer(tk, "tile_kernels.normalize_weight", lambda tk: tk.moe.normalize_weight(weights_TK)))
+    return Case(
+        "topk_route", lambda: routing.topk_route(logits, bias_E=bias, **opts), ref, (logits, bias),
+        bytes=_nbytes(logits, bias) + s.tokens * s.topk * (8 + 4),
+        bytes_note="read logits [T,E] f32 + bias; write idx [T,K] i64 + weights [T,K] f32",
+        exact=False, peers=peers,
+        # normalize_weight alone is a sliver of the router; topk_gate (plain top-k over ready
+        # scores, no groups) is the issue's named comparison.
+        partial_peers=("tile_kernels.normalize_weight",),
+    )
+
+
+def _case_topk_route_with_counts(inp: Inputs, tk) -> Case:
+    from kernels import routing
+    from kernels.routing import reference
+
+    s, opts = inp.shape, inp.router_options
+    logits, bias = inp.logits_TE, inp.bias_E
+
+    def ref(logits_TE, bias_E):
+        idx, w = reference.topk_route(logits_TE, bias_E=bias_E, **opts)
+        return idx, w, reference.expert_counts(idx, s.experts)
+
+    def unfused():
+        idx, w = routing.topk_route(logits, bias_E=bias, **opts)
+        return idx, w, routing.expert_counts(idx, s.experts)
+
+    route_bytes = _nbytes(logits, bias) + s.tokens * s.topk * 12
+    return Case(
+        "topk_route_with_counts", lambda: routing.topk_route_with_counts(logits, bias_E=bias, **opts), ref,
+        (logits, bias), bytes=route_bytes + s.experts * 4,
+        bytes_note="topk_route's bytes + write counts [E] i32", exact=False,
+        unfused=unfused, unfused_bytes=route_bytes + s.tokens * s.topk * 8 + s.experts * 4,
+        unfused_note="topk_route, then expert_counts (reads idx [T,K] i64 again)",
+    )
+
+
+def _case_topk_route_sqrtsoftplus(inp: Inputs, tk) -> Case:
+    """The configuration tile-kernels' ``moe_topk_gate_forward`` computes: sqrt-softplus scores,
+    bias, plain top-k (no groups), normalized and scaled weights."""
+    from kernels import routing
+    from kernels.routing import reference
+
+    s = inp.shape
+    opts = dict(topk=s.topk, scoring="sqrtsoftplus", normalize=True, routed_scaling_factor=s.routed_scaling_factor)
+    logits, bias = inp.logits_TE, inp.bias_E
+
+    def ref(logits_TE, bias_E):
+        return reference.topk_route(logits_TE, bias_E=bias_E, **opts)
+
+    peers = _tk_peer(
+        tk, "tile_kernels.moe_topk_gate_forward",
+        lambda tk: tk.moe.moe_topk_gate_forward(logits, s.topk, False, 0, s.routed_scaling_factor, 0,
+                                                scoring_func="sqrtsoftplus", bias=bias),
+    )
+    return Case(
+        "topk_route_sqrtsoftplus", lambda: routing.topk_route(logits, bias_E=bias, **opts), ref, (logits, bias),
+        bytes=_nbytes(logits, bias) + s.tokens * s.topk * 12, bytes_note="as topk_route", exact=False, peers=peers,
+    )
+
+
+def _case_expert_counts(inp: Inputs, tk) -> Case:
+    from kernels import routing
+    from kernels.routing import reference
+
+    s, idx = inp.shape, inp.topk_idx_TK
+    return Case(
+        "expert_counts", lambda: routing.expert_counts(idx, s.experts),
+        lambda topk_idx_TK: reference.expert_counts(topk_idx_TK, s.experts), (idx,),
+        bytes=_nbytes(idx) + s.experts * 4, bytes_note="read idx [T,K] i64; write counts [E] i32",
+    )
+
+
+def _case_expert_layout(inp: Inputs, tk) -> Case:
+    from kernels import permute
+    from kernels.permute import reference
+
+    s, idx, cap = inp.shape, inp.topk_idx_TK, inp.capacity
+    return Case(
+        "expert_layout", lambda: permute.expert_layout(idx, s.experts, alignment=s.alignment, num_rows=cap),
+        lambda topk_idx_TK: reference.expert_layout(topk_idx_TK, s.experts, alignment=s.alignment, num_rows=cap),
+        (idx,), bytes=_nbytes(idx) + s.experts * 8 + s.tokens * s.topk * 4 + cap * 4,
+        bytes_note="read idx [T,K] i64; write counts, offsets [E] i32, pos [T,K] i32, src [P_cap] i32 "
+                   "(static capacity: no host sync)",
+    )
+
+
+def _case_expand(inp: Inputs, tk) -> Case:
+    from kernels import permute
+    from kernels.permute import reference
+
+    x, layout = inp.x_TD, inp.layout
+    return Case(
+        "expand", lambda: permute.expand(x, layout), reference.expand, (x, layout),
+        bytes=_nbytes(x, layout.pos_TK, layout.src_P) + layout.num_rows * x.shape[1] * x.element_size(),
+        bytes_note="read x [T,D] once + pos [T,K] + src [P]; write [P,D] (padding rows included)",
+    )
+
+
+def _case_unexpand(inp: Inputs, tk) -> Case:
+    from kernels import permute
+    from kernels.permute import reference
+
+    y, layout, s = inp.y_PD, inp.layout, inp.shape
+    row = y.shape[1] * y.element_size()
+    return Case(
+        "unexpand", lambda: permute.unexpand(y, layout), reference.unexpand, (y, layout),
+        bytes=inp.routed * row + _nbytes(layout.pos_TK) + s.tokens * s.topk * row,
+        bytes_note="read the routed rows of y [P,D] + pos [T,K]; write [T,K,D]",
+    )
+
+
+def _cast_case(op: str, inp: Inputs, tk, block: tuple[int, int], tk_call) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TD
+    m, n = x.shape
+    scales = math.ceil(m / block[0]) * math.ceil(n / block[1])
+    ours = {
+        "per_token_cast": lambda: quant.per_token_cast(x),
+        "per_block_cast": lambda: quant.per_block_cast(x),
+        "per_channel_cast": lambda: quant.per_channel_cast(x),
+    }[op]
+    return Case(
+        op, ours, getattr(reference, op), (x,), bytes=_nbytes(x) + m * n + scales * 4,
+        bytes_note=f"read x [T,D] bf16; write e4m3 [T,D] + f32 scales per {block[0]}x{block[1]}",
+        peers=_tk_peer(tk, f"tile_kernels.{op}", tk_call),
+    )
+
+
+def _case_per_token_cast(inp: Inputs, tk) -> Case:
+    return _cast_case("per_token_cast", inp, tk, (1, 128), lambda tk: tk.quant.per_token_cast(inp.x_TD, "e4m3", 128))
+
+
+def _case_per_block_cast(inp: Inputs, tk) -> Case:
+    return _cast_case(
+        "per_block_cast", inp, tk, (128, 128), lambda tk: tk.quant.per_block_cast(inp.x_TD, "e4m3", (128, 128))
+    )
+
+
+def _case_per_channel_cast(inp: Inputs, tk) -> Case:
+    return _cast_case(
+        "per_channel_cast", inp, tk, (128, 1), lambda tk: tk.quant.per_channel_cast(inp.x_TD, "e4m3", 128)
+    )
+
+
+def _case_cast_back(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    q, sf = inp.q_TD, inp.sf_TG
+
+    def ref(q_TD, sf_TG):
+        return reference.cast_back(q_TD, sf_TG, block=(1, 128))
+
+    return Case(
+        "cast_back", lambda: quant.cast_back(q, sf, block=(1, 128)), ref, (q, sf),
+        bytes=_nbytes(q, sf) + q.numel() * 2, bytes_note="read e4m3 [T,D] + f32 scales [T,D/128]; write bf16 [T,D]",
+        peers=_tk_peer(tk, "tile_kernels.cast_back", lambda tk: tk.quant.cast_back((q, sf), "bf16", (1, 128))),
+    )
+
+
+def _case_swiglu(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TI2
+    return Case(
+        "swiglu", lambda: quant.swiglu(x), reference.swiglu, (x,), bytes=_nbytes(x) + x.numel(),
+        bytes_note="read [T,2I] bf16; write [T,I] bf16",
+        peers=_tk_peer(tk, "tile_kernels.swiglu_forward", lambda tk: tk.quant.swiglu_forward(x, "bf16")),
+    )
+
+
+def _case_swiglu_per_token_cast(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TI2
+    t, i = x.shape[0], x.shape[1] // 2
+    out_bytes = t * i + t * math.ceil(i / 128) * 4
+    return Case(
+        "swiglu_per_token_cast", lambda: quant.swiglu_per_token_cast(x), reference.swiglu_per_token_cast, (x,),
+        bytes=_nbytes(x) + out_bytes, bytes_note="read [T,2I] bf16; write e4m3 [T,I] + f32 scales [T,I/128]",
+        peers=_tk_peer(tk, "tile_kernels.swiglu_forward_and_per_token_cast",
+                       lambda tk: tk.quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)),
+        unfused=lambda: quant.per_token_cast(quant.swiglu(x)),
+        unfused_bytes=_nbytes(x) + t * i * 2 + t * i * 2 + out_bytes,
+        unfused_note="swiglu (writes bf16 [T,I]), then per_token_cast (reads it)",
+    )
+
+
+def _case_swiglu_backward(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x, g = inp.x_TI2, inp.grad_TI
+    return Case(
+        "swiglu_backward", lambda: quant.swiglu_backward(x, g), reference.swiglu_backward, (x, g),
+        bytes=_nbytes(x, g) + _nbytes(x), bytes_note="read x [T,2I] + grad [T,I] bf16; write [T,2I] bf16",
+        peers=_tk_peer(tk, "tile_kernels.swiglu_backward", lambda tk: tk.quant.swiglu_backward(x, g, "bf16")),
+    )
+
+
+def _case_weighted_reduce(inp: Inputs, tk) -> Case:
+    from kernels import reduce
+    from kernels.reduce import reference
+
+    y, pos, w = inp.y_PD, inp.layout.pos_TK, inp.weights_TK
+    row = y.shape[1] * y.element_size()
+    return Case(
+        "weighted_reduce", lambda: reduce.weighted_reduce(y, pos, w), reference.weighted_reduce, (y, pos, w),
+        bytes=inp.routed * row + _nbytes(pos, w) + pos.shape[0] * row,
+        bytes_note="read the routed rows of y [P,D] bf16 + pos, weights [T,K]; write [T,D] bf16",
+    )
+
+
+def _case_weighted_reduce_fp8(inp: Inputs, tk) -> Case:
+    from kernels import quant, reduce
+    from kernels.reduce import reference
+
+    q, sf, pos, w = inp.q_PD, inp.sf_PG, inp.layout.pos_TK, inp.weights_TK
+    d, groups = q.shape[1], sf.shape[1]
+    t = pos.shape[0]
+
+    def ref(q_PD, pos_TK, weights_TK, sf_PG):
+        return reference.weighted_reduce(q_PD, pos_TK, weights_TK, sf_PG=sf_PG)
+
+    fused_bytes = inp.routed * (d + groups * 4) + _nbytes(pos, w) + t * d * 2
+    p = q.shape[0]
+    return Case(
+        "weighted_reduce_fp8", lambda: reduce.weighted_reduce(q, pos, w, sf_PG=sf), ref, (q, pos, w, sf),
+        bytes=fused_bytes,
+        bytes_note="read the routed rows of q [P,D] e4m3 and their f32 scales + pos, weights; write [T,D] bf16",
+        exact=True,
+        unfused=lambda: reduce.weighted_reduce(quant.cast_back(q, sf, block=(1, 128)), pos, w),
+        unfused_bytes=p * (d + groups * 4) + p * d * 2 + inp.routed * d * 2 + _nbytes(pos, w) + t * d * 2,
+        unfused_note="cast_back to bf16 [P,D], then weighted_reduce of it",
+    )
+
+
+def _case_batched_transpose(inp: Inputs, tk) -> Case:
+    from kernels import transpose
+    from kernels.transpose import reference
+
+    s = inp.shape
+    x = inp.x_TD.view(s.transpose_batch, s.tokens // s.transpose_batch, s.hidden)
+    return Case(
+        "batched_transpose", lambda: transpose.batched_transpose(x), reference.batched_transpose, (x,),
+        bytes=2 * _nbytes(x), bytes_note="read [B,T/B,D] bf16; write [B,D,T/B]",
+    )
+
+
+def _case_expand_per_token_cast(inp: Inputs, tk) -> Case:
+    from kernels import permute, quant
+    from kernels.quant import reference
+
+    if not hasattr(quant, "expand_per_token_cast"):
+        raise _Missing("kernels.quant has no expand_per_token_cast")
+    x, layout = inp.x_TD, inp.layout
+    p, d = layout.num_rows, x.shape[1]
+    out_bytes = p * d + p * math.ceil(d / 128) * 4
+    index_bytes = _nbytes(layout.pos_TK, layout.src_P)
+    return Case(
+        "expand_per_token_cast", lambda: quant.expand_per_token_cast(x, layout), reference.expand_per_token_cast,
+        (x, layout), bytes=_nbytes(x) + index_bytes + out_bytes,
+        bytes_note="read x [T,D] bf16 once + pos, src; write e4m3 [P,D] + f32 scales [P,D/128]",
+        unfused=lambda: quant.per_token_cast(permute.expand(x, layout)),
+        unfused_bytes=_nbytes(x) + index_bytes + p * d * 2 + p * d * 2 + out_bytes,
+        unfused_note="expand (writes bf16 [P,D]), then per_token_cast (reads it)",
+    )
+
+
+CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
+    "topk_route": _case_topk_route,
+    "topk_route_with_counts": _case_topk_route_with_counts,
+    "topk_route_sqrtsoftplus": _case_topk_route_sqrtsoftplus,
+    "expert_counts": _case_expert_counts,
+    "expert_layout": _case_expert_layout,
+    "expand": _case_expand,
+    "unexpand": _case_unexpand,
+    "per_token_cast": _case_per_token_cast,
+    "per_block_cast": _case_per_block_cast,
+    "per_channel_cast": _case_per_channel_cast,
+    "cast_back": _case_cast_back,
+    "swiglu": _case_swiglu,
+    "swiglu_per_token_cast": _case_swiglu_per_token_cast,
+    "swiglu_backward": _case_swiglu_backward,
+    "weighted_reduce": _case_weighted_reduce,
+    "weighted_reduce_fp8": _case_weighted_reduce_fp8,
+    "batched_transpose": _case_batched_transpose,
+    "expand_per_token_cast": _case_expand_per_token_cast,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    """The tensors of an op's output (a tensor, a tuple of them, or an ExpertLayout)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if dataclasses.is_dataclass(out):
+        return [getattr(out, f.name) for f in dataclasses.fields(out) if isinstance(getattr(out, f.name), torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _leaves(item)]
+    return []
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous()
+
+
+def check(got: Any, want: Any, exact: bool) -> dict:
+    """``{"ok", "exact", "max_abs_err"}``: bit-exact comparison of every output tensor; with
+    ``exact=False``, floating outputs may differ by rtol 1e-5 (integer outputs still exactly)."""
+    got_t, want_t = _leaves(got), _leaves(want)
+    if len(got_t) != len(want_t):
+        return {"ok": False, "exact": False, "error": f"{len(got_t)} outputs, reference has {len(want_t)}"}
+    ok, all_exact, worst = True, True, 0.0
+    for g, w in zip(got_t, want_t):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return {"ok": False, "exact": False, "error": f"got {g.dtype}{list(g.shape)}, want {w.dtype}{list(w.shape)}"}
+        same = torch.equal(_bits(g), _bits(w)) if g.element_size() == 1 else torch.equal(g, w)
+        if same:
+            continue
+        all_exact = False
+        if g.is_floating_point() and g.element_size() > 1:
+            worst = max(worst, float((g.double() - w.double()).abs().max()))
+            ok = ok and not exact and torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6)
+        else:
+            ok = False
+    return {"ok": ok, "exact": all_exact, "max_abs_err": worst}
+
+
+def agreement(got: Any, want: Any) -> float | None:
+    """Fraction of equal elements in the first output tensor (a peer's outputs, for information)."""
+    try:
+        g, w = _leaves(got)[0], _leaves(want)[0]
+    except IndexError:
+        return None
+    if g.shape != w.shape or g.element_size() != w.element_size():
+        return None
+    if g.numel() == 0:
+        return 1.0
+    if g.dtype != w.dtype:
+        g, w = _bits(g).view(torch.uint8), _bits(w).view(torch.uint8)
+    return float((_bits(g) == _bits(w)).float().mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+class Timer:
+    """Median time of a call on one device (see the module doc)."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int, budget_s: float, flush_bytes: int):
+        self.device, self.iters, self.warmup, self.budget_s = device, iters, warmup, budget_s
+        self.cuda = device.type == "cuda"
+        self.flush_MB = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device) if self.cuda else None
+        if self.flush_MB is not None:
+            self.flush_MB.normal_()
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def first_call(self, fn: Callable[[], Any]) -> tuple[Any, float]:
+        """``(output, seconds)`` of one synchronized call (the first includes any compilation)."""
+        self.sync()
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - start
+
+    def flush(self) -> None:
+        if self.flush_MB is not None:
+            self.flush_MB.sum()
+
+    def median_us(self, fn: Callable[[], Any]) -> tuple[float, int]:
+        """``(median microseconds, runs)``."""
+        for _ in range(self.warmup):
+            fn()
+        _, once = self.first_call(fn)
+        runs = max(3, min(self.iters, int(self.budget_s / max(once, 1e-6))))
+        if not self.cuda:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e6)
+            return statistics.median(times), runs
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+        for start, end in events:
+            self.flush()
+            start.record()
+            fn()
+            end.record()
+        self.sync()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events), runs
+
+
+def copy_bandwidth(timer: Timer, nbytes: int) -> dict:
+    """Device-to-device ``copy_`` of ``nbytes``: bytes read + written over the median time."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).random_()
+    dst = torch.empty_like(src)
+    time_us, runs = timer.median_us(lambda: dst.copy_(src))
+    del src, dst
+    return {"bytes": 2 * nbytes, "time_us": time_us, "gbps": 2 * nbytes / time_us / 1e3, "runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _error(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+def _rate(time_us: float, nbytes: int, copy_gbps: float) -> dict:
+    gbps = nbytes / time_us / 1e3 if time_us > 0 else 0.0
+    return {"time_us": time_us, "gbps": gbps, "pct_of_copy": 100 * gbps / copy_gbps}
+
+
+@dataclasses.dataclass
+class CompileBudget:
+    """Seconds of ``torch.compile`` left for the run (cold Inductor compiles cost seconds each)."""
+
+    seconds: float
+
+
+def run_case(
+    case: Case, timer: Timer, copy_gbps: float, *, with_peers: bool, compile_budget: CompileBudget | None, impl: str
+) -> dict:
+    """Check, time and compare one case; never raises for a peer's failure."""
+    result: dict[str, Any] = {"op": case.op, "impl": impl, "bytes": case.bytes, "bytes_note": case.bytes_note,
+                              "memory_bound": case.op in MEMORY_BOUND}
+    try:
+        got, result["first_call_s"] = timer.first_call(case.ours)
+        want = case.reference(*case.args)
+        result["check"] = check(got, want, case.exact)
+        del got
+        time_us, result["runs"] = timer.median_us(case.ours)
+        result.update(_rate(time_us, case.bytes, copy_gbps))
+    except Exception as error:  # ours failing is a result too: report it, go on with the others
+        result["error"] = _error(error)
+        return result
+
+    peers: dict[str, dict] = {}
+    if with_peers:
+        peers["torch_eager"] = _run_peer(lambda: case.reference(*case.args), timer, case, copy_gbps, want)
+        if compile_budget is not None:
+            peers["torch_compile"] = _run_compiled(case, timer, copy_gbps, want, compile_budget)
+        for name, thunk in case.peers.items():
+            peers[name] = _run_peer(thunk, timer, case, copy_gbps, want)
+            peers[name]["partial"] = name in case.partial_peers
+    result["peers"] = peers
+    timed = [p["time_us"] for name, p in peers.items() if "time_us" in p and not p.get("partial")]
+    if timed:
+        result["fastest_peer_us"] = min(timed)
+        result["ratio_vs_fastest_peer"] = min(timed) / result["time_us"]
+
+    if case.unfused is not None:
+        try:
+            unfused_us, _ = timer.median_us(case.unfused)
+            speedup = unfused_us / result["time_us"]
+            bytes_ratio = case.unfused_bytes / case.bytes
+            gain = (speedup - 1) / (bytes_ratio - 1) if bytes_ratio > 1 else None
+            result["fusion"] = {
+                "unfused": case.unfused_note, "unfused_time_us": unfused_us, "unfused_bytes": case.unfused_bytes,
+                "speedup": speedup, "bytes_ratio": bytes_ratio, "speedup_over_bytes_ratio": speedup / bytes_ratio,
+                "gain_over_bytes_gain": gain,
+                "bar_ok": gain is not None and gain >= 0.7,
+            }
+        except Exception as error:
+            result["fusion"] = {"unfused": case.unfused_note, "error": _error(error)}
+    return result
+
+
+def _run_peer(thunk: Callable[[], Any], timer: Timer, case: Case, copy_gbps: float, want: Any) -> dict:
+    try:
+        out, first = timer.first_call(thunk)
+        agree = agreement(out, want)
+        del out
+        time_us, runs = timer.median_us(thunk)
+        return {**_rate(time_us, case.bytes, copy_gbps), "first_call_s": first, "runs": runs, "agreement": agree}
+    except Exception as error:
+        return {"error": _error(error)}
+
+
+def _run_compiled(case: Case, timer: Timer, copy_gbps: float, want: Any, budget: CompileBudget) -> dict:
+    if budget.seconds <= 0:
+        return {"error": "skipped: the run's torch.compile budget (--compile-budget) is spent"}
+    start = time.perf_counter()
+    try:
+        compiled = torch.compile(case.reference, dynamic=False)
+        result = _run_peer(lambda: compiled(*case.args), timer, case, copy_gbps, want)
+    except Exception as error:
+        result = {"error": _error(error)}
+    finally:
+        budget.seconds -= time.perf_counter() - start
+    if "first_call_s" in result:
+        result["compile_s"] = result["first_call_s"]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except Exception as error:
+        try:
+            from importlib.metadata import version
+
+            return version(module.replace("_", "-"))
+        except Exception:
+            return f"unavailable ({_error(error)})"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def summarize_bars(results: list[dict]) -> dict:
+    """The issue's bars over the large shape (all shapes for the peer ratio)."""
+    bars: dict[str, Any] = {"memory_bound_ge_90pct_of_copy": {}, "ratio_vs_fastest_peer_ge_1": {}, "fusion": {}}
+    for r in results:
+        key = f"{r['shape']}/{r['op']}"
+        if "time_us" not in r:
+            continue
+        if r["memory_bound"] and r["shape"] == "large":
+            bars["memory_bound_ge_90pct_of_copy"][key] = r["pct_of_copy"] >= 90
+        if "ratio_vs_fastest_peer" in r:
+            bars["ratio_vs_fastest_peer_ge_1"][key] = r["ratio_vs_fastest_peer"] >= 1.0
+        if "bar_ok" in r.get("fusion", {}):
+            bars["fusion"][key] = r["fusion"]["bar_ok"]
+    tk_gate = [r for r in results if r["op"] == "topk_route" and r["shape"] == "large" and "time_us" in r]
+    if tk_gate and "time_us" in tk_gate[0]["peers"].get("tile_kernels.topk_gate", {}):
+        bars["router_faster_than_tile_kernels_topk_gate"] = (
+            tk_gate[0]["time_us"] < tk_gate[0]["peers"]["tile_kernels.topk_gate"]["time_us"]
+        )
+    return bars
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def print_table(report: dict) -> None:
+    copy = report["copy"]
+    print(f"\n{report['device']}  commit {report['commit'] or '?'}  copy {copy['gbps']:.0f} GB/s "
+          f"({copy['bytes'] / 2**30:.0f} GiB read+write in {copy['time_us']:.0f} us)")
+    head = (f"{'shape':6} {'op':24} {'impl':9} {'check':6} {'us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} "
+            f"{'compile us':>10} {'tile-k us':>9} {'vs best':>7} {'1st call s':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['shape']:6} {r['op']:24} {r['impl']:9} ERROR  {r['error']}")
+            continue
+        peers = r.get("peers", {})
+        tk = [p["time_us"] for n, p in peers.items() if n.startswith("tile_kernels") and "time_us" in p
+              and not p.get("partial")]
+        chk = r["check"]
+        status = "exact" if chk.get("exact") else ("close" if chk.get("ok") else "FAIL")
+        print(f"{r['shape']:6} {r['op']:24} {r['impl']:9} {status:6} {r['time_us']:9.1f} {r['gbps']:7.0f} "
+              f"{r['pct_of_copy']:6.1f} {_fmt(peers.get('torch_eager', {}).get('time_us'), '9.1f'):>9} "
+              f"{_fmt(peers.get('torch_compile', {}).get('time_us'), '10.1f'):>10} "
+              f"{_fmt(min(tk) if tk else None, '9.1f'):>9} {_fmt(r.get('ratio_vs_fastest_peer'), '7.2f'):>7} "
+              f"{r['first_call_s']:10.2f}")
+    errors = [(r["shape"], r["op"], n, p["error"]) for r in report["results"] for n, p in r.get("peers", {}).items()
+              if "error" in p]
+    for shape, op, name, error in errors:
+        print(f"  peer error {shape}/{op}/{name}: {error}")
+    fused = [r for r in report["results"] if "speedup" in r.get("fusion", {})]
+    if fused:
+        print("\nfused vs the unfused sequence of our ops (bar: speedup gain >= 70% of the bytes gain)")
+        for r in fused:
+            f = r["fusion"]
+            print(f"  {r['shape']:6} {r['op']:24} speedup {f['speedup']:.2f}x  bytes ratio {f['bytes_ratio']:.2f}x  "
+                  f"speedup/bytes {f['speedup_over_bytes_ratio']:.2f}  gain/bytes gain "
+                  f"{_fmt(f['gain_over_bytes_gain'], '.2f')}  {'ok' if f['bar_ok'] else 'MISSED'}  ({f['unfused']})")
+    for name, value in report["bars"].items():
+        if isinstance(value, dict):
+            missed = [k for k, ok in value.items() if not ok]
+            print(f"bar {name}: {len(value) - len(missed)}/{len(value)} met" + (f"; missed: {', '.join(missed)}" if missed else ""))
+        else:
+            print(f"bar {name}: {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ep-runtime bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", choices=("large", "small", "all", "tiny"), default=None,
+                   help="large (16384 tokens), small (128 tokens), all (both; the default on CUDA), tiny "
+                        "(the CPU smoke shape; the default with --device cpu --quick)")
+    p.add_argument("--ops", default=None, help=f"comma-separated subset of: {', '.join(CASE_BUILDERS)}")
+    p.add_argument("--iters", type=int, default=50, help="timed runs per measurement at most (default 50)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
+    p.add_argument("--skip-peers", action="store_true", help="time our ops only")
+    p.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile peer")
+    p.add_argument("--compile-budget", type=float, default=150.0, metavar="S",
+                   help="seconds of torch.compile (compiling and timing) for the whole run; later ops "
+                        "record the peer as skipped (default 150)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="let TileLang reuse its on-disk kernel cache (default: off, so first calls show "
+                        "compile times)")
+    p.add_argument("--quick", action="store_true", help="few runs per measurement (on the CPU: the tiny shape)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: new each run)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/kernels-<date>.json)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    on_cuda = device.type == "cuda"
+    shapes = args.shapes or ("all" if on_cuda or not args.quick else "tiny")
+    shape_names = ["large", "small"] if shapes == "all" else [shapes]
+    names = list(CASE_BUILDERS) if args.ops is None else [n.strip() for n in args.ops.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASE_BUILDERS]
+    if unknown:
+        raise SystemExit(f"ep-runtime bench kernels: --ops: unknown {unknown}; expected some of {list(CASE_BUILDERS)}")
+    with_peers = on_cuda and not args.skip_peers  # on the CPU the op is the reference: nothing to compare
+    iters, warmup = (min(args.iters, 10), 1) if args.quick else (args.iters, args.warmup)
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+
+    from kernels.select import use_tilelang
+
+    impl = "tilelang" if use_tilelang(device) else "reference"
+    if impl == "tilelang" and not args.warm_cache:
+        import tilelang
+
+        tilelang.disable_cache()  # the in-process cache still serves the second shape
+    budget_s = 0.1 if args.quick else 0.5
+    timer = Timer(device, iters, warmup, budget_s, flush_bytes=(512 << 20) if on_cuda else 0)
+    copy = copy_bandwidth(timer, (1 << 30) if on_cuda else (64 << 20))
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety
+        def tqdm(items, **_):
+            return items
+
+    budget = None if args.skip_compile else CompileBudget(args.compile_budget)
+    results: list[dict] = []
+    skipped: dict[str, str] = {}
+    started = time.perf_counter()
+    for shape_name in shape_names:
+        shape = SHAPES[shape_name]
+        inputs = Inputs(shape, device, seed)
+        cases, missing = build_cases(inputs, names, with_peers)
+        skipped.update({f"{shape_name}/{k}": v for k, v in missing.items()})
+        for case in tqdm(cases, desc=f"{shape_name} ({shape.tokens} tokens)", file=sys.stderr):
+            result = run_case(case, timer, copy["gbps"], with_peers=with_peers, compile_budget=budget, impl=impl)
+            results.append({"shape": shape_name, **result})
+        del inputs, cases
+
+    report = {
+        "benchmark": "kernels",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "device_type": device.type,
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "versions": {
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "tilelang": _version("tilelang"),
+            "tile_kernels": _version("tile_kernels") if with_peers else "not loaded (no peers)",
+        },
+        "settings": {"iters": iters, "warmup": warmup, "budget_s_per_measurement": budget_s, "seed": seed,
+                     "l2_flush_bytes": (512 << 20) if on_cuda else 0, "peers": with_peers,
+                     "torch_compile": with_peers and not args.skip_compile, "quick": args.quick,
+                     "tilelang_disk_cache": args.warm_cache, "wall_s": round(time.perf_counter() - started, 1)},
+        "copy": copy,
+        "shapes": {name: dataclasses.asdict(SHAPES[name]) for name in shape_names},
+        "results": results,
+        "skipped": skipped,
+    }
+    report["bars"] = summarize_bars(results)
+    out = Path(args.out) if args.out else (
+        REPO / "bench" / "results" / slug(report["device"]) / f"kernels-{datetime.date.today().isoformat()}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print_table(report)
+    print(f"\nwrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,54 @@
+"""``ep-runtime bench kernels`` smoke test on the CPU: the tiny shape, references only; the JSON has
+the documented structure and every time, byte count and rate is positive."""
+
+import json
+
+from ep_runtime.bench import kernels as bench
+from ep_runtime.cli import main as cli_main
+
+
+def test_cpu_quick_run_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    cli_main(["bench", "kernels", "--device", "cpu", "--quick", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert "wrote" in capsys.readouterr().out
+
+    assert report["device_type"] == "cpu" and report["device"]
+    assert {"torch", "tilelang", "tile_kernels", "python"} <= set(report["versions"])
+    assert set(report["shapes"]) == {"tiny"}
+    assert report["copy"]["gbps"] > 0 and report["copy"]["bytes"] > 0
+    ops = {r["op"] for r in report["results"]}
+    assert set(bench.CASE_BUILDERS) - set(s.split("/")[1] for s in report["skipped"]) == ops
+    for r in report["results"]:
+        assert "error" not in r, r
+        assert r["impl"] == "reference" and r["check"]["ok"], r
+        for key in ("time_us", "bytes", "gbps", "pct_of_copy"):
+            assert r[key] > 0, (r["op"], key)
+        assert r["first_call_s"] >= 0 and r["bytes_note"]
+        assert r["peers"] == {}  # the CPU runs the references only
+        if "fusion" in r:
+            assert r["fusion"]["unfused_time_us"] > 0 and r["fusion"]["bytes_ratio"] > 1
+    assert set(report["bars"]) >= {"memory_bound_ge_90pct_of_copy", "ratio_vs_fastest_peer_ge_1", "fusion"}
+
+
+def test_ops_subset_and_unknown_op(tmp_path):
+    out = tmp_path / "k.json"
+    report = bench.main(["--device", "cpu", "--quick", "--ops", "expand,per_token_cast", "--out", str(out)])
+    assert [r["op"] for r in report["results"]] == ["expand", "per_token_cast"]
+    try:
+        bench.main(["--device", "cpu", "--quick", "--ops", "nope", "--out", str(out)])
+    except SystemExit as exit:
+        assert "nope" in str(exit)
+    else:
+        raise AssertionError("an unknown op must stop the program")
+
+
+def test_check_tells_exact_close_and_wrong():
+    import torch
+
+    a = torch.tensor([1.0, 2.0])
+    assert bench.check(a, a.clone(), exact=True) == {"ok": True, "exact": True, "max_abs_err": 0.0}
+    near = a * (1 + 1e-7)
+    assert bench.check(near, a, exact=False)["ok"] and not bench.check(near, a, exact=True)["ok"]
+    assert not bench.check(torch.tensor([1, 2]), torch.tensor([1, 3]), exact=False)["ok"]
+    assert not bench.check((a,), (a, a), exact=True)["ok"]
