@@ -130,7 +130,7 @@ class ShardedTable(nn.Module):
         check_tensor("idx", idx, dtype=torch.int64)
         check_index_range("idx", idx, self.num_rows, allow_masked=False)
         rows_IE = ShardedLookupFn.apply(self.weight_LE, idx.reshape(-1), self.group, self.rank, self.world)
-        return rows_IE.view(*idx.shape, -1)
+        return rows_IE.view(*idx.shape, self.weight_LE.shape[1])
 
 
 class Engram(nn.Module):
@@ -172,7 +172,7 @@ class Engram(nn.Module):
             raise ValueError(f"x_BSND: expected [B, S, {self.streams}, {self.hidden}], got {tuple(x_BSND.shape)}")
         check_tensor("ids_BS", ids_BS, shape=(b, s), device=x_BSND.device)
         idx_BSC = engram.ngram_hash(ids_BS, self.hash)
-        e_TM = self.table(idx_BSC).reshape(b * s, -1)  # M = C * E, the memory vector
+        e_TM = self.table(idx_BSC).reshape(b * s, self.key.in_features)  # M = C * E, the memory vector
         k_TND = self.key(e_TM).view(b * s, n, d)
         v_TD = self.value(e_TM)
         gated_TND = engram.gate(x_BSND.reshape(b * s, n, d), k_TND, v_TD, self.query_norm_ND, self.key_norm_ND,
