@@ -6,7 +6,8 @@ first rank. Links come from, in order of preference:
 
 * NVML (``pynvml``, when installed): active NVLink links of the rank's GPU and its PCIe generation;
 * ``nvidia-smi topo -m``: ``NV<k>`` between every pair of GPUs means NVLink (NVSwitch with 4+ GPUs);
-* torch: no link information, the device name decides (SXM parts are on NVSwitch boards);
+* torch: GPUs without peer access to each other are on PCIe; otherwise the device name decides
+  (SXM parts are on NVSwitch boards);
 * ``/sys/class/infiniband``: active RDMA ports and their rate; else the fastest Ethernet interface.
 
 NVLink bandwidth is 25 GB/s per link and direction (NVLink 3 and 4; an H100 SXM has 18 links = 450
@@ -100,6 +101,9 @@ def _gpu_links(index: int, device_name: str) -> tuple[str, float]:
                 return kind, (links * _NVLINK_GBPS_PER_LINK if links else _PCIE_GBPS_PER_LANE[4] * 16)
         except (OSError, subprocess.SubprocessError):
             pass
+    count = torch.cuda.device_count()
+    if count > 1 and not all(torch.cuda.can_device_access_peer(index, j) for j in range(count) if j != index):
+        return "pcie", _PCIE_GBPS_PER_LANE[4] * 16  # no peer access: copies bounce through the host
     if re.search(r"\b(H100|H200|H800|A100|B200|GB200)\b", device_name) and "PCIe" not in device_name:
         return "nvswitch", 450.0 if "A100" not in device_name else 300.0
     return "pcie", _PCIE_GBPS_PER_LANE[4] * 16

@@ -94,6 +94,14 @@ Legend:
   NV#  = Connection traversing a bonded set of # NVLinks
 """
 
+# Captured on the 2 x H200 development machine (with its terminal colour codes).
+SMI_H200_PAIR = (
+    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+    "GPU0\t X \tNV18\t0-31\t0\t\tN/A\n"
+    "GPU1\tNV18\t X \t0-31\t0\t\tN/A\n"
+    "\nLegend:\n\n  X    = Self\n"
+)
+
 SMI_PCIE = """\
 \tGPU0\tGPU1\tCPU Affinity
 GPU0\t X \tPHB\t0-15
@@ -103,5 +111,6 @@ GPU1\tPHB\t X \t0-15
 
 def test_parse_nvidia_smi_topo():
     assert parse_nvidia_smi_topo(SMI_NVSWITCH) == ("nvswitch", 18)
+    assert parse_nvidia_smi_topo(SMI_H200_PAIR) == ("nvlink", 18)
     assert parse_nvidia_smi_topo(SMI_PCIE) == ("pcie", 0)
     assert parse_nvidia_smi_topo("No devices were found") == ("unknown", 0)
