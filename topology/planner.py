@@ -335,20 +335,25 @@ def plan_from_phy2log(
     if traffic is not None:
         routes_LTK = traffic.routes_LTK
         if routes_LTK is None:
-            from .synthetic import (
-                draw_routes,  # here, so `python -m topology.synthetic` runs cleanly
-            )
+            # Imported here so that `python -m topology.synthetic` runs cleanly.
+            from .synthetic import draw_routes
 
             topk_groups = traffic.topk_groups
             if expert_groups is not None and topk_groups is None:
                 topk_groups = max(1, expert_groups // 2)
+            if expert_groups is not None:
+                topk_groups = min(topk_groups, expert_groups)
+            reachable = E if expert_groups is None else topk_groups * (E // expert_groups)
             popularity_LE = load_LE + 1e-9 * load_LE.sum(-1, keepdim=True).clamp(min=1) / E
-            routes_LTK = draw_routes(popularity_LE, traffic.sample_tokens, min(traffic.topk, E),
+            routes_LTK = draw_routes(popularity_LE, traffic.sample_tokens, min(traffic.topk, reachable),
                                      expert_groups=expert_groups if topk_groups else None,
                                      topk_groups=topk_groups, seed=traffic.seed)
         elif (not isinstance(routes_LTK, torch.Tensor) or routes_LTK.dim() != 3 or routes_LTK.shape[0] != L
               or routes_LTK.dtype.is_floating_point):
             raise ValueError(f"traffic.routes_LTK: expected an integer [{L}, T, K] tensor, got {_describe(routes_LTK)}")
+        elif routes_LTK.numel() and (int(routes_LTK.min()) < -1 or int(routes_LTK.max()) >= E):
+            raise ValueError(f"traffic.routes_LTK: expected entries in -1 or [0, {E}), got values in "
+                             f"[{int(routes_LTK.min())}, {int(routes_LTK.max())}]")
         traffic_out = count_traffic(log2phy_LER, P // G, topology, routes_LTK.long().cpu(),
                                     tokens_per_gpu=traffic.tokens_per_gpu, token_bytes=traffic.token_bytes)
     return Plan(phy2log_LP=phy2log_LP, log2phy_LER=log2phy_LER, replica_counts_LE=counts_LE, load_LE=load_LE,

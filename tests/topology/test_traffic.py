@@ -99,6 +99,16 @@ def test_physical_route_spreads_deterministically(seed):
     assert masked[0, 0] == -1 and masked[1, 1] == -1 and p.phy2log_LP[0, masked[1, 0]] == 3
 
 
+def test_route_sample_errors():
+    load = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="routes_LTK"):
+        plan(load, Topology.uniform(2, 2), 8, traffic=TrafficModel(routes_LTK=torch.full((2, 4, 2), 8)))
+    with pytest.raises(ValueError, match="routes_LTK"):
+        plan(load, Topology.uniform(2, 2), 8, traffic=TrafficModel(routes_LTK=torch.zeros(3, 4, 2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="topk"):
+        TrafficModel(topk=0)
+
+
 def test_physical_route_errors():
     p = plan(torch.ones(1, 8), Topology.uniform(2, 2), 8, traffic=None)
     with pytest.raises(ValueError, match="topk_idx_TK"):
