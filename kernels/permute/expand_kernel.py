@@ -165,11 +165,13 @@ def get_unexpand_kernel(word: str, vec: int, tile_v: int):
     return unexpand_kernel
 
 
-def _as_vectors(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D tensor's rows as ``[rows, nv, vec]`` words (see :func:`row_words`): a view, after a
-    copy if ``t`` is not contiguous or does not start on a 16-byte boundary (vector accesses need
-    both)."""
+def _as_vectors(t: torch.Tensor, *, output: bool = False) -> torch.Tensor:
+    """A 2-D tensor's rows as ``[rows, nv, vec]`` words (see :func:`row_words`): a view. An input
+    is copied first if it is not contiguous or does not start on a 16-byte boundary (vector
+    accesses need both); an output (new memory from the caching allocator) never is."""
     if not t.is_contiguous() or t.data_ptr() % VECTOR_BYTES:
+        if output:
+            raise AssertionError("expand/unexpand outputs are new, contiguous, 16-byte aligned tensors")
         t = t.clone(memory_format=torch.contiguous_format)
     word_bytes, vec, nv = row_words(t.shape[1] * t.element_size())
     return t.view(torch.uint8).view(WORD_DTYPES[word_bytes]).view(t.shape[0], nv, vec)
@@ -217,7 +219,7 @@ def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     x_PD = torch.empty((p, d), dtype=x_TD.dtype, device=x_TD.device)
     x_TNV = _as_vectors(x_TD)
     kernel = get_expand_kernel(*get_kernel_args(d * x_TD.element_size()))
-    kernel(x_TNV, _index(layout.pos_TK), _index(layout.src_P), _as_vectors(x_PD))
+    kernel(x_TNV, _index(layout.pos_TK), _index(layout.src_P), _as_vectors(x_PD, output=True))
     return x_PD
 
 
@@ -239,5 +241,5 @@ def unexpand(y_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         return _zeros((num_tokens, topk, d), y_PD)
     y_TKD = torch.empty((num_tokens, topk, d), dtype=y_PD.dtype, device=y_PD.device)
     kernel = get_unexpand_kernel(*get_kernel_args(d * y_PD.element_size()))
-    kernel(_as_vectors(y_PD), _index(layout.pos_TK).view(-1), _as_vectors(y_TKD.view(num_tokens * topk, d)))
+    kernel(_as_vectors(y_PD), _index(layout.pos_TK).view(-1), _as_vectors(y_TKD.view(num_tokens * topk, d), output=True))
     return y_TKD

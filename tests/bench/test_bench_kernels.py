@@ -29,6 +29,7 @@ def test_cpu_quick_run_writes_the_report(tmp_path, capsys):
         if "fusion" in r:
             assert r["fusion"]["unfused_time_us"] > 0 and r["fusion"]["bytes_ratio"] > 1
     assert set(report["bars"]) >= {"memory_bound_ge_90pct_of_copy", "ratio_vs_fastest_peer_ge_1", "fusion"}
+    assert report["complete"] and report["wall_s"] > 0
 
 
 def test_ops_subset_and_unknown_op(tmp_path):
