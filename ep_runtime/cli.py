@@ -135,15 +135,17 @@ def main(argv: list[str] | None = None) -> None:
     bench = sub.add_parser("bench", help="benchmarks: ep-runtime bench <name> --help")
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)  # plan and bench take options of their own
     if args.command == "train":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         _train(args)
     elif args.command == "plan":
         from topology.report import main as plan_main
 
-        plan_main(args.args)
+        plan_main(rest + args.args)
     else:
-        _bench(args.name, args.args)
+        _bench(args.name, rest + args.args)
 
 
 if __name__ == "__main__":
