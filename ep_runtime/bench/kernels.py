@@ -607,7 +607,6 @@ def copy_bandwidth(timer: Timer, nbytes: int) -> dict:
     src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).random_()
     dst = torch.empty_like(src)
     time_us, runs = timer.median_us(lambda: dst.copy_(src))
-    del src, dst
     return {"bytes": 2 * nbytes, "time_us": time_us, "gbps": 2 * nbytes / time_us / 1e3, "runs": runs}
 
 
@@ -831,6 +830,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="few runs per measurement (on the CPU: the tiny shape)")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: new each run)")
+    p.add_argument("--commit", default=None,
+                   help="commit to record when git cannot tell (a copy of the tree without .git)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/kernels-<date>.json)")
     return p.parse_args(argv)
 
@@ -876,8 +877,8 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": device_name(device),
         "device_type": device.type,
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": _git("rev-parse", "HEAD") or args.commit,
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if _git("rev-parse", "HEAD") else None,
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "tilelang": _version("tilelang"),
