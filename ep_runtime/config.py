@@ -149,14 +149,13 @@ def v4_model_config(**overrides) -> ModelConfig:
     before the first and the last block, a dense first block, then MoE (8 routed experts, top-2
     sigmoid routing, one shared expert). Trains on 2 CPU processes in about a minute.
     ``overrides`` replace top-level ``ModelConfig`` fields."""
-    fields = dict(vocab_size=256, hidden=64, num_layers=3, num_heads=4, max_seq_len=64, dense_layers=1,
-                  dense_hidden=128,
-                  moe=MoEConfig(num_experts=8, expert_hidden=64, num_shared_experts=1,
-                                router=RouterConfig(scoring="sigmoid", topk=2)),
-                  mhc=MHCConfig(n=4),
-                  engram=EngramConfig(layers=(0, 2), max_ngram=3, num_heads=2, table_size=1009, head_dim=16))
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    preset = ModelConfig(vocab_size=256, hidden=64, num_layers=3, num_heads=4, max_seq_len=64, dense_layers=1,
+                         dense_hidden=128,
+                         moe=MoEConfig(num_experts=8, expert_hidden=64, num_shared_experts=1,
+                                       router=RouterConfig(scoring="sigmoid", topk=2)),
+                         mhc=MHCConfig(n=4),
+                         engram=EngramConfig(layers=(0, 2), max_ngram=3, num_heads=2, table_size=1009, head_dim=16))
+    return dataclasses.replace(preset, **overrides)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,8 +145,8 @@ def _model(cfg: ModelConfig, seed: int = 3) -> TinyDeepSeek:
 
 
 def _small_v4(**overrides) -> ModelConfig:
-    fields = dict(hidden=32, num_layers=2, max_seq_len=16, engram=EngramConfig(layers=(0, 1), table_size=211))
-    return v4_model_config(**{**fields, **overrides})
+    small = {"hidden": 32, "num_layers": 2, "max_seq_len": 16, "engram": EngramConfig(layers=(0, 1), table_size=211)}
+    return v4_model_config(**{**small, **overrides})
 
 
 def _forward_backward(model, tokens):

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 import ep_runtime.engram as engram_module
-from kernels.engram import ngram_hash
 from ep_runtime.config import EngramConfig, MHCConfig, ParallelConfig, v4_model_config
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.engram import Engram
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel, single_process
+from kernels.engram import ngram_hash
 
 HIDDEN, SEQ, VOCAB = 16, 9, 12  # a small vocabulary: n-grams repeat within and across ranks
 
