@@ -95,8 +95,11 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     store = None
     if not dist.is_initialized():
         store = job_store(rank, world, timeout)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world, timeout=timeout,
+        # A restarted torchrun job keeps its agent's store: each attempt bootstraps under its own
+        # prefix, or ranks may read the addresses the previous attempt's ranks published.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(f"ep_runtime/attempt_{restart_count()}/pg", store),
+                                rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
     ctx = ParallelContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
@@ -231,6 +234,8 @@ class FailureWatch:
 
     def __exit__(self, *exc_info) -> None:
         self._done.set()
+        if self._thread.is_alive():  # its store connection must go before the interpreter does
+            self._thread.join()
 
     def _watch(self) -> None:
         since = None  # when trouble was first seen

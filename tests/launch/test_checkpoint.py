@@ -1,0 +1,66 @@
+"""Checkpoints: a run resumed from its checkpoint continues with exactly the losses of an
+uninterrupted run; a job of another world size is refused with the reason; a restarted local job
+(torchrun's agent, ``--max-restarts``) resumes by itself; the fault injection parses strictly."""
+
+import pytest
+from conftest import STEPS, read_losses
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.train import FAULT_ENV, InjectedFault, worker
+from launch.local import launch_local
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as in the reference run
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+
+
+def job(tmp_path, *args: str):
+    return job_config_from_args(train_parser().parse_args(["--out", str(tmp_path), "--name", "job", *args]))
+
+
+def test_resume_continues_with_identical_losses(tmp_path, reference_losses):
+    first = launch_local(worker, job(tmp_path, "--steps", "5", "--checkpoint-every", "2"), nproc=2)
+    assert first[0]["losses"] == reference_losses[:5]
+    ckpt = tmp_path / "job" / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (ckpt / "step_4").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+
+    resumed = launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--checkpoint-every", "2", "--resume"),
+                           nproc=2)
+    assert resumed[0]["first_step"] == 5
+    assert resumed[0]["losses"] == resumed[1]["losses"] == reference_losses[4:]
+    assert read_losses(tmp_path / "job") == reference_losses
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_6", "step_8"]  # the newest two are kept
+
+    with pytest.raises(ChildFailedError) as refused:  # one rank cannot hold the experts of two
+        launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--resume"), nproc=1)
+    message = refused.value.format_msg()
+    assert "saved with world size 2, EP 2 (EP rank 0 holds experts 0..3 of 8)" in message
+    assert "this job has world size 1, EP 1" in message
+
+
+def test_restarted_local_job_resumes_by_itself(tmp_path, monkeypatch, reference_losses):
+    monkeypatch.setenv(FAULT_ENV, "0:4:raise")
+    results = launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--checkpoint-every", "3"), nproc=2,
+                           max_restarts=1)
+    assert results[0]["restart"] == 1 and results[0]["first_step"] == 4
+    assert read_losses(tmp_path / "job") == reference_losses
+
+
+def test_fault_injection_spec(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "1:3")
+    assert InjectedFault.from_env() == InjectedFault(1, 3, "raise")
+    monkeypatch.setenv(FAULT_ENV, "0:12:hang")
+    assert InjectedFault.from_env() == InjectedFault(0, 12, "hang")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert InjectedFault.from_env() is None  # a restarted job runs clean
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for bad in ("1", "a:3", "1:3:explode", "1:-3"):
+        monkeypatch.setenv(FAULT_ENV, bad)
+        with pytest.raises(ValueError, match=FAULT_ENV):
+            InjectedFault.from_env()

@@ -1,0 +1,46 @@
+"""The Ray launcher on a two-node Ray cluster on loopback (``ray start --head`` at 127.0.0.2 and a
+second ``ray start`` at 127.0.0.3 with its own resource, one CPU and one fake GPU each): the job
+spans both nodes, a killed worker fails the job naming its rank or, with a restart left, the job
+resumes from its last checkpoint and ends with the losses of an uninterrupted run."""
+
+import pytest
+from conftest import STEPS, read_losses, train_cli
+
+from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.train import worker
+from launch.ray import RayConfig, WorkerFailed, launch_ray
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def job(tmp_path, *args: str):
+    return job_config_from_args(train_parser().parse_args(
+        ["--steps", str(STEPS), "--out", str(tmp_path), "--name", "job", "--timeout", "10", *args]))
+
+
+def test_job_spans_both_nodes(ray_cluster, tmp_path, reference_losses):
+    done = train_cli("--launcher", "ray", "--address", ray_cluster.address, "--out", str(tmp_path), "--name", "job")
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert f"trained {STEPS} steps on 2 processes" in done.stdout
+    assert "2 workers on 2 node(s)" in done.stderr and "ranks by node: {'0': [0], '1': [1]}" in done.stderr
+    assert "[node 1 rank 1/2 local 0]" in done.stderr  # the workers' logs stream to the driver
+    assert read_losses(tmp_path / "job") == reference_losses
+
+
+def test_killed_worker_fails_the_job_naming_its_rank(ray_cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("EP_RUNTIME_FAIL_AT_STEP", "1:3:kill")  # the launcher passes EP_* on to the workers
+    with pytest.raises(WorkerFailed) as failed:
+        launch_ray(worker, job(tmp_path), config=RayConfig(address=ray_cluster.address, num_workers=2,
+                                                            gpus_per_worker=1))
+    assert failed.value.ranks == (1,)
+    assert "rank 1 (node 1, local 0): its worker process died" in str(failed.value)
+
+
+def test_restart_resumes_from_the_last_checkpoint(ray_cluster, tmp_path, monkeypatch, reference_losses):
+    monkeypatch.setenv("EP_RUNTIME_FAIL_AT_STEP", "1:7:kill")  # the first attempt only
+    results = launch_ray(worker, job(tmp_path, "--checkpoint-every", "3"),
+                         config=RayConfig(address=ray_cluster.address, num_workers=2, max_restarts=1))
+    assert [results[r]["restart"] for r in (0, 1)] == [1, 1]
+    assert results[0]["first_step"] == 7  # the checkpoint of step 6
+    assert results[0]["losses"] == reference_losses[6:]
+    assert read_losses(tmp_path / "job") == reference_losses  # metrics.jsonl: steps 1..6 kept, 7..8 appended
