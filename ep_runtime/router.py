@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.routing import score, sequence_balance_stats, topk_route, topk_weights
+from kernels.validate import check_finite
 
 from .config import RouterConfig
 
@@ -34,6 +35,7 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> Routing:
         c = self.cfg
         logits_TE = F.linear(x_TD.float(), self.weight.float())
+        check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error, not a dropped token
         with torch.no_grad():
             topk_idx_TK, _ = topk_route(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E,
                                         num_groups=c.num_groups, topk_groups=c.topk_groups,

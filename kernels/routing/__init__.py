@@ -4,15 +4,15 @@
 ``topk_route`` (and ``topk_route_with_counts``) run the one-kernel router of
 ``topk_route_kernel.py`` and ``expert_counts`` runs ``expert_counts_kernel.py``, except where the
 reference alone has what the call asks for: float64 logits, or logits that need a gradient (the
-kernel's weights are not differentiable; ``topk_weights`` is). The kernel itself checks no values;
-the public ops check that router logits are finite before launching it (one host sync), because a
-NaN or Inf logit is an error, never a silent pick or a silently dropped token.
+kernel's weights are not differentiable; ``topk_weights`` is). Kernel paths check shapes, dtypes
+and devices but no values (that would cost a host sync per call): a token whose logits are not
+finite gets no routes (-1) there, where the reference raises. Callers that must reject NaN/Inf
+logits check them once where they sync anyway (the MoE router does).
 """
 
 import torch
 
 from kernels.select import use_tilelang
-from kernels.validate import check_finite
 
 from . import reference
 from .reference import hash_route, score, sequence_balance_stats, topk_weights
@@ -29,15 +29,12 @@ __all__ = [
 
 
 def _router_kernel_applies(logits_TE: object) -> bool:
-    applies = (
+    return (
         isinstance(logits_TE, torch.Tensor)
         and use_tilelang(logits_TE.device)
         and logits_TE.dtype != torch.float64
         and not (logits_TE.requires_grad and torch.is_grad_enabled())
     )
-    if applies:
-        check_finite("logits_TE", logits_TE)
-    return applies
 
 
 def topk_route(logits_TE: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
