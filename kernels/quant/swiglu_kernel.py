@@ -86,7 +86,12 @@ def get_swiglu_forward_kernel(inter: int, dtype: str, group: int, cast: bool, ro
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
-    """``(x_TI2, grad_TI, grad_TI2)`` kernel: ``[d gate | d up]`` of ``silu(gate) * up``."""
+    """``(x_T2I, grad_TI, grad_T2I)`` kernel: ``[d gate | d up]`` of ``silu(gate) * up``.
+
+    ``x_T2I`` and ``grad_T2I`` are ``[T, 2 * I]`` rows viewed as ``[T, 2, I]``, so a tile's column
+    bound is ``I`` in both halves: a tile reaching past ``I`` is cut there by the copies' bounds
+    guards, instead of spilling into the ``up`` half (the v1 bug at I = 300, 7232). The results go
+    to fragments in the loads' layout and leave as 16-byte vector stores."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = blockwise_tile(inter, (1, 128), vec)
@@ -94,17 +99,21 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
 
     @T.prim_func
     def swiglu_backward(
-        x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
+        x_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
         grad_TI: T.Tensor[(num_tokens, inter), grad_dtype],
-        grad_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
+        grad_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             grad_frag = T.alloc_fragment((tile_m, tile_n), grad_dtype)
-            T.annotate_layout({gate_frag: layout, up_frag: layout, grad_frag: layout})
-            T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
-            T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
+            d_gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            d_up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            T.annotate_layout(
+                {gate_frag: layout, up_frag: layout, grad_frag: layout, d_gate_frag: layout, d_up_frag: layout}
+            )
+            T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], gate_frag, disable_tma=True)
+            T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], up_frag, disable_tma=True)
             T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
             for i, j in T.Parallel(tile_m, tile_n):
                 gate = T.cast(gate_frag[i, j], "float32")
@@ -113,10 +122,10 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
                 sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
                 # (grad * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
                 d_silu = T.ieee_mul(sig, T.ieee_add(T.float32(1), T.ieee_mul(gate, T.ieee_sub(T.float32(1), sig))))
-                d_gate = T.ieee_mul(T.ieee_mul(grad, up), d_silu)
-                d_up = T.ieee_mul(grad, T.ieee_mul(gate, sig))
-                grad_TI2[pm * tile_m + i, pn * tile_n + j] = T.cast(d_gate, dtype)
-                grad_TI2[pm * tile_m + i, inter + pn * tile_n + j] = T.cast(d_up, dtype)
+                d_gate_frag[i, j] = T.cast(T.ieee_mul(T.ieee_mul(grad, up), d_silu), dtype)
+                d_up_frag[i, j] = T.cast(T.ieee_mul(grad, T.ieee_mul(gate, sig)), dtype)
+            T.copy(d_gate_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
+            T.copy(d_up_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
 
     return swiglu_backward
 
@@ -175,5 +184,5 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return grad_TI2
     kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype))
-    kernel(x_TI2.contiguous(), grad_TI.contiguous(), grad_TI2)
+    kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter))
     return grad_TI2
