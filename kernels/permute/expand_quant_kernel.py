@@ -1,15 +1,20 @@
-"""Expand fused with the per-token FP8 cast: gathers each token into its rows of the expert-major
-layout and casts them to e4m3 in one pass (see
-:func:`kernels.quant.reference.expand_per_token_cast` for the function).
+"""Expand fused with the per-token FP8 cast: scatters each token, cast to e4m3 once, into its rows
+of the expert-major layout (see :func:`kernels.quant.reference.expand_per_token_cast` for the
+function).
 
-A CTA covers ``[tile_m, tile_n]`` of the layout (whole scale groups, tiles as in
-:mod:`kernels.quant.blockwise_cast_kernel`): each row looks up its route in ``src_P``, loads its
-token's columns with 16-byte vectors (padding rows load nothing and become zeros with the floor
-scale), reduces each group's amax and stores the e4m3 bytes and the scales per layout row, as the
-receiver's grouped GEMM reads them. Each token is read once per route and never written back in
-bf16, which is what the fusion saves over ``expand`` then ``per_token_cast``.
+A scatter from the tokens, like :mod:`kernels.permute.expand_kernel`, not a gather into the layout:
+a token CTA loads ``[tile_m, tile_n]`` of ``x_TD`` (whole scale groups, tiles as in
+:mod:`kernels.quant.blockwise_cast_kernel`) with 16-byte vectors, reduces each group's amax, casts
+to e4m3 in registers once, and stores the bytes and the scales to each of its tokens' K rows
+(``pos_TK``, staged in shared memory). Every input byte is read once; a gather by ``src_P`` reads
+each token K times (the token matrix does not fit in L2). Padding rows (``src_P == -1``) are
+written by the grid's first CTAs, ``PAD_ROWS`` rows each: zero bytes and the floor scale (the cast
+of a zero row). This relies on ``pos_TK`` and ``src_P`` being each other's inverse, as in every
+:class:`ExpertLayout` from ``expert_layout``; values are not checked on the host (no host sync):
+rows outside ``[0, P)`` are treated as -1.
 
-Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups.
+Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups,
+M tile rows, N tile columns.
 """
 
 import tilelang
@@ -31,41 +36,72 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_positive, check_tensor
 
+PAD_ROWS = 64  # layout rows a padding CTA checks (and zeroes where src_P is -1)
+
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: int, round_sf: bool, pack_sf: bool):
-    """``(x_TD, src_P, q_PD, sf_PG)`` kernel: row p of the outputs is token ``src_P[p] // topk``
-    cast to e4m3 with one scale per ``group`` columns (zeros and the floor scale where -1)."""
+    """``(x_TD, pos_TK, src_P, q_PD, sf_PG)`` kernel: token t cast to e4m3 with one scale per
+    ``group`` columns, stored to rows ``pos_TK[t, :]`` (zeros and the floor scale where ``src_P``
+    is -1)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
     vec = vector_width(hidden, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = blockwise_tile(hidden, (1, group), vec)
     tile_g = tile_n // group
+    layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"
 
     @T.prim_func
     def expand_per_token_cast(
         x_TD: T.Tensor[(num_tokens, hidden), dtype],
+        pos_TK: T.Tensor[(num_tokens, topk), "int32"],
         src_P: T.Tensor[(num_rows,), "int32"],
         q_PD: T.Tensor[(num_rows, hidden), "float8_e4m3fn"],
         sf_PG: T.Tensor[(num_rows, T.ceildiv(hidden, group)), sf_dtype],
     ):
-        with T.Kernel(T.ceildiv(num_rows, tile_m), T.ceildiv(hidden, tile_n), threads=threads) as (pm, pn):
+        pad_blocks = T.ceildiv(num_rows, PAD_ROWS)
+        grid = (pad_blocks + T.ceildiv(num_tokens, tile_m), T.ceildiv(hidden, tile_n))
+        with T.Kernel(*grid, threads=threads) as (bm, pn):
             x_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
             amax = T.alloc_fragment((tile_m, tile_g), dtype)
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
-            T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
-            for i, j in T.Parallel(tile_m, tile_n):
-                src = src_P[pm * tile_m + i]
-                x_frag[i, j] = T.if_then_else(src >= 0, x_TD[src // topk, pn * tile_n + j], T.cast(0, dtype))
-            T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_g, group]), amax, dim=2)
-            for i, g in T.Parallel(tile_m, tile_g):
-                sf, inv = scale_and_inverse(T.cast(amax[i, g], "float32"), round_sf, pack_sf)
-                sf_PG[pm * tile_m + i, pn * tile_g + g] = sf
-                inv_frag[i, g] = inv
-            for i, j in T.Parallel(tile_m, tile_n):
-                q_PD[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
-                    T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group]
-                )
+            sf_frag = T.alloc_fragment((tile_m, tile_g), sf_dtype)
+            pos_MK = T.alloc_shared((tile_m, topk), "int32")
+            pad_M = T.alloc_shared((PAD_ROWS,), "int32")  # 1 = a padding row of this CTA
+            T.annotate_layout({x_frag: layout, q_frag: layout})
+            if bm < pad_blocks:
+                for r in T.Parallel(PAD_ROWS):
+                    row = bm * PAD_ROWS + r
+                    pad_M[r] = T.if_then_else(row < num_rows, T.if_then_else(src_P[row] < 0, 1, 0), 0)
+                for r, j in T.Parallel(PAD_ROWS, tile_n):
+                    if pad_M[r] == 1:
+                        q_PD[bm * PAD_ROWS + r, pn * tile_n + j] = T.cast(0, "float8_e4m3fn")
+                for r, g in T.Parallel(PAD_ROWS, tile_g):
+                    if pad_M[r] == 1:
+                        sf, _ = scale_and_inverse(T.float32(0), round_sf, pack_sf)
+                        sf_PG[bm * PAD_ROWS + r, pn * tile_g + g] = sf
+            else:
+                tm = bm - pad_blocks
+                for i, k in T.Parallel(tile_m, topk):
+                    token = tm * tile_m + i
+                    row = T.if_then_else(token < num_tokens, pos_TK[token, k], -1)
+                    pos_MK[i, k] = T.if_then_else(row < num_rows, row, -1)
+                T.copy(x_TD[tm * tile_m, pn * tile_n], x_frag, disable_tma=True)
+                T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_g, group]), amax, dim=2)
+                for i, g in T.Parallel(tile_m, tile_g):
+                    sf, inv = scale_and_inverse(T.cast(amax[i, g], "float32"), round_sf, pack_sf)
+                    sf_frag[i, g] = sf
+                    inv_frag[i, g] = inv
+                for i, j in T.Parallel(tile_m, tile_n):
+                    q_frag[i, j] = to_e4m3(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
+                for k in T.unroll(topk):
+                    for i, j in T.Parallel(tile_m, tile_n):
+                        if pos_MK[i, k] >= 0:
+                            q_PD[pos_MK[i, k], pn * tile_n + j] = q_frag[i, j]
+                    for i, g in T.Parallel(tile_m, tile_g):
+                        if pos_MK[i, k] >= 0:
+                            sf_PG[pos_MK[i, k], pn * tile_g + g] = sf_frag[i, g]
 
     return expand_per_token_cast
 
@@ -103,5 +139,5 @@ def expand_per_token_cast(
     if p == 0 or d == 0:
         return q_PD, sf_PG
     kernel = get_expand_per_token_cast_kernel(d, topk, tl_dtype(x_TD.dtype), group, round_sf, pack_sf)
-    kernel(x_TD.contiguous(), layout.src_P.contiguous(), q_PD, sf_PG)
+    kernel(x_TD.contiguous(), layout.pos_TK.to(torch.int32).contiguous(), layout.src_P.to(torch.int32).contiguous(), q_PD, sf_PG)
     return q_PD, sf_PG
