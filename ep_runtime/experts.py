@@ -7,6 +7,8 @@ expert-major layout (see ``kernels.permute.ExpertLayout``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -43,17 +45,27 @@ class GroupedExperts(nn.Module):
 
     On CUDA the two projections are ``torch._grouped_mm`` calls in bfloat16 over the layout's
     aligned offsets; elsewhere a loop over the experts' segments. Each expert's initial weights
-    come from its own generator seeded by ``(seed, global expert id)``, so a rank holding experts
-    4..7 starts with exactly the weights that a single process holding all experts gives them.
+    come from its own generator seeded by ``(seed, logical expert id)``, so a rank holding experts
+    4..7 starts with exactly the weights that a single process holding all experts gives them, and
+    every replica of a logical expert starts with the same weights.
+
+    ``logical_ids`` names the logical expert of each local slot (a placement's slots, see
+    ``ep_runtime.placement``); by default slots hold experts ``first_expert, first_expert + 1, ...``.
     """
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, *, first_expert: int, seed: int):
+    def __init__(self, num_local: int, hidden: int, intermediate: int, *, first_expert: int = 0, seed: int,
+                 logical_ids: Sequence[int] | None = None):
         super().__init__()
+        if logical_ids is None:
+            logical_ids = range(first_expert, first_expert + num_local)
+        self.logical_ids = tuple(int(e) for e in logical_ids)
+        if len(self.logical_ids) != num_local:
+            raise ValueError(f"logical_ids: expected {num_local} experts, got {len(self.logical_ids)}")
         self.w13_EDI2 = nn.Parameter(torch.empty(num_local, hidden, 2 * intermediate))
         self.w2_EID = nn.Parameter(torch.empty(num_local, intermediate, hidden))
         with torch.no_grad():
-            for i in range(num_local):
-                g = torch.Generator().manual_seed(seed * 1_000_003 + first_expert + i)
+            for i, expert in enumerate(self.logical_ids):
+                g = torch.Generator().manual_seed(seed * 1_000_003 + expert)
                 self.w13_EDI2[i].normal_(0.0, hidden**-0.5, generator=g)
                 self.w2_EID[i].normal_(0.0, intermediate**-0.5, generator=g)
 

@@ -14,6 +14,8 @@ Shape letters: B sequences, S sequence length, D hidden, N mHC streams, H heads,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from .dispatch import Dispatcher
 from .engram import Engram
 from .experts import SwiGLUMLP
 from .moe import MoELayer
+from .placement import ExpertPlacement
 
 
 class Attention(nn.Module):
@@ -83,10 +86,14 @@ class TinyDeepSeek(nn.Module):
 
     Engram tables are sharded over ``ep_group``, by default the group ``dispatcher`` moves tokens
     over (``dispatcher.group``; None: one process, whole tables).
+
+    ``placement``: one ``ExpertPlacement`` per MoE layer (in order; e.g.
+    ``placement.placements_from_plan(plan)``), the dispatcher then working over their ``P``
+    physical experts; None: expert ``e`` in slot ``e``.
     """
 
     def __init__(self, cfg: ModelConfig, dispatcher: Dispatcher, *, ep_rank: int = 0, seed: int = 0,
-                 ep_group: dist.ProcessGroup | None = None):
+                 ep_group: dist.ProcessGroup | None = None, placement: Sequence[ExpertPlacement] | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
@@ -97,13 +104,17 @@ class TinyDeepSeek(nn.Module):
         if cfg.engram is not None and (dist.get_world_size(ep_group) if ep_group is not None else 1) != ep_size:
             raise ValueError(f"ep_group: expected the dispatcher's EP group of {ep_size} ranks for the Engram "
                              f"tables, got {'none' if ep_group is None else dist.get_world_size(ep_group)}")
+        num_moe = cfg.num_layers - cfg.dense_layers
+        if placement is not None and len(placement) != num_moe:
+            raise ValueError(f"placement: expected one per MoE layer ({num_moe}), got {len(placement)}")
         streams = cfg.mhc.n if cfg.mhc else 1
         blocks = []
         for layer in range(cfg.num_layers):
             if layer < cfg.dense_layers:
                 ffn = SwiGLUMLP(cfg.hidden, cfg.dense_hidden)
             else:
-                ffn = MoELayer(cfg.moe, cfg.hidden, dispatcher, ep_rank=ep_rank, seed=seed * 1000 + layer)
+                ffn = MoELayer(cfg.moe, cfg.hidden, dispatcher, ep_rank=ep_rank, seed=seed * 1000 + layer,
+                               placement=None if placement is None else placement[layer - cfg.dense_layers])
             memory = None
             if cfg.engram is not None and layer in cfg.engram.layers:
                 memory = Engram(cfg.engram, layer_id=layer, vocab_size=cfg.vocab_size, hidden=cfg.hidden,

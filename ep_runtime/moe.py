@@ -1,7 +1,7 @@
 """The MoE layer: router -> dispatch -> local experts -> combine, plus shared experts.
 
 Shape letters: B sequences, S sequence length, T = B*S tokens, D hidden, E experts, P rows of the
-local experts' layout.
+local experts' layout, K routes per token.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from kernels.routing import expert_counts
 from .config import MoEConfig
 from .dispatch import Dispatcher
 from .experts import GroupedExperts, SwiGLUMLP
+from .placement import ExpertPlacement, route_to_replicas
 from .router import Router
 
 
@@ -22,25 +23,73 @@ class MoELayer(nn.Module):
     ``[ep_rank * E_local, (ep_rank + 1) * E_local)`` of ``cfg.num_experts``; ``dispatcher`` moves
     tokens between the ranks of the EP group.
 
-    After each forward, ``load_E`` holds the number of this rank's routes to every expert and
-    ``aux_loss`` the balance loss (0 when disabled).
+    With a ``placement`` (``ep_runtime.placement.ExpertPlacement``) the router still picks logical
+    experts, each route then goes to one of its expert's physical replicas (deterministically, see
+    ``ExpertPlacement.physical_route``), ``dispatcher`` works over the placement's ``P`` physical
+    experts and this rank holds slots ``[ep_rank * P / W, (ep_rank + 1) * P / W)``, each initialised
+    from its logical expert's seed. Without one, slot ``e`` is expert ``e``.
+
+    After each forward, ``load_E`` holds the number of this rank's routes to every (logical) expert
+    and ``aux_loss`` the balance loss (0 when disabled).
     """
 
-    def __init__(self, cfg: MoEConfig, hidden: int, dispatcher: Dispatcher, *, ep_rank: int, seed: int):
+    def __init__(self, cfg: MoEConfig, hidden: int, dispatcher: Dispatcher, *, ep_rank: int, seed: int,
+                 placement: ExpertPlacement | None = None):
         super().__init__()
         self.cfg = cfg
         self.dispatcher = dispatcher
+        self.ep_rank = ep_rank
         self.router = Router(hidden, cfg.num_experts, cfg.router)
         n_local = dispatcher.num_local_experts
-        self.experts = GroupedExperts(n_local, hidden, cfg.expert_hidden, first_expert=ep_rank * n_local, seed=seed)
+        logical_ids = None
+        if placement is not None:
+            self.check_placement(placement, name="placement")
+            logical_ids = placement.local_experts(ep_rank)
+        self.experts = GroupedExperts(n_local, hidden, cfg.expert_hidden, first_expert=ep_rank * n_local, seed=seed,
+                                      logical_ids=logical_ids)
+        self.placement: ExpertPlacement | None = None
+        if placement is not None:
+            self.set_placement(placement)
         self.shared = SwiGLUMLP(hidden, cfg.expert_hidden * cfg.num_shared_experts) if cfg.num_shared_experts else None
         self.load_E = torch.zeros(cfg.num_experts, dtype=torch.int32)
         self.aux_loss = torch.zeros(())
 
+    def check_placement(self, placement: ExpertPlacement, *, name: str) -> None:
+        """Raises ValueError unless ``placement`` fits this layer's experts and dispatcher."""
+        if not isinstance(placement, ExpertPlacement):
+            raise TypeError(f"{name}: expected an ExpertPlacement, got {type(placement).__name__}")
+        d = self.dispatcher
+        ep_size = d.num_experts // d.num_local_experts
+        if placement.num_experts != self.cfg.num_experts:
+            raise ValueError(f"{name}.num_experts: expected model.moe.num_experts={self.cfg.num_experts}, got "
+                             f"{placement.num_experts}")
+        if placement.ep_size != ep_size:
+            raise ValueError(f"{name}.ep_size: expected the dispatcher's EP size {ep_size}, got {placement.ep_size}")
+        if placement.num_physical_experts != d.num_experts:
+            raise ValueError(f"{name}.phy2log_P: expected the dispatcher's {d.num_experts} physical experts, got "
+                             f"{placement.num_physical_experts}")
+        if not 0 <= self.ep_rank < ep_size:
+            raise ValueError(f"ep_rank: expected 0..{ep_size - 1}, got {self.ep_rank}")
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Routes by ``placement`` from now on and records its slots' experts. Moves no weights:
+        ``ep_runtime.placement.switch_placement`` does that (and calls this)."""
+        self.check_placement(placement, name="placement")
+        fraction_ER, log2phy_ER = placement.route_tables(self.ep_rank)
+        device = self.router.weight.device
+        # Not persistent: the placement, not the state dict, says where experts are.
+        self.register_buffer("route_fraction_ER", fraction_ER.to(device), persistent=False)
+        self.register_buffer("route_log2phy_ER", log2phy_ER.to(device), persistent=False)
+        self.placement = placement
+        self.experts.logical_ids = tuple(placement.local_experts(self.ep_rank))
+
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.flatten(0, -2)
         routing = self.router(x_TD)
-        x_PD, layout, handle = self.dispatcher.dispatch(x_TD, routing.topk_idx_TK, routing.topk_weights_TK)
+        topk_idx_TK = routing.topk_idx_TK  # logical experts
+        if self.placement is not None:  # physical slots
+            topk_idx_TK = route_to_replicas(topk_idx_TK, self.route_fraction_ER, self.route_log2phy_ER)
+        x_PD, layout, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, routing.topk_weights_TK)
         out_TD = self.dispatcher.combine(self.experts(x_PD, layout), handle)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
