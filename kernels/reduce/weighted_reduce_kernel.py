@@ -1,32 +1,42 @@
 """Weighted reduce kernel, optionally fused with FP8 dequantization of the expert outputs (see
 :mod:`kernels.reduce.reference` for the function).
 
-One CTA per (token, column tile): each thread owns one 16-byte vector of the token's output
-(:func:`kernels.quant.tiles.vector_layout`), and for k = 0 .. K-1 adds ``w[t, k] * y[pos[t, k]]``
-(dequantized with its per-token scale for e4m3 ``y``) into float32 registers. Every product and
-sum is an IEEE round-to-nearest operation in the reference's order (no FMA), so the result is
-bit-exact. A masked route (-1) reads nothing.
+A CTA covers one token's columns ``[pn * threads * vec, (pn + 1) * threads * vec)``; each thread
+owns one 16-byte vector of ``y`` (``vec`` elements: 8 bf16, 16 e4m3, 4 float32). A thread first
+reads the token's K routes (rows and weights), then issues all K row loads (each predicated on its
+row being >= 0; with e4m3 rows, the row's scale too) before the first add, so K x 16 bytes per
+thread are in flight instead of one vector at a time. Then it adds ``w[t, k] * y[pos[t, k]]``
+(dequantized with its per-token scale for e4m3 ``y``) into float32 registers for k = 0 .. K-1.
+Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
+a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
+result is bit-exact. The columns are split into the fewest tiles of at most ``MAX_THREADS``
+vectors, evenly (hidden 7168: 4 CTAs of 224 threads per token for bf16, 2 for e4m3), so no CTA
+runs half empty.
 
 Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups.
 """
+
+import math
 
 import tilelang
 import torch
 from tilelang import language as T
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, unpack_scale, vector_layout, vector_width
+from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, check_cuda, tl_dtype, unpack_scale
 from kernels.validate import check_dtype, check_index_range, check_positive, check_tensor
+
+MAX_THREADS = 256
 
 
 def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
-    """``(tile_n, threads, vec)``: up to 128 threads x one vector each (at least 2-byte lanes, so an
-    e4m3 row moves 8 bytes a thread and an output row 16)."""
-    vec = vector_width(num_cols, max(2, y_bytes))
-    threads = 32
-    while threads < 128 and threads * vec < num_cols:
-        threads *= 2
-    return threads * vec, threads, vec
+    """``(vec, threads, tiles)``: elements per thread (one 16-byte vector of ``y``, narrower where
+    ``num_cols`` needs it), threads per CTA (a multiple of 32) and CTAs per token row."""
+    vec = math.gcd(VECTOR_BYTES // y_bytes, num_cols)
+    num_vectors = num_cols // vec
+    tiles = -(-num_vectors // MAX_THREADS)
+    threads = -(-(-(-num_vectors // tiles)) // 32) * 32
+    return vec, threads, tiles
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -36,8 +46,10 @@ def get_weighted_reduce_kernel(
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
     (pass any ``[P, G]`` tensor of the scale dtype otherwise)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    tile_n, threads, vec = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
+    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
+    num_vectors = num_cols // vec
     dequantize = y_dtype == "float8_e4m3fn"
+    one_scale = group % vec == 0  # a thread's vector lies in one scale group
     sf_dtype = "uint8" if packed else "float32"
 
     @T.prim_func
@@ -48,23 +60,40 @@ def get_weighted_reduce_kernel(
         weights_TK: T.Tensor[(num_tokens, topk), "float32"],
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
     ):
-        with T.Kernel(num_tokens, T.ceildiv(num_cols, tile_n), threads=threads) as (t, pn):
-            acc = T.alloc_fragment((1, tile_n), "float32")
-            y_frag = T.alloc_fragment((1, tile_n), y_dtype)
-            T.annotate_layout({acc: vector_layout(1, tile_n, threads, vec), y_frag: vector_layout(1, tile_n, threads, vec)})
-            T.clear(acc)
+        with T.Kernel(num_tokens, tiles, threads=threads) as (t, pn):
+            c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
+            rows = T.alloc_local((topk,), "int64")
+            weights = T.alloc_local((topk,), "float32")
+            scales = T.alloc_local((topk,), "float32")
+            y_buf = T.alloc_local((topk * vec,), y_dtype)
+            acc = T.alloc_local((vec,), "float32")
+            out_buf = T.alloc_local((vec,), out_dtype)
             for k in T.unroll(topk):
-                row = pos_TK[t, k]
-                weight = weights_TK[t, k]
-                if row >= 0:
-                    T.copy(y_PD[row : row + 1, pn * tile_n : (pn + 1) * tile_n], y_frag, disable_tma=True)
-                    for i, j in T.Parallel(1, tile_n):
-                        y = T.cast(y_frag[i, j], "float32")
-                        if dequantize:
-                            y = T.ieee_mul(y, unpack_scale(sf_PG[row, (pn * tile_n + j) // group], packed))
-                        acc[i, j] = T.ieee_add(acc[i, j], T.ieee_mul(weight, y))
-            for i, j in T.Parallel(1, tile_n):
-                out_TD[t, pn * tile_n + j] = T.cast(acc[i, j], out_dtype)
+                rows[k] = T.Cast("int64", pos_TK[t, k])
+                weights[k] = weights_TK[t, k]
+            if c < num_vectors:
+                for k in T.unroll(topk):  # every load in flight before the first add
+                    if rows[k] >= 0:
+                        for j in T.vectorized(vec):
+                            y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
+                        if dequantize and one_scale:
+                            scales[k] = unpack_scale(sf_PG[rows[k], c * vec // group], packed)
+                for j in T.unroll(vec):
+                    acc[j] = T.float32(0)
+                for k in T.unroll(topk):
+                    if rows[k] >= 0:
+                        for j in T.unroll(vec):
+                            y = T.cast(y_buf[k * vec + j], "float32")
+                            if dequantize:
+                                if one_scale:
+                                    y = T.ieee_mul(y, scales[k])
+                                else:
+                                    y = T.ieee_mul(y, unpack_scale(sf_PG[rows[k], (c * vec + j) // group], packed))
+                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(weights[k], y))
+                for j in T.unroll(vec):
+                    out_buf[j] = T.cast(acc[j], out_dtype)
+                for j in T.vectorized(vec):
+                    out_TD[t, c * vec + j] = out_buf[j]
 
     return weighted_reduce
 
