@@ -12,8 +12,8 @@ newest checkpoint, if there is one; ``--resume`` asks for that explicitly.
 
 Fault injection, for tests: ``EP_RUNTIME_FAIL_AT_STEP=RANK:STEP[:HOW]`` makes rank RANK, at the
 start of step STEP of the job's first attempt (restart count 0), ``raise`` a RuntimeError (the
-default), ``kill`` itself (SIGKILL, no report), or ``hang`` (stop taking part in collectives until
-the launcher ends it). It is read in ``InjectedFault.from_env`` and nowhere else.
+default), ``kill`` itself (SIGKILL, no report), or ``hang`` (stop taking part in collectives: the
+others time out, and the failure watch or the launcher ends it). It is read in ``InjectedFault.from_env`` and nowhere else.
 """
 
 from __future__ import annotations

@@ -218,8 +218,8 @@ def _collect(futures: dict, *, envs_by_rank: dict[int, dict], config: RayConfig,
         except Exception as err:  # noqa: BLE001 - every failure is reported, by rank
             reports[rank] = _report(rank, err, envs_by_rank[rank])
             if reports[rank].conclusive:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)  # simultaneous ones
-                for ref in done:
+                done = ray.wait(pending, num_returns=len(pending), timeout=0.5)[0] if pending else []
+                for ref in done:  # failures at the same moment
                     other = futures[ref]
                     try:
                         ray.get(ref)

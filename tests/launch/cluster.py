@@ -19,6 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+# A loopback-only test cluster: no usage reports, no token auth (whatever ~/.ray holds).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,8 +35,7 @@ def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("EP_RUNTIME_FAIL_AT_STEP", None)
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0",
-               PYTHONUNBUFFERED="1")
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", **RAY_ENV)
     env.update(extra)
     return env
 

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # cluster.py, the helpers
 
-from cluster import REPO, RayCluster, job_env  # noqa: E402
+from cluster import RAY_ENV, REPO, RayCluster, job_env
 
 STEPS = 8  # every launch test trains the tiny model this long, seed 0, on 2 ranks
 
@@ -21,7 +21,8 @@ def read_losses(run_dir) -> list[float]:
 
 def train_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ep_runtime.cli", "train", "--steps", str(STEPS), *args],
-                          env=env or job_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                          env=env or job_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          check=False)
 
 
 @pytest.fixture(scope="session")
@@ -37,8 +38,11 @@ def reference_losses(tmp_path_factory) -> list[float]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    cluster = RayCluster()
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in RAY_ENV.items():  # for drivers in this process too
+            env.setenv(name, value)
+        cluster = RayCluster()
+        try:
+            yield cluster.start()
+        finally:
+            cluster.stop()

@@ -44,3 +44,12 @@ def test_restart_resumes_from_the_last_checkpoint(ray_cluster, tmp_path, monkeyp
     assert results[0]["first_step"] == 7  # the checkpoint of step 6
     assert results[0]["losses"] == reference_losses[6:]
     assert read_losses(tmp_path / "job") == reference_losses  # metrics.jsonl: steps 1..6 kept, 7..8 appended
+
+
+def test_ep_scaling_bench_through_ray(ray_cluster, tmp_path):
+    from ep_runtime.bench.ep_scaling import main
+
+    report = main(["--launcher", "ray", "--address", ray_cluster.address, "--modes", "weak", "--warmup", "0",
+                   "--iters", "1", "--out", str(tmp_path)])
+    assert report["launcher"] == "ray" and [r["ep"] for r in report["rows"]] == [1, 2]
+    assert (tmp_path / "ep_scaling_small.json").is_file() and (tmp_path / "ep_scaling_small.png").is_file()

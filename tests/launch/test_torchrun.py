@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from cluster import end_session, free_port, start, job_env
+from cluster import end_session, free_port, job_env, start
 from conftest import STEPS, read_losses
 
 pytestmark = pytest.mark.timeout(180)
