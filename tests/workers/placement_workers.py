@@ -17,15 +17,26 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ep_workers import HIDDEN, _relative_error, build_layer, forward_backward, inputs, moe_config
+from ep_workers import (
+    HIDDEN,
+    _relative_error,
+    build_layer,
+    forward_backward,
+    inputs,
+    moe_config,
+)
 
 from ep_runtime.config import ModelConfig, MoEConfig, ParallelConfig, RouterConfig
 from ep_runtime.dispatch import AllToAllDispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.moe import MoELayer
 from ep_runtime.parallel import init_parallel, single_process
-from ep_runtime.placement import (ExpertPlacement, placements_from_phy2log, switch_placement,
-                                  sync_replica_gradients)
+from ep_runtime.placement import (
+    ExpertPlacement,
+    placements_from_phy2log,
+    switch_placement,
+    sync_replica_gradients,
+)
 from ep_runtime.train import average_gradients, global_expert_load
 
 # 8 logical experts in 12 slots (6 per rank at world 2): 5 three times (twice on rank 0), 1 and 2 on
