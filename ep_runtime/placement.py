@@ -186,41 +186,104 @@ def sync_replica_gradients(model: nn.Module, ctx: ParallelContext) -> None:
     """Gives every physical slot of a replicated logical expert the sum of the gradients of all that
     expert's slots over the EP group, so that replicas take identical optimizer steps.
 
-    One all-reduce over ``ctx.ep_group`` of the replicated experts' gradients (all layers in one
-    buffer); nothing when no layer has a replica. A slot that got no gradient counts as zeros.
+    Only the ranks holding an expert exchange its gradient: each holder adds up its own slots, the
+    holder of the expert's lowest slot (its primary) receives the other holders' sums and adds them
+    in rank order, then sends the total back, so every replica gets the same bits. Two
+    ``all_to_all_single`` calls over ``ctx.ep_group`` for all layers together (none when no
+    replica sits on another rank); a rank moves about (replica slots it holds) x (expert gradient)
+    bytes, not (replicated experts) x (expert gradient) as an all-reduce of every replicated expert
+    would. A slot that got no gradient counts as zeros.
+
     Collective over the EP group: every rank calls it, after backward and before the optimizer step.
     """
-    pieces: list[tuple] = []  # (layer's experts, replicated expert -> row, local rows' experts)
-    buffers = []
+    jobs: list[_ReplicaJob] = []  # per replicated expert, same order on every rank
     for layer in _moe_layers(model):
         placement = layer.placement
         if placement is None or not bool((placement.replica_counts_E > 1).any()):
             continue
-        replicated = (placement.replica_counts_E > 1).nonzero().flatten().tolist()
-        row_of = {e: i for i, e in enumerate(replicated)}
-        local = [(slot, row_of[e]) for slot, e in enumerate(layer.experts.logical_ids) if e in row_of]
-        for p in layer.experts.parameters():
+        params = list(layer.experts.parameters())
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            buf = p.grad.new_zeros((len(replicated), *p.shape[1:]))
-            for slot, row in local:
-                buf[row] += p.grad[slot]
-            pieces.append((p, local))
-            buffers.append(buf)
-    if not buffers:
-        return
-    flat = torch.cat([b.flatten() for b in buffers])
-    if ctx.ep_group is not None and ctx.ep_size > 1:
-        dist.all_reduce(flat, group=ctx.ep_group)
-    for (p, local), buf, chunk in zip(pieces, buffers, flat.split([b.numel() for b in buffers])):
-        summed = chunk.view_as(buf)
-        for slot, row in local:
-            p.grad[slot] = summed[row]
+        for e in (placement.replica_counts_E > 1).nonzero().flatten().tolist():
+            slots_e = (placement.phy2log_P == e).nonzero().flatten().tolist()
+            holders = sorted({placement.rank_of_slot(q) for q in slots_e})
+            slots = [s for s, x in enumerate(layer.experts.logical_ids) if x == e]
+            jobs.append(_ReplicaJob(params=params, slots=slots, holders=holders))
+    me = ctx.ep_rank
+    total = {i: _slot_sum(j) for i, j in enumerate(jobs) if j.slots}  # this rank's own slots first
+    cross = [i for i, j in enumerate(jobs) if len(j.holders) > 1]
+    if cross:
+        if ctx.ep_group is None or ctx.ep_size == 1:
+            raise ValueError(f"sync_replica_gradients: replicas on several ranks need an EP group, got "
+                             f"EP size {ctx.ep_size}")
+        dtype = jobs[0].params[0].grad.dtype
+        # Phase 1: the other holders -> the primary, which adds them in rank order.
+        up = [i for i in cross if me in jobs[i].holders[1:]]
+        incoming = [(i, r) for i in cross if jobs[i].holders[0] == me for r in jobs[i].holders[1:]]
+        rows = _exchange_rows([(jobs[i].holders[0], total[i]) for i in up],
+                              [(r, jobs[i].row_numel) for i, r in incoming], dtype, ctx)
+        for (i, _), row in zip(sorted(incoming, key=lambda x: x[1]), rows):
+            total[i] = total[i] + row
+        # Phase 2: the primary -> the other holders: every replica gets the same bits.
+        down = [(r, total[i]) for i in cross if jobs[i].holders[0] == me for r in jobs[i].holders[1:]]
+        rows = _exchange_rows(down, [(jobs[i].holders[0], jobs[i].row_numel) for i in up], dtype, ctx)
+        for i, row in zip(sorted(up, key=lambda i: jobs[i].holders[0]), rows):
+            total[i] = row
+    for i, job in enumerate(jobs):
+        if not job.slots:
+            continue
+        for p, chunk in zip(job.params, total[i].split([p[0].numel() for p in job.params])):
+            for s in job.slots:
+                p.grad[s] = chunk.view_as(p.grad[s])
+
+
+@dataclass(frozen=True)
+class _ReplicaJob:
+    """One replicated expert of one layer: its layer's expert parameters, this rank's slots of it
+    (maybe none) and the ranks holding it (ascending; the first is its primary)."""
+
+    params: list[nn.Parameter]
+    slots: list[int]
+    holders: list[int]
+
+    @property
+    def row_numel(self) -> int:
+        return sum(p[0].numel() for p in self.params)
+
+
+def _slot_sum(job: _ReplicaJob) -> torch.Tensor:
+    """This rank's slots' gradients of the expert added up (slot order), all parameters in one row."""
+    rows = []
+    for p in job.params:
+        acc = p.grad[job.slots[0]].clone()
+        for s in job.slots[1:]:
+            acc += p.grad[s]
+        rows.append(acc.flatten())
+    return torch.cat(rows)
+
+
+def _exchange_rows(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, int]], dtype: torch.dtype,
+                   ctx: ParallelContext) -> list[torch.Tensor]:
+    """One ``all_to_all_single`` of 1-D rows: ``send`` (destination rank, row), ``recv`` (source
+    rank, numel) in the order the peers send them. Rows go out grouped by destination rank (keeping
+    their order within a rank) and come back in ``recv``'s order stably sorted by source rank."""
+    W = ctx.ep_size
+    order = sorted(range(len(send)), key=lambda i: send[i][0])
+    rows = [send[i][1] for i in order]
+    device = rows[0].device if rows else ctx.device
+    send_splits = [sum(r.numel() for d, r in send if d == w) for w in range(W)]
+    incoming = sorted(recv, key=lambda x: x[0])
+    recv_splits = [sum(n for s, n in incoming if s == w) for w in range(W)]
+    out = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(out, torch.cat(rows) if rows else out.new_empty(0), recv_splits, send_splits,
+                           group=ctx.ep_group)
+    return list(out.split([n for _, n in incoming]))
 
 
 @dataclass(frozen=True)
 class _Transfer:
-    """New slot ``slot``'s expert ``expert`` arrives on rank ``dest`` from old slot ``source``."""
+    """Logical expert ``expert`` arrives on rank ``dest`` from old slot ``source`` (another rank's)."""
 
     dest: int
     expert: int
