@@ -345,8 +345,16 @@ def switch_placement(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     These are the transfers ``topology.migration(old_plan, new_plan)`` counts
     (``Migration.experts_moved_L``), and its ``moved_LP`` marks the slots that receive them.
 
-    The physical size ``P`` must stay the dispatcher's. Gradients left on the experts (of the old
-    slots) are dropped. Collective over the EP group. Returns the experts moved per layer.
+    Cost: per moved expert, its weights plus its per-slot optimizer state (AdamW: exp_avg and
+    exp_avg_sq, so 3x the weights' bytes), sent once; nothing else travels. (The simplest scheme,
+    an all-gather of every logical expert's tensors, would move ``E`` experts' worth to every rank.)
+    Memory: a second copy of one layer's local slot tensors while it is rebuilt.
+
+    The physical size ``P`` must stay the dispatcher's. Every rank must hold optimizer state for
+    its experts, or none (``train.average_gradients`` gives every expert a gradient, so after the
+    first step all do); a per-parameter ``step`` is shared by all slots and stays. Gradients left
+    on the experts (of the old slots) are dropped. Collective over the EP group. Returns the
+    experts moved per layer.
     """
     layers = _moe_layers(model)
     if len(new_placements) != len(layers):
