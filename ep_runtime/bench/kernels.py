@@ -131,7 +131,9 @@ class Inputs:
             routed_scaling_factor=s.routed_scaling_factor,
         )
         self.logits_TE, self.bias_E = router_inputs(s.tokens, s.experts, device=device, seed=seed)
-        self.topk_idx_TK, self.weights_TK = routing.topk_route(self.logits_TE, bias_E=self.bias_E, **self.router_options)
+        idx_TK, weights_TK = routing.topk_route(self.logits_TE, bias_E=self.bias_E, **self.router_options)
+        # The reference returns a column slice of a sort; the ops take what a router returns: contiguous.
+        self.topk_idx_TK, self.weights_TK = idx_TK.contiguous(), weights_TK.contiguous()
         self.layout = permute.expert_layout(self.topk_idx_TK, s.experts, alignment=s.alignment)
         self.capacity = permute.max_rows(s.tokens, s.topk, s.experts, s.alignment)
         self.x_TD = cast_input(s.tokens, s.hidden, device=device, seed=seed + 1)

@@ -29,11 +29,13 @@ Shape suffixes:
     B  CTAs of the rank pass (NUM_BLOCKS)
 """
 
+import functools
+
 import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.routing.topk_route_kernel import check_cuda_contiguous
+from kernels.routing.topk_route_kernel import check_cuda
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES, ExpertLayout, max_rows
@@ -198,7 +200,8 @@ def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int
     """:func:`kernels.permute.reference.expert_layout` on the GPU, with a static row count.
 
     Args:
-        topk_idx_TK: [T, K] int32 or int64, contiguous, on a CUDA device; experts in [0, E) or -1.
+        topk_idx_TK: [T, K] int32 or int64 on a CUDA device (a strided view is copied first);
+            experts in [0, E) or -1.
         num_experts: E, at most 1024.
         alignment: segment lengths are multiples of it.
         num_rows: P, at least ``max_rows(T, K, E, alignment)`` so that no batch can overflow it.
@@ -207,19 +210,17 @@ def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int
         The :class:`ExpertLayout` (int32 tensors; ``src_P`` has ``num_rows`` rows).
     """
     check_tensor("topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, ndim=2)
-    check_cuda_contiguous("topk_idx_TK", topk_idx_TK)
-    check_positive("num_experts", num_experts)
-    check_positive("alignment", alignment)
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"num_experts: expected at most {MAX_EXPERTS}, got {num_experts}")
+    check_cuda("topk_idx_TK", topk_idx_TK)
+    rank_kernel, scan_kernel, scatter_kernel = _layout_kernels(num_experts, alignment, topk_idx_TK.dtype)
     num_tokens, topk = topk_idx_TK.shape
     capacity = max_rows(num_tokens, topk, num_experts, alignment)
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < capacity:
         raise ValueError(f"num_rows: expected an int >= {capacity} (max_rows for this batch), got {num_rows!r}")
     device = topk_idx_TK.device
     num_routes = num_tokens * topk
-    counts_E = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    offsets_E = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    fill = torch.empty if num_routes else torch.zeros  # the scan pass writes every entry
+    counts_E = fill(num_experts, dtype=torch.int32, device=device)
+    offsets_E = fill(num_experts, dtype=torch.int32, device=device)
     pos_TK = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     src_P = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
     layout = ExpertLayout(counts_E=counts_E, offsets_E=offsets_E, pos_TK=pos_TK, src_P=src_P, alignment=alignment)
@@ -228,14 +229,26 @@ def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int
 
     per_pass = WARPS * WARP
     chunk = -(-num_routes // (NUM_BLOCKS * per_pass)) * per_pass  # routes per CTA, a multiple of per_pass
-    index_dtype = INDEX_DTYPE_NAMES[topk_idx_TK.dtype]
-    topk_idx_R = topk_idx_TK.view(-1)
+    topk_idx_R = topk_idx_TK.contiguous().view(-1)  # a view of a wider tensor is copied
     rank_R = torch.empty(num_routes, dtype=torch.int32, device=device)
     block_counts_BE = torch.empty(NUM_BLOCKS, num_experts, dtype=torch.int32, device=device)
     block_start_BE = torch.empty_like(block_counts_BE)
-    get_expert_layout_rank_kernel(num_experts, index_dtype)(topk_idx_R, rank_R, block_counts_BE, chunk)
-    get_expert_layout_scan_kernel(num_experts, alignment)(block_counts_BE, counts_E, offsets_E, block_start_BE)
-    get_expert_layout_scatter_kernel(num_experts, index_dtype)(
-        topk_idx_R, rank_R, block_start_BE, pos_TK.view(-1), src_P, chunk
-    )
+    rank_kernel(topk_idx_R, rank_R, block_counts_BE, chunk)
+    scan_kernel(block_counts_BE, counts_E, offsets_E, block_start_BE)
+    scatter_kernel(topk_idx_R, rank_R, block_start_BE, pos_TK.view(-1), src_P, chunk)
     return layout
+
+
+@functools.cache
+def _layout_kernels(num_experts: int, alignment: int, index_dtype: torch.dtype):
+    """The three compiled passes (cached: known arguments cost a dictionary look-up)."""
+    check_positive("num_experts", num_experts)
+    check_positive("alignment", alignment)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"num_experts: expected at most {MAX_EXPERTS}, got {num_experts}")
+    dtype = INDEX_DTYPE_NAMES[index_dtype]
+    return (
+        get_expert_layout_rank_kernel(num_experts, dtype),
+        get_expert_layout_scan_kernel(num_experts, alignment),
+        get_expert_layout_scatter_kernel(num_experts, dtype),
+    )

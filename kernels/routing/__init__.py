@@ -28,18 +28,22 @@ __all__ = [
 ]
 
 
-def _router_kernel_applies(logits_TE: object) -> bool:
-    return (
+def _router_kernel_applies(logits_TE: object, options: dict) -> bool:
+    if not (
         isinstance(logits_TE, torch.Tensor)
-        and use_tilelang(logits_TE.device)
         and logits_TE.dtype != torch.float64
         and not (logits_TE.requires_grad and torch.is_grad_enabled())
-    )
+        and use_tilelang(logits_TE.device)
+    ):
+        return False
+    from .topk_route_kernel import supports
+
+    return logits_TE.dim() != 2 or supports(logits_TE.shape[1], options.get("num_groups", 1), options.get("topk_groups"))
 
 
 def topk_route(logits_TE: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token and their weights; see :func:`kernels.routing.reference.topk_route`."""
-    if _router_kernel_applies(logits_TE):
+    if _router_kernel_applies(logits_TE, options):
         from .topk_route_kernel import topk_route as kernel
 
         return kernel(logits_TE, **options)
@@ -51,7 +55,7 @@ def topk_route_with_counts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`topk_route` plus ``counts_E`` ([E] int32, routes per expert, as :func:`expert_counts`);
     the kernel counts them in the same launch."""
-    if _router_kernel_applies(logits_TE):
+    if _router_kernel_applies(logits_TE, options):
         from .topk_route_kernel import topk_route as kernel
 
         return kernel(logits_TE, **options, with_counts=True)

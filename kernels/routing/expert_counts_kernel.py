@@ -12,6 +12,8 @@ Shape suffixes:
     R  flattened routes, T * K
 """
 
+import functools
+
 import tilelang
 import torch
 from tilelang import language as T
@@ -19,7 +21,7 @@ from tilelang import language as T
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES
-from .topk_route_kernel import check_cuda_contiguous
+from .topk_route_kernel import check_cuda
 
 THREADS = 256
 ROUTES_PER_THREAD = 16
@@ -63,17 +65,24 @@ def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """:func:`kernels.routing.reference.expert_counts` on the GPU.
 
     Args:
-        topk_idx_TK: [T, K] int32 or int64, contiguous, on a CUDA device; experts in [0, E) or -1.
+        topk_idx_TK: [T, K] int32 or int64 on a CUDA device (a strided view is copied first);
+            experts in [0, E) or -1.
         num_experts: E.
 
     Returns:
         counts_E: [E] int32.
     """
     check_tensor("topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, ndim=2)
-    check_cuda_contiguous("topk_idx_TK", topk_idx_TK)
-    check_positive("num_experts", num_experts)
+    check_cuda("topk_idx_TK", topk_idx_TK)
+    kernel = _counter(num_experts, topk_idx_TK.dtype)
     counts_E = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx_TK.device)
     if topk_idx_TK.numel():
-        kernel = get_expert_counts_kernel(num_experts, INDEX_DTYPE_NAMES[topk_idx_TK.dtype])
-        kernel(topk_idx_TK.view(-1), counts_E)
+        kernel(topk_idx_TK.contiguous().view(-1), counts_E)  # a view of a wider tensor is copied
     return counts_E
+
+
+@functools.cache
+def _counter(num_experts: int, index_dtype: torch.dtype):
+    """The compiled kernel for E experts (cached: known arguments cost a dictionary look-up)."""
+    check_positive("num_experts", num_experts)
+    return get_expert_counts_kernel(num_experts, INDEX_DTYPE_NAMES[index_dtype])

@@ -22,7 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.validate import check_finite, check_index_range, check_positive, check_tensor
+from kernels.validate import (
+    check_finite,
+    check_index_range,
+    check_positive,
+    check_tensor,
+)
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

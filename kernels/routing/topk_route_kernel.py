@@ -1,20 +1,31 @@
 """TileLang kernel of the whole router: scores, bias, group-limited stable top-k, weights, counts.
 
 Computes :func:`kernels.routing.reference.topk_route` (and, optionally, the per-expert counts of
-:func:`kernels.routing.reference.expert_counts` of its result) in one launch.
+:func:`kernels.routing.reference.expert_counts` of its result) in one launch. ``NOTES.md`` beside
+this file has each version's design, predicted and measured times.
 
-Design: one warp per token, ``TOKENS_PER_BLOCK`` tokens per CTA. Lane ``l`` keeps experts
-``l, l + 32, l + 64, ...`` in registers. That is the layout of torch's warp softmax on CUDA (each
-lane sums its experts in that order, then a butterfly over 16, 8, 4, 2, 1 lanes), so softmax scores
-round the same way as the reference's. Group scores (sum of the top two) merge per-lane top-two
-pairs over the warp; the top-k takes ``K`` rounds of a warp arg-max that breaks ties towards the
-lower expert index. Lane ``k`` writes route ``k``.
+Design (v2): one warp per token, ``WARPS`` tokens per CTA. Lane ``l`` holds the ``S`` consecutive
+experts ``l*S .. l*S+S-1`` in registers (16-byte loads when ``32*S == E``). ``S`` is chosen so that
+expert groups line up with lanes: a group spans ``L`` lanes (a power of two) or a lane holds ``Q``
+whole groups. Then:
 
-Exactness against the reference on CUDA: ``topk_idx_TK`` and the counts are bit-exact (sigmoid and
-sqrtsoftplus use the same ``expf``/``log1pf``/``sqrtf`` as torch; softmax follows torch's warp
-softmax summation order). Weights are bit-exact without ``normalize``; with it, the K weights are
-summed in rank order rather than in torch's reduction order, so they may differ by a few ulp
-(relative 2e-6).
+1. scores as torch computes them (``expf``/``log1pf``/``sqrtf``, IEEE division). Softmax sums in
+   torch's warp-softmax order: the exponentials go through the warp's shared-memory row so that
+   lane ``l`` adds experts ``l, l+32, ...``, then a butterfly over 16, 8, 4, 2, 1 lanes;
+2. group scores (sum of the best two): per-lane top two, a butterfly over the ``L`` lanes of the
+   group; each lane then ranks its own group(s) against the ``G`` group scores (one shuffle each)
+   and masks its experts if the group is not kept;
+3. top-k: selection scores become order-preserving int32 keys; each of the ``K`` rounds is a local
+   arg-max (ties to the lower slot), one ``redux.sync.max`` over the warp, one ballot whose lowest
+   set lane wins (ties to the lower lane, hence the lower expert) and one shuffle of the winner's
+   slot;
+4. lane ``k`` writes route ``k``; its weight is read back from the score row in shared memory,
+   normalized by the sum of the K weights taken in rank order, scaled. Counts go to a per-CTA
+   shared-memory histogram, then one coalesced global atomic per expert per CTA.
+
+Exactness against the reference on CUDA: ``topk_idx_TK`` and the counts are bit-exact; weights are
+bit-exact without ``normalize``; with it, the K weights are summed in rank order rather than in
+torch's reduction order, so they may differ by a few ulp (relative 2e-6).
 
 Values are not checked on the host (that would cost a host sync): with non-finite logits the
 result is unspecified but every write stays in bounds (a token with nothing to pick gets -1).
@@ -24,8 +35,12 @@ Shape suffixes:
     E  experts
     K  routes per token (top-k)
     G  expert groups
-    S  expert slots of one lane (ceil(E / 32))
+    S  expert slots of one lane (consecutive experts)
+    Q  whole groups held by one lane
+    W  warps (tokens) of one CTA
 """
+
+import functools
 
 import tilelang
 import torch
@@ -36,13 +51,41 @@ from kernels.validate import check_positive, check_tensor
 from .reference import SCORINGS
 
 WARP = 32
-TOKENS_PER_BLOCK = 4
+WARPS = 8  # tokens per CTA
 MAX_EXPERTS = 32 * WARP
+MAX_SLOTS = 32  # experts per lane (registers)
 LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x itself above it
+KEY_REMOVED = -(2**31)  # below every float's key (the key of -inf is -2139095041)
+KEY_NEG_INF = -2139095041
 
 
-@tilelang.jit(pass_configs={tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True})
+def lane_layout(num_experts: int, num_groups: int, topk_groups: int) -> tuple[int, int, int] | None:
+    """``(S, L, Q)``: experts per lane, lanes per group, groups per lane; None if no layout with at
+    most ``MAX_SLOTS`` experts per lane lines groups up with lanes. Ungrouped routing (every group
+    kept) uses ``S = ceil(E / 32)``."""
+    first = -(-num_experts // WARP)
+    if topk_groups >= num_groups:
+        return first, 1, 1
+    group_size = num_experts // num_groups
+    for slots in range(first, MAX_SLOTS + 1):
+        if slots % group_size == 0:
+            return slots, 1, slots // group_size
+        lanes, rest = divmod(group_size, slots)
+        if not rest and lanes & (lanes - 1) == 0:
+            return slots, lanes, 1
+    return None
+
+
+# Barriers are explicit (a warp reads only its own shared row, after __syncwarp): TileLang's
+# automatic ones would be CTA-wide.
+PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+    tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
+}
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_topk_route_kernel(
     num_experts: int,
     topk: int,
@@ -55,18 +98,17 @@ def get_topk_route_kernel(
 ):
     """The router for one configuration (see the module doc); the token count is dynamic."""
     num_tokens = T.dynamic("num_tokens")
-    num_slots = (num_experts + WARP - 1) // WARP
+    slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
     group_size = num_experts // num_groups
     grouped = topk_groups < num_groups
+    ragged = WARP * slots != num_experts  # some lanes hold slots past E
+    strided_slots = (num_experts + WARP - 1) // WARP  # torch's warp-softmax elements per lane
+    row = WARP * slots
+    threads = WARPS * WARP
     neg_inf = -T.infinity(T.float32)
-
-    # (slot, group) pairs such that some lane's expert in that slot is in that group, so the
-    # per-group loops stay short (a Python list: the kernel unrolls over it).
-    slot_groups = [
-        (i, g)
-        for i in range(num_slots)
-        for g in range(WARP * i // group_size, min(WARP * i + WARP - 1, num_experts - 1) // group_size + 1)
-    ]
+    full_mask = T.uint32(0xFFFFFFFF)
+    # (source lane, its local group) of each group's score
+    group_sources = [((h * group_size) // slots, (h * group_size) % slots // group_size) for h in range(num_groups)]
 
     @T.prim_func
     def topk_route_kernel(
@@ -77,132 +119,214 @@ def get_topk_route_kernel(
         counts_E: T.Tensor[(num_experts,), T.int32],
         routed_scaling_factor: T.float32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, TOKENS_PER_BLOCK), threads=TOKENS_PER_BLOCK * WARP) as block:
+        with T.Kernel(T.ceildiv(num_tokens, WARPS), threads=threads) as block:
             thread = T.get_thread_binding()
             lane = thread % WARP
-            token = block * TOKENS_PER_BLOCK + thread // WARP
+            warp = thread // WARP
+            token = block * WARPS + warp
+            first = lane * slots  # this lane's first expert
 
-            score_S = T.alloc_local((num_slots,), T.float32)
-            select_S = T.alloc_local((num_slots,), T.float32)
-            first_G = T.alloc_local((num_groups,), T.float32)
-            second_G = T.alloc_local((num_groups,), T.float32)
-            group_score_G = T.alloc_local((num_groups,), T.float32)
-            kept_G = T.alloc_local((num_groups,), T.int32)
+            scores_WE = T.alloc_shared((WARPS, row), T.float32)
+            hist_E = T.alloc_shared((num_experts,), T.int32)
+            x_S = T.alloc_local((slots,), T.float32)
+            key_S = T.alloc_local((slots,), T.int32)
+            first_Q = T.alloc_local((lane_groups,), T.float32)
+            second_Q = T.alloc_local((lane_groups,), T.float32)
+            above_Q = T.alloc_local((lane_groups,), T.int32)
             peak = T.alloc_var(T.float32)
             total = T.alloc_var(T.float32)
-            rank = T.alloc_var(T.int32)
-            best_select = T.alloc_var(T.float32)
-            best_expert = T.alloc_var(T.int32)
-            best_score = T.alloc_var(T.float32)
+            other_first = T.alloc_var(T.float32)
+            other_second = T.alloc_var(T.float32)
+            mine = T.alloc_var(T.float32)
+            theirs = T.alloc_var(T.float32)
+            T.alloc_var(T.int32)
+            best = T.alloc_var(T.int32)
+            best_slot = T.alloc_var(T.int32)
+            top = T.alloc_var(T.int32)
+            winner = T.alloc_var(T.int32)
+            expert = T.alloc_var(T.int32)
             my_expert = T.alloc_var(T.int32)
             my_weight = T.alloc_var(T.float32)
 
+            if with_counts:
+                for s in T.serial(T.ceildiv(num_experts, threads)):
+                    if s * threads + thread < num_experts:
+                        hist_E[s * threads + thread] = 0
+                T.sync_threads()
+
             if token < num_tokens:
-                # 1. Scores (unbiased, float32) and selection scores (-inf past E).
-                for i in T.unroll(num_slots):
-                    if lane + WARP * i < num_experts:
-                        score_S[i] = T.Cast(T.float32, logits_TE[token, lane + WARP * i])
-                    else:
-                        score_S[i] = neg_inf
+                # 1. Scores (float32, unbiased) into x_S and the warp's shared row.
+                if ragged or slots % 4:
+                    for j in T.unroll(slots):
+                        x_S[j] = neg_inf
+                        if not ragged or first + j < num_experts:
+                            x_S[j] = T.Cast(T.float32, logits_TE[token, first + j])
+                else:
+                    for j in T.vectorized(slots):
+                        x_S[j] = T.Cast(T.float32, logits_TE[token, first + j])
                 if scoring == "softmax":
                     peak = neg_inf
-                    for i in T.unroll(num_slots):
-                        peak = T.max(peak, score_S[i])
+                    for j in T.unroll(slots):
+                        peak = T.max(peak, x_S[j])
                     for o in T.unroll(5):
                         peak = T.max(peak, T.shfl_xor(peak, 16 >> o))
+                    for j in T.unroll(slots):
+                        if not ragged or first + j < num_experts:
+                            scores_WE[warp, first + j] = T.exp(x_S[j] - peak)
+                    T.sync_warp()
                     total = 0.0
-                    for i in T.unroll(num_slots):
+                    for i in T.unroll(strided_slots):  # torch's order: experts lane, lane + 32, ...
                         if lane + WARP * i < num_experts:
-                            score_S[i] = T.exp(score_S[i] - peak)
-                            total = total + score_S[i]
+                            total = total + scores_WE[warp, lane + WARP * i]
                     for o in T.unroll(5):
                         total = total + T.shfl_xor(total, 16 >> o)
-                for i in T.unroll(num_slots):
-                    if lane + WARP * i < num_experts:
-                        if scoring == "softmax":
-                            score_S[i] = score_S[i] / total
-                        elif scoring == "sigmoid":
-                            score_S[i] = T.sigmoid(score_S[i])
-                        else:
-                            score_S[i] = T.sqrt(
-                                T.if_then_else(
-                                    score_S[i] > SOFTPLUS_THRESHOLD, score_S[i], T.log1p(T.exp(score_S[i]))
+                    for j in T.unroll(slots):
+                        if not ragged or first + j < num_experts:
+                            x_S[j] = scores_WE[warp, first + j] / total
+                    T.sync_warp()
+                else:
+                    for j in T.unroll(slots):
+                        if not ragged or first + j < num_experts:
+                            if scoring == "sigmoid":
+                                x_S[j] = T.sigmoid(x_S[j])
+                            else:
+                                x_S[j] = T.sqrt(
+                                    T.if_then_else(x_S[j] > SOFTPLUS_THRESHOLD, x_S[j], T.log1p(T.exp(x_S[j])))
                                 )
-                            )
-                        select_S[i] = score_S[i] + bias_E[lane + WARP * i]
-                    else:
-                        select_S[i] = neg_inf
+                for j in T.unroll(slots):
+                    if not ragged or first + j < num_experts:
+                        scores_WE[warp, first + j] = x_S[j]
+                        x_S[j] = x_S[j] + bias_E[first + j]  # selection score
+                T.sync_warp()
 
                 # 2. Group limit: keep the experts of the topk_groups groups with the best top-2 sums.
                 if grouped:
-                    for g in T.unroll(num_groups):
-                        first_G[g] = neg_inf
-                        second_G[g] = neg_inf
-                    for i, g in slot_groups:
-                        if (lane + WARP * i) // group_size == g:
-                            second_G[g] = T.max(second_G[g], T.min(first_G[g], select_S[i]))
-                            first_G[g] = T.max(first_G[g], select_S[i])
-                    for g in T.unroll(num_groups):
-                        for o in T.unroll(5):
-                            other_first = T.shfl_xor(first_G[g], 16 >> o)
-                            other_second = T.shfl_xor(second_G[g], 16 >> o)
-                            second_G[g] = T.max(T.min(first_G[g], other_first), T.max(second_G[g], other_second))
-                            first_G[g] = T.max(first_G[g], other_first)
+                    for q in T.unroll(lane_groups):
+                        first_Q[q] = neg_inf
+                        second_Q[q] = neg_inf
+                        for j in T.unroll(min(slots, group_size)):
+                            second_Q[q] = T.max(second_Q[q], T.min(first_Q[q], x_S[q * group_size + j]))
+                            first_Q[q] = T.max(first_Q[q], x_S[q * group_size + j])
+                    if group_lanes > 1:
+                        for o in T.unroll(group_lanes.bit_length() - 1):
+                            other_first = T.shfl_xor(first_Q[0], group_lanes >> (o + 1))
+                            other_second = T.shfl_xor(second_Q[0], group_lanes >> (o + 1))
+                            second_Q[0] = T.max(T.min(first_Q[0], other_first), T.max(second_Q[0], other_second))
+                            first_Q[0] = T.max(first_Q[0], other_first)
+                    for q in T.unroll(lane_groups):
                         if group_size > 1:
-                            group_score_G[g] = first_G[g] + second_G[g]
-                        else:
-                            group_score_G[g] = first_G[g]
-                    for g in T.unroll(num_groups):
-                        rank = 0
-                        for h in T.unroll(num_groups):
-                            if h < g:
-                                rank = rank + T.Cast(T.int32, group_score_G[h] >= group_score_G[g])
-                            elif h > g:
-                                rank = rank + T.Cast(T.int32, group_score_G[h] > group_score_G[g])
-                        kept_G[g] = T.Cast(T.int32, rank < topk_groups)
-                    for i, g in slot_groups:
-                        if (lane + WARP * i) // group_size == g and kept_G[g] == 0:
-                            select_S[i] = neg_inf
+                            first_Q[q] = first_Q[q] + second_Q[q]  # the group's score
+                        above_Q[q] = 0
+                    # Rank of each of this lane's groups g among all groups (ties to the lower index).
+                    for h, (source_lane, source_group) in enumerate(group_sources):
+                        theirs = T.shfl_sync(first_Q[source_group], source_lane)
+                        for q in T.unroll(lane_groups):
+                            mine = first_Q[q]
+                            above_Q[q] = above_Q[q] + T.Cast(
+                                T.int32,
+                                theirs > mine or (theirs == mine and h < (first // group_size) + q),
+                            )
+                    for q in T.unroll(lane_groups):
+                        if above_Q[q] >= topk_groups:
+                            for j in T.unroll(min(slots, group_size)):
+                                x_S[q * group_size + j] = neg_inf
 
-                # 3. Top-k: K rounds of a warp arg-max, ties to the lower expert index.
-                total = 0.0
+                # 3. Top-k over order-preserving int keys of the selection scores.
+                for j in T.unroll(slots):
+                    key_S[j] = T.reinterpret(x_S[j], T.int32)
+                    key_S[j] = key_S[j] ^ ((key_S[j] >> 31) & 0x7FFFFFFF)
                 my_expert = -1
-                my_weight = 0.0
                 for k in T.unroll(topk):
-                    best_select = neg_inf
-                    best_expert = num_experts
-                    best_score = 0.0
-                    for i in T.unroll(num_slots):
-                        if select_S[i] > best_select:
-                            best_select = select_S[i]
-                            best_expert = lane + WARP * i
-                            best_score = score_S[i]
-                    for o in T.unroll(5):
-                        other_select = T.shfl_xor(best_select, 16 >> o)
-                        other_expert = T.shfl_xor(best_expert, 16 >> o)
-                        other_score = T.shfl_xor(best_score, 16 >> o)
-                        if other_select > best_select or (other_select == best_select and other_expert < best_expert):
-                            best_select = other_select
-                            best_expert = other_expert
-                            best_score = other_score
-                    for i in T.unroll(num_slots):
-                        if lane + WARP * i == best_expert:
-                            select_S[i] = neg_inf
-                    total = total + best_score
-                    if lane == k and best_expert < num_experts:
-                        my_expert = best_expert
-                        my_weight = best_score
+                    best = key_S[0]
+                    best_slot = 0
+                    for j in T.unroll(slots):
+                        if key_S[j] > best:
+                            best = key_S[j]
+                            best_slot = j
+                    top = T.call_extern("int32", "__reduce_max_sync", full_mask, best)
+                    winner = T.call_extern("int32", "__ffs", T.Cast(T.int32, T.ballot_sync(best == top))) - 1
+                    expert = winner * slots + T.shfl_sync(best_slot, winner)
+                    if lane == winner:
+                        for j in T.unroll(slots):
+                            if j == best_slot:
+                                key_S[j] = KEY_REMOVED
+                    if lane == k and top > KEY_NEG_INF:
+                        my_expert = expert
 
-                # 4. Weights (normalized over the K routes, then scaled), indices, counts.
-                if lane < topk:
-                    if normalize and total > 0:
+                # 4. Weights (normalized over the K routes in rank order, then scaled), indices, counts.
+                my_weight = 0.0
+                if lane < topk and my_expert >= 0:
+                    my_weight = scores_WE[warp, my_expert]
+                if normalize:
+                    total = 0.0
+                    for k in T.unroll(topk):
+                        total = total + T.shfl_sync(my_weight, k)
+                    if total > 0:
                         my_weight = my_weight / total
+                if lane < topk:
                     topk_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
                     topk_weights_TK[token, lane] = my_weight * routed_scaling_factor
                     if with_counts and my_expert >= 0:
-                        T.atomic_add(counts_E[my_expert], 1)
+                        T.atomic_add(hist_E[my_expert], 1)
+
+            if with_counts:
+                T.sync_threads()
+                for s in T.serial(T.ceildiv(num_experts, threads)):
+                    if s * threads + thread < num_experts and hist_E[s * threads + thread] > 0:
+                        T.atomic_add(counts_E[s * threads + thread], hist_E[s * threads + thread])
 
     return topk_route_kernel
+
+
+@functools.cache
+def supports(num_experts: int, num_groups: object, topk_groups: object) -> bool:
+    """False only for valid group options whose groups do not line up with lanes (the public op
+    then runs the reference); invalid options are left to :func:`topk_route` to reject."""
+    if not (isinstance(num_groups, int) and num_groups >= 1 and num_experts % num_groups == 0):
+        return True
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if not (isinstance(topk_groups, int) and 1 <= topk_groups < num_groups <= WARP and num_experts <= MAX_EXPERTS):
+        return True
+    return lane_layout(num_experts, num_groups, topk_groups) is not None
+
+
+@functools.cache
+def _router(
+    num_experts: int,
+    topk: int,
+    num_groups: int,
+    topk_groups: int | None,
+    scoring: str,
+    logits_dtype: torch.dtype,
+    normalize: bool,
+    with_counts: bool,
+):
+    """The compiled kernel of one configuration, its options validated once (cached: a call with a
+    known configuration costs a dictionary look-up)."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
+    check_positive("topk", topk)
+    check_positive("num_groups", num_groups)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"logits_TE: expected at most {MAX_EXPERTS} experts, got {num_experts}")
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups: expected an int in [1, {num_groups}] or None, got {topk_groups!r}")
+    if topk_groups < num_groups and num_groups > WARP:
+        raise ValueError(f"num_groups: expected at most {WARP} when topk_groups < num_groups, got {num_groups}")
+    if lane_layout(num_experts, num_groups, topk_groups) is None:
+        raise ValueError(
+            f"num_groups: {num_groups} groups of {num_experts // num_groups} experts do not line up with "
+            f"warp lanes of at most {MAX_SLOTS} experts (see lane_layout)"
+        )
+    allowed = topk_groups * (num_experts // num_groups)
+    if topk > min(allowed, WARP):
+        raise ValueError(f"topk: expected at most {min(allowed, WARP)}, got {topk}")
+    return get_topk_route_kernel(
+        num_experts, topk, num_groups, topk_groups, scoring, LOGIT_DTYPES[logits_dtype], bool(normalize), with_counts
+    )
 
 
 def topk_route(
@@ -223,7 +347,9 @@ def topk_route(
         logits_TE: [T, E] float32, bfloat16 or float16, contiguous, on a CUDA device; E <= 1024.
         topk, scoring, bias_E, num_groups, topk_groups, normalize, routed_scaling_factor: as in the
             reference (``bias_E`` [E] float32 contiguous on the same device). ``topk`` <= 32 and,
-            when groups limit the choice, ``num_groups`` <= 32.
+            when groups limit the choice, ``num_groups`` <= 32 and the groups line up with lanes
+            (:func:`lane_layout` is not None; true for every E <= 1024 whose group size is a power
+            of two times ``ceil(E / 32)`` or a divisor of it, DeepSeek-V3 included).
         with_counts: also return ``counts_E``, the routes per expert, counted in the same kernel.
 
     Returns:
@@ -231,47 +357,39 @@ def topk_route(
         topk_weights_TK: [T, K] float32.
         counts_E: [E] int32, only with ``with_counts``.
     """
-    check_tensor("logits_TE", logits_TE, dtype=tuple(LOGIT_DTYPES), ndim=2)
+    # Cheap checks only (no host sync, no per-call validation of the options beyond the cache key).
+    if not isinstance(logits_TE, torch.Tensor) or logits_TE.dtype not in LOGIT_DTYPES:
+        check_tensor("logits_TE", logits_TE, dtype=tuple(LOGIT_DTYPES))
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE: expected a 2-D tensor, got shape {tuple(logits_TE.shape)}")
     check_cuda_contiguous("logits_TE", logits_TE)
     num_tokens, num_experts = logits_TE.shape
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
-    check_positive("topk", topk)
-    check_positive("num_groups", num_groups)
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"logits_TE: expected at most {MAX_EXPERTS} experts, got shape {tuple(logits_TE.shape)}")
-    if num_experts % num_groups:
-        raise ValueError(f"num_groups: expected a divisor of the {num_experts} experts, got {num_groups}")
-    topk_groups = num_groups if topk_groups is None else topk_groups
-    if not isinstance(topk_groups, int) or not 1 <= topk_groups <= num_groups:
-        raise ValueError(f"topk_groups: expected an int in [1, {num_groups}] or None, got {topk_groups!r}")
-    if topk_groups < num_groups and num_groups > WARP:
-        raise ValueError(f"num_groups: expected at most {WARP} when topk_groups < num_groups, got {num_groups}")
-    allowed = topk_groups * (num_experts // num_groups)
-    if topk > min(allowed, WARP):
-        raise ValueError(f"topk: expected at most {min(allowed, WARP)}, got {topk}")
+    kernel = _router(num_experts, topk, num_groups, topk_groups, scoring, logits_TE.dtype, normalize, with_counts)
     device = logits_TE.device
     if bias_E is None:
         bias_E = torch.zeros(num_experts, dtype=torch.float32, device=device)  # + 0.0 is exact
-    check_tensor("bias_E", bias_E, dtype=torch.float32, shape=(num_experts,), device=device)
+    elif bias_E.dtype != torch.float32 or bias_E.shape != (num_experts,) or bias_E.device != device:
+        check_tensor("bias_E", bias_E, dtype=torch.float32, shape=(num_experts,), device=device)
     check_cuda_contiguous("bias_E", bias_E)
 
     topk_idx_TK = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
     topk_weights_TK = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
     counts_E = (torch.zeros if with_counts else torch.empty)(num_experts, dtype=torch.int32, device=device)
     if num_tokens:
-        kernel = get_topk_route_kernel(
-            num_experts, topk, num_groups, topk_groups, scoring, LOGIT_DTYPES[logits_TE.dtype], normalize, with_counts
-        )
         kernel(logits_TE, bias_E, topk_idx_TK, topk_weights_TK, counts_E, float(routed_scaling_factor))
     if with_counts:
         return topk_idx_TK, topk_weights_TK, counts_E
     return topk_idx_TK, topk_weights_TK
 
 
+def check_cuda(name: str, t: torch.Tensor) -> None:
+    """A tensor on a CUDA device; shared by the kernel wrappers."""
+    if not t.is_cuda:
+        raise ValueError(f"{name}: expected a tensor on a CUDA device, got one on {t.device}")
+
+
 def check_cuda_contiguous(name: str, t: torch.Tensor) -> None:
     """A CUDA tensor in row-major order (what every kernel here indexes); shared by the kernel wrappers."""
-    if t.device.type != "cuda":
-        raise ValueError(f"{name}: expected a tensor on a CUDA device, got one on {t.device}")
+    check_cuda(name, t)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")

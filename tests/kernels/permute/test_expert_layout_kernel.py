@@ -44,6 +44,12 @@ def test_expert_layout_one_hot_expert(seed):
 
 
 @pytest.mark.gpu
+def test_expert_layout_of_a_strided_view(seed):
+    idx_TK = routes(999, 16, 64, device="cuda", seed=seed)[:, 5:13]  # strides (16, 1)
+    check_layout(idx_TK, 64, 32, reference.max_rows(999, 8, 64, 32))
+
+
+@pytest.mark.gpu
 def test_public_op_trims_to_the_exact_rows(seed):
     from kernels.permute import expert_layout as public
 

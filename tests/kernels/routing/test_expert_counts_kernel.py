@@ -21,6 +21,13 @@ def test_expert_counts_matches_reference(seed, num_tokens, num_experts, topk, dt
     assert torch.equal(counts_E, reference.expert_counts(idx_TK, num_experts))
 
 
+@pytest.mark.gpu
+def test_expert_counts_of_a_strided_view(seed):
+    wide_TN = routes(1000, 16, 64, device="cuda", seed=seed)
+    idx_TK = wide_TN[:, 3:11]  # strides (16, 1): copied before the kernel reads it
+    assert torch.equal(expert_counts(idx_TK, 64), reference.expert_counts(idx_TK, 64))
+
+
 def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="^topk_idx_TK: expected"):
         expert_counts(torch.zeros(4, 2), 8)

@@ -6,7 +6,14 @@ import struct
 import pytest
 import torch
 
-from kernels.routing import expert_counts, hash_route, score, sequence_balance_stats, topk_route, topk_weights
+from kernels.routing import (
+    expert_counts,
+    hash_route,
+    score,
+    sequence_balance_stats,
+    topk_route,
+    topk_weights,
+)
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 

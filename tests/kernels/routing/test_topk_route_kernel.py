@@ -12,13 +12,21 @@ import torch
 
 from kernels.lowering import compile_only
 from kernels.routing import reference
-from kernels.routing.topk_route_kernel import get_topk_route_kernel, topk_route
+from kernels.routing.topk_route_kernel import (
+    MAX_SLOTS,
+    WARP,
+    get_topk_route_kernel,
+    lane_layout,
+    supports,
+    topk_route,
+)
 from kernels.testing import poison_allocator, router_inputs
 
 FULL = os.environ.get("EP_KERNEL_TESTS") == "full"
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-# (experts, num_groups, topk_groups, topk): DeepSeek-V3, tiny, ragged slots and groups.
-GROUPINGS = [(256, 8, 4, 8), (8, 1, None, 2), (16, 4, 2, 5), (12, 12, 5, 4), (72, 3, 1, 4), (160, 8, 3, 6)]
+# (experts, num_groups, topk_groups, topk): DeepSeek-V3, tiny, ragged slots and groups (240: 15
+# experts a lane, 2 lanes a group, 16 lanes used).
+GROUPINGS = [(256, 8, 4, 8), (8, 1, None, 2), (16, 4, 2, 5), (12, 12, 5, 4), (72, 3, 1, 4), (160, 8, 3, 6), (240, 8, 3, 6)]
 if FULL:
     GROUPINGS += [(256, 1, None, 8), (64, 8, 8, 6), (1024, 32, 4, 8), (2, 2, 1, 1), (96, 32, 3, 3)]
 TOKENS = [0, 1, 37, 4099] + ([16384] if FULL else [])
@@ -77,9 +85,38 @@ def test_topk_route_public_op_uses_the_kernel_result(seed):
     from kernels.routing import topk_route_with_counts
 
     logits_TE, bias_E = router_inputs(300, 64, device="cuda", seed=seed)
-    idx_TK, weights_TK, counts_E = topk_route_with_counts(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)
+    idx_TK, _weights_TK, counts_E = topk_route_with_counts(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)
     assert torch.equal(idx_TK, reference.topk_route(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)[0])
     assert int(counts_E.sum()) == 300 * 6
+
+
+@pytest.mark.gpu
+def test_groups_off_the_lanes_run_the_reference(seed):
+    """500-expert groups fit no lane layout: the public op falls back to the reference."""
+    from kernels.routing import topk_route as public
+
+    assert not supports(1000, 2, 1)
+    logits_TE, bias_E = router_inputs(65, 1000, device="cuda", seed=seed)
+    options = {"topk": 4, "scoring": "sigmoid", "num_groups": 2, "topk_groups": 1, "normalize": True}
+    got = public(logits_TE, bias_E=bias_E, **options)
+    want = reference.topk_route(logits_TE, bias_E=bias_E, **options)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="^num_groups: "):
+        topk_route(logits_TE, bias_E=bias_E, **options)
+
+
+ALL_GROUPINGS = GROUPINGS + [(256, 1, None, 8), (64, 8, 8, 6), (1024, 32, 4, 8), (2, 2, 1, 1), (96, 32, 3, 3)]
+
+
+@pytest.mark.parametrize("num_experts, num_groups, topk_groups, topk", ALL_GROUPINGS)
+def test_lane_layout_lines_groups_up_with_lanes(num_experts, num_groups, topk_groups, topk):
+    topk_groups = num_groups if topk_groups is None else topk_groups
+    slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
+    assert WARP * slots >= num_experts and slots <= MAX_SLOTS  # every expert has a lane
+    if topk_groups < num_groups:
+        group_size = num_experts // num_groups
+        assert group_lanes * slots == group_size * lane_groups  # whole groups per lane block
+        assert group_lanes & (group_lanes - 1) == 0  # the butterfly stays inside the group
 
 
 BAD_INPUTS = [
@@ -104,6 +141,7 @@ SPECIALIZATIONS = [
     (256, 8, 8, 4, "sigmoid", "bfloat16", True, False),
     (8, 2, 1, 1, "softmax", "float32", False, False),
     (72, 4, 3, 1, "sqrtsoftplus", "float16", False, True),
+    (240, 6, 8, 3, "softmax", "bfloat16", True, True),
 ]
 
 
