@@ -139,7 +139,6 @@ def get_topk_route_kernel(
             other_second = T.alloc_var(T.float32)
             mine = T.alloc_var(T.float32)
             theirs = T.alloc_var(T.float32)
-            T.alloc_var(T.int32)
             best = T.alloc_var(T.int32)
             best_slot = T.alloc_var(T.int32)
             top = T.alloc_var(T.int32)
