@@ -362,6 +362,8 @@ def topk_route(
     if logits_TE.dim() != 2:
         raise ValueError(f"logits_TE: expected a 2-D tensor, got shape {tuple(logits_TE.shape)}")
     check_cuda_contiguous("logits_TE", logits_TE)
+    if logits_TE.data_ptr() % 16:  # rows are read with 16-byte loads
+        logits_TE = logits_TE.clone()
     num_tokens, num_experts = logits_TE.shape
     kernel = _router(num_experts, topk, num_groups, topk_groups, scoring, logits_TE.dtype, normalize, with_counts)
     device = logits_TE.device
