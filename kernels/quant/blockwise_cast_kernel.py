@@ -40,6 +40,9 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     tile_m, tile_n, threads = blockwise_tile(num_cols, (block_m, block_n), vec)
     tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
     sf_dtype = "uint8" if pack_sf else "float32"
+    # Row bands of a tile: one band is ``threads * vec`` elements, i.e. ``rows_pp`` whole rows.
+    rows_pp = max(1, threads * vec // tile_n)
+    passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
 
     @T.prim_func
     def blockwise_cast(
@@ -53,18 +56,51 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
             T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
             T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
 
-            # amax of each block: along the row inside each group, then across the block's rows.
-            if block_n > 1:
+            if block_m == 1:
+                # per-token: along the row inside each group (warp shuffles).
                 row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
                 T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
-            if block_m == 1:
                 for i, g in T.Parallel(tile_gm, tile_gn):
                     sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
                     sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
                     inv_frag[i, g] = inv
+            elif passes > 1:
+                # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
+                # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
+                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
+                T.reduce_absmax(T.reshape(x_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
+                if block_n > 1:
+                    band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
+                    T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
+                    T.reduce_max(band_amax, block_amax, dim=0)
+                else:
+                    # per-channel: the bands' column maxima meet in shared memory, one column a
+                    # thread (two barriers, not one cross-warp reduction per column a thread holds).
+                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
+                    T.copy(partial, partial_S)
+                    for g in T.Parallel(tile_gn):
+                        block_amax[g] = partial_S[0, g]
+                        for r in T.serial(1, rows_pp):
+                            block_amax[g] = T.max(block_amax[g], partial_S[r, g])
+                if block_n > 1:
+                    for g in T.Parallel(tile_gn):
+                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                        sf_BG[pm, pn * tile_gn + g] = sf
+                        inv_frag[0, g] = inv
+                else:
+                    inv_S = T.alloc_shared((tile_gn,), "float32")
+                    for g in T.Parallel(tile_gn):
+                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                        sf_BG[pm, pn * tile_gn + g] = sf
+                        inv_S[g] = inv
+                    for i, g in T.Parallel(tile_gm, tile_gn):
+                        inv_frag[i, g] = inv_S[g]
             else:
                 block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                 if block_n > 1:
+                    row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
+                    T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
                     T.reduce_max(row_amax, block_amax, dim=0)
                 else:
                     T.reduce_absmax(x_frag, block_amax, dim=0)

@@ -30,6 +30,8 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_positive, check_tensor
 
+FEW_TOKENS = 256  # up to this many tokens, the forward uses one-row tiles (see get_swiglu_forward_kernel)
+
 
 @T.macro
 def silu(g):
@@ -37,12 +39,19 @@ def silu(g):
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_swiglu_forward_kernel(inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool):
+def get_swiglu_forward_kernel(
+    inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False
+):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
-    float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns."""
+    float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
+
+    ``one_row``: tiles of one token row (for few tokens: 4x the CTAs of the default tile, so a
+    small batch spreads over the SMs instead of queueing on a few)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = blockwise_tile(inter, (1, group), vec)
+    if one_row:
+        tile_m, threads = 1, max(32, min(threads, tile_n // vec))
     tile_g = tile_n // group
     layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"
@@ -147,7 +156,7 @@ def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
     y_TI = torch.empty((t, inter), dtype=x_TI2.dtype, device=x_TI2.device)
     if t == 0 or inter == 0:
         return y_TI
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False)
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS)
     kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device))  # scales unused
     return y_TI
 
@@ -169,7 +178,7 @@ def swiglu_per_token_cast(
     sf_TG = torch.empty((t, -(-inter // group)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_TI2.device)
     if t == 0 or inter == 0:
         return q_TI, sf_TG
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf)
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS)
     kernel(x_TI2.contiguous(), q_TI, sf_TG)
     return q_TI, sf_TG
 

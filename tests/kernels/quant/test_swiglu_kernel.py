@@ -106,6 +106,8 @@ def test_compiles_for_sm90a():
             (2048, "bfloat16", 128, False, False, False),
             (2048, "bfloat16", 128, True, True, True),
             (300, "float16", 128, True, False, False),
+            (2048, "bfloat16", 128, True, False, False, True),  # one-row tiles (few tokens)
+            (300, "float16", 128, False, False, False, True),
         ]:
             assert "expf" in lowering.kernel_source(get_swiglu_forward_kernel(*spec)), spec
         for spec in [(64, "float32", "float32"), (128, "bfloat16", "bfloat16"), (2048, "bfloat16", "bfloat16")]:
