@@ -4,7 +4,8 @@
 
 A rank's file holds its model state (the dense parameters every rank has, the experts this rank
 holds, the router biases), its optimizer state, the step, the RNG state and the expert placement
-it was saved under (world size, EP size and rank, which experts). A step is complete when every
+it was saved under (world size, EP size and rank; the logical expert in each of its slots and each
+MoE layer's run-time placement, which ``load`` restores before the weights). A step is complete when every
 rank has its file: resuming picks the newest step that is complete on all ranks (they agree
 through one all-gather), so a job killed while saving resumes from the step before, and a job of
 another world size or EP size is told so instead of loading the wrong experts.
@@ -31,26 +32,40 @@ KEEP = 2  # complete steps kept on disk; older ones are deleted after a save com
 
 @dataclass(frozen=True, kw_only=True)
 class Placement:
-    """Which experts this rank holds: ``[first_expert, first_expert + num_local_experts)`` of
-    ``num_experts`` in every MoE layer, as EP rank ``ep_rank`` of ``ep_size``."""
+    """Which experts this rank holds: as EP rank ``ep_rank`` of ``ep_size`` (in a job of
+    ``world_size``), for every MoE layer the logical expert in each local slot
+    (``local_experts``) and the layer's run-time placement (``phy2log``: the logical expert of every
+    physical slot of the EP group, ``node_of_rank``; None: expert ``e`` in slot ``e``)."""
 
     world_size: int
     ep_size: int
     ep_rank: int
     num_experts: int
-    first_expert: int
-    num_local_experts: int
+    local_experts: tuple[tuple[int, ...], ...]
+    phy2log: tuple[tuple[int, ...] | None, ...]
+    node_of_rank: tuple[tuple[int, ...] | None, ...]
 
     @staticmethod
-    def of(ctx: ParallelContext, num_experts: int) -> Placement:
-        local = num_experts // ctx.ep_size
+    def of(model: nn.Module, ctx: ParallelContext) -> Placement:
+        layers = model.moe_layers
+        placements = [layer.placement for layer in layers]
         return Placement(world_size=ctx.world_size, ep_size=ctx.ep_size, ep_rank=ctx.ep_rank,
-                         num_experts=num_experts, first_expert=ctx.ep_rank * local, num_local_experts=local)
+                         num_experts=layers[0].cfg.num_experts if layers else 0,
+                         local_experts=tuple(tuple(layer.experts.logical_ids) for layer in layers),
+                         phy2log=tuple(None if p is None else tuple(p.phy2log_P.tolist()) for p in placements),
+                         node_of_rank=tuple(None if p is None else p.node_of_rank for p in placements))
 
     def describe(self) -> str:
-        last = self.first_expert + self.num_local_experts - 1
-        return (f"world size {self.world_size}, EP {self.ep_size} (EP rank {self.ep_rank} holds experts "
-                f"{self.first_expert}..{last} of {self.num_experts})")
+        experts = self.local_experts[0] if self.local_experts else ()
+        contiguous = experts == tuple(range(experts[0], experts[0] + len(experts))) if experts else True
+        held = f"{experts[0]}..{experts[-1]}" if experts and contiguous else ", ".join(map(str, experts))
+        return (f"world size {self.world_size}, EP {self.ep_size} (EP rank {self.ep_rank} holds experts {held} of "
+                f"{self.num_experts}{' in its first MoE layer' if len(self.local_experts) > 1 else ''})")
+
+    def same_job(self, other: Placement) -> bool:
+        """The same ranks in the same EP groups (the experts may have moved since)."""
+        return (self.world_size, self.ep_size, self.ep_rank, self.num_experts, len(self.local_experts)) == (
+            other.world_size, other.ep_size, other.ep_rank, other.num_experts, len(other.local_experts))
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -62,12 +77,12 @@ def rank_file(directory: Path, step: int, rank: int) -> Path:
 
 
 def save(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         placement: Placement, ctx: ParallelContext) -> Path:
+         ctx: ParallelContext) -> Path:
     """Writes this rank's file for ``step`` (atomically: a temporary file renamed), waits for every
     rank's, then deletes this rank's files of all but the newest ``KEEP`` steps. Collective."""
     path = rank_file(directory, step, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "placement": asdict(placement), "model": model.state_dict(),
+    state = {"step": step, "placement": asdict(Placement.of(model, ctx)), "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None}
     tmp = path.with_suffix(".tmp")
@@ -104,19 +119,36 @@ def latest_step(directory: Path, ctx: ParallelContext) -> int | None:
 
 
 def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         placement: Placement, ctx: ParallelContext) -> None:
-    """Restores this rank's state of ``step``, after checking it was saved under ``placement``."""
+         ctx: ParallelContext) -> None:
+    """Restores this rank's state of ``step``: checks it was saved by the same ranks in the same
+    EP groups, puts every MoE layer back on the placement it was saved under, then loads the
+    tensors."""
+    from .placement import ExpertPlacement
+
     path = rank_file(directory, step, ctx.rank)
     state = torch.load(path, map_location=ctx.device, weights_only=False)
-    saved = Placement(**state["placement"])
-    if saved != placement:
-        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {placement.describe()}: "
+    saved = Placement(**{k: _tuples(v) for k, v in state["placement"].items()})
+    here = Placement.of(model, ctx)
+    if not saved.same_job(here):
+        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {here.describe()}: "
                          "resume with the world size and EP size it was saved with")
+    for layer, phy2log, nodes in zip(model.moe_layers, saved.phy2log, saved.node_of_rank):
+        if phy2log is not None:
+            layer.set_placement(ExpertPlacement(phy2log_P=torch.tensor(phy2log), num_experts=saved.num_experts,
+                                                ep_size=saved.ep_size, node_of_rank=nodes))
+    if Placement.of(model, ctx).local_experts != saved.local_experts:
+        raise ValueError(f"checkpoint {path}: its MoE layers hold experts {saved.local_experts} on this rank, the "
+                         f"model {Placement.of(model, ctx).local_experts}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"].cpu())
     if state["cuda_rng"] is not None and ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), ctx.device)
+
+
+def _tuples(value):
+    """JSON-ish lists from ``asdict`` back to the tuples ``Placement`` holds."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 def clear(directory: Path, ctx: ParallelContext) -> None:

@@ -159,14 +159,13 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
 
     run_dir = Path(t.out_dir) / t.name
     ckpt_dir = run_dir / "ckpt"
-    placement = checkpoint.Placement.of(ctx, cfg.model.moe.num_experts)
     first_step = 1
     if t.resume or restart_count() > 0:
         saved = checkpoint.latest_step(ckpt_dir, ctx)
         if saved is None and t.resume:
             raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
         if saved is not None:
-            checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, placement=placement, ctx=ctx)
+            checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, ctx=ctx)
             log.info("resumed from %s (restart %d)", checkpoint.step_dir(ckpt_dir, saved), restart_count())
             first_step = saved + 1
     elif ckpt_dir.is_dir():  # a fresh run must never resume from an older run's files
@@ -208,7 +207,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
-            checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, placement=placement, ctx=ctx)
+            checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
         record_ = {"step": step, "loss": losses[-1], "tokens_per_s": tokens_per_step / elapsed,
                    "step_time_s": elapsed, "expert_load": load_LE.tolist(),
                    "load_imbalance": float((load_LE.max(-1).values / load_LE.float().mean(-1)).max())}

@@ -40,7 +40,7 @@ def test_resume_continues_with_identical_losses(tmp_path, reference_losses):
     with pytest.raises(ChildFailedError) as refused:  # one rank cannot hold the experts of two
         launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--resume"), nproc=1)
     message = refused.value.format_msg()
-    assert "saved with world size 2, EP 2 (EP rank 0 holds experts 0..3 of 8)" in message
+    assert "saved with world size 2, EP 2 (EP rank 0 holds experts 0..3 of 8" in message
     assert "this job has world size 1, EP 1" in message
 
 
@@ -64,3 +64,37 @@ def test_fault_injection_spec(monkeypatch):
         monkeypatch.setenv(FAULT_ENV, bad)
         with pytest.raises(ValueError, match=FAULT_ENV):
             InjectedFault.from_env()
+
+
+def test_a_moved_placement_is_restored_before_the_weights(tmp_path):
+    """One process, experts in permuted slots (as ``placement.switch_placement`` leaves them): a
+    fresh model loading the checkpoint takes the saved placement, then the saved tensors."""
+    import torch
+
+    from ep_runtime import checkpoint
+    from ep_runtime.dispatch import make_dispatcher
+    from ep_runtime.model import TinyDeepSeek
+    from ep_runtime.parallel import single_process
+    from ep_runtime.placement import ExpertPlacement
+
+    cfg, ctx = job(tmp_path, "--steps", "1"), single_process(torch.device("cpu"))
+
+    def build():
+        model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx), seed=0)
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, optimizer = build()
+    moved = ExpertPlacement(phy2log_P=torch.tensor([3, 1, 0, 2, 7, 6, 5, 4]), num_experts=8, ep_size=1)
+    model.moe_layers[1].set_placement(moved)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    checkpoint.save(tmp_path / "ckpt", 1, model=model, optimizer=optimizer, ctx=ctx)
+
+    fresh, fresh_optimizer = build()
+    checkpoint.load(tmp_path / "ckpt", 1, model=fresh, optimizer=fresh_optimizer, ctx=ctx)
+    assert fresh.moe_layers[0].placement is None
+    assert fresh.moe_layers[1].experts.logical_ids == (3, 1, 0, 2, 7, 6, 5, 4)
+    assert torch.equal(fresh.moe_layers[1].placement.phy2log_P, moved.phy2log_P)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
