@@ -302,8 +302,31 @@ def _device_name(device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads per rank)"
 
 
+class _Quiet:
+    """No progress (ranks other than 0)."""
+
+    def write(self, line: str) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Lines(_Quiet):
+    """Progress without tqdm (GPU machines may lack it): the per-point lines only."""
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+
 def _progress(total: int, *, enabled: bool):
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Lines() if enabled else _Quiet()
 
     return tqdm(total=total, desc="ep-scaling", disable=not (enabled and sys.stderr.isatty()), file=sys.stderr,
                 dynamic_ncols=True)
@@ -387,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"ep-scaling on {report['device']} ({launcher}, {report['world_size']} workers), shape {spec.shape}:")
     for row in report["rows"]:
         print(_row_line(row) + f" | efficiency layer {row['layer_efficiency']:.2f}")
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib is not installed)"))
     return report
 
 
@@ -420,9 +443,13 @@ def _commit() -> str | None:
         return None
 
 
-def plot(report: dict, png_path: Path) -> Path:
-    """Throughput (tokens/s) and efficiency against EP size, weak and strong scaling."""
-    import matplotlib
+def plot(report: dict, png_path: Path) -> Path | None:
+    """Throughput (tokens/s) and efficiency against EP size, weak and strong scaling; None (and
+    no plot) where matplotlib is not installed: the JSON is the result."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
