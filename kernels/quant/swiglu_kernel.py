@@ -46,12 +46,16 @@ def get_swiglu_forward_kernel(
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
 
     ``one_row``: tiles of one token row (for few tokens: 4x the CTAs of the default tile, so a
-    small batch spreads over the SMs instead of queueing on a few)."""
+    small batch spreads over the SMs instead of queueing on a few). Taken only where the row fills
+    at least a warp with vectors (``tile_n / vec >= 32``); a narrower row (I = 64 in bfloat16: 16
+    vectors) keeps the default tile, since a one-row tile there would leave threads without data,
+    which TileLang's ``reduce_absmax`` rejects ("Inconsistent layouts between src and dst in
+    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = blockwise_tile(inter, (1, group), vec)
-    if one_row:
-        tile_m, threads = 1, max(32, min(threads, tile_n // vec))
+    if one_row and tile_n // vec >= 32:
+        tile_m, threads = 1, min(threads, tile_n // vec)
     tile_g = tile_n // group
     layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"
