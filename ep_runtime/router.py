@@ -37,7 +37,7 @@ class Router(nn.Module):
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error, not a dropped token
         with torch.no_grad():
-            topk_idx_TK, _ = topk_route(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E,
+            topk_idx_TK, _ = topk_route(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E.float(),
                                         num_groups=c.num_groups, topk_groups=c.topk_groups,
                                         normalize=c.normalize, routed_scaling_factor=c.routed_scaling_factor)
         weights_TK = topk_weights(logits_TE, topk_idx_TK, scoring=c.scoring, normalize=c.normalize,
