@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig
+import dataclasses
+
+from .config import JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig, v4_model_config
 
 PRESETS = {
-    # ~0.5M parameters: trains on 2 CPU processes in about a minute.
-    "tiny": dict(hidden=64, num_layers=2, num_heads=4, num_experts=8, expert_hidden=64, topk=2),
-    "small": dict(hidden=256, num_layers=4, num_heads=8, num_experts=16, expert_hidden=256, topk=4),
+    # ~0.5M parameters: trains on 2 CPU processes in about 10 s.
+    "tiny": lambda: ModelConfig(hidden=64, num_layers=2, num_heads=4,
+                                moe=MoEConfig(num_experts=8, expert_hidden=64, router=RouterConfig(topk=2))),
+    "small": lambda: ModelConfig(hidden=256, num_layers=4, num_heads=8,
+                                 moe=MoEConfig(num_experts=16, expert_hidden=256, router=RouterConfig(topk=4))),
+    # DeepSeek-V4 style: mHC streams around every sublayer, Engram memory, a dense first block.
+    "v4": v4_model_config,
 }
 
 
@@ -63,20 +69,20 @@ def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def job_config_from_args(a: argparse.Namespace) -> JobConfig:
-    preset = dict(PRESETS[a.model])
-    for key, value in (("num_layers", a.layers), ("hidden", a.hidden), ("num_experts", a.experts),
-                       ("topk", a.topk)):
-        if value is not None:
-            preset[key] = value
-    router = RouterConfig(topk=preset["topk"])
-    moe = MoEConfig(num_experts=preset["num_experts"], expert_hidden=preset["expert_hidden"],
-                    fp8_dispatch=a.fp8_dispatch, router=router)
-    model = ModelConfig(hidden=preset["hidden"], num_layers=preset["num_layers"], num_heads=preset["num_heads"],
-                        max_seq_len=max(64, a.seq_len), moe=moe)
+    model = PRESETS[a.model]()
+    router = dataclasses.replace(model.moe.router, **_given(topk=a.topk))
+    moe = dataclasses.replace(model.moe, router=router, fp8_dispatch=a.fp8_dispatch, **_given(num_experts=a.experts))
+    model = dataclasses.replace(model, moe=moe, max_seq_len=max(model.max_seq_len, a.seq_len),
+                                **_given(num_layers=a.layers, hidden=a.hidden))
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
     return JobConfig(model=model, parallel=ParallelConfig(ep=a.ep, timeout_s=a.timeout), train=train)
+
+
+def _given(**options) -> dict:
+    """The command-line overrides the user gave (None: keep the preset's value)."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _train(a: argparse.Namespace) -> None:

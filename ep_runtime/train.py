@@ -36,6 +36,7 @@ from . import checkpoint
 from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
+from .placement import sync_replica_gradients
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
 from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
@@ -46,15 +47,17 @@ log = logging.getLogger("ep_runtime.train")
 def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
     """Makes every rank's gradient that of the mean loss over all ranks.
 
-    Dense parameters are replicated on every rank: average over the world. Each expert's gradient
-    already sums the contributions of every rank of its EP group (through combine's backward), so
-    it is summed over the ``dp`` replicas and divided by the world size. A parameter that got no
+    Dense parameters are replicated on every rank: average over the world. Each expert's gradient,
+    and each Engram table shard's, already sums the contributions of every rank of its EP group
+    (through combine's or the lookup's backward), so it is summed over the ``dp`` replicas and
+    divided by the world size. A parameter that got no
     gradient on this rank (an expert no token reached) takes part with zeros, so every rank
     reduces tensors of the same size.
     """
     if not ctx.distributed:
         return
-    for params, group in ((model.dense_parameters(), None), (model.expert_parameters(), ctx.dp_group)):
+    sharded = model.expert_parameters() + model.sharded_parameters()
+    for params, group in ((model.dense_parameters(), None), (sharded, ctx.dp_group)):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -195,6 +198,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             loss = model.loss(tokens_BS.to(ctx.device))
         loss.backward()
         average_gradients(model, ctx)
+        sync_replica_gradients(model, ctx)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         load_LE = global_expert_load(model, ctx)

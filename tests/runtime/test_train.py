@@ -59,3 +59,11 @@ def test_cli_entry_point(tmp_path):
     nproc = torch.cuda.device_count() or 2
     assert f"trained 3 steps on {nproc} processes" in out.stdout
     assert (tmp_path / "tiny" / "metrics.jsonl").read_text().count("\n") == 3
+
+
+def test_v4_preset_from_the_command_line(tmp_path):
+    cfg = config(tmp_path, "v4", "--model", "v4", "--fp8-dispatch", "--topk", "1")
+    assert cfg.model.mhc is not None and cfg.model.engram is not None
+    assert cfg.model.moe.fp8_dispatch and cfg.model.moe.router.topk == 1
+    with pytest.raises(ValueError, match="model.engram.layers"):
+        config(tmp_path, "v4", "--model", "v4", "--layers", "2")  # Engram sits on layer 2
