@@ -43,6 +43,23 @@ def weighted_reduce(
     Returns:
         ``out_TD`` ``[T, D]`` in ``out_dtype``.
     """
+    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype)
+    d = y_PD.shape[1]
+    if y_PD.dtype == E4M3:
+        y_PD = cast_back(y_PD, sf_PG, block=(1, group), out_dtype=torch.float32)
+
+    t, k = pos_TK.shape
+    out_TD = torch.zeros(t, d, dtype=torch.float32, device=y_PD.device)
+    for route in range(k):
+        has_route_T = pos_TK[:, route] >= 0
+        rows = pos_TK[has_route_T, route]
+        out_TD[has_route_T] += weights_TK[has_route_T, route, None] * y_PD[rows].float()
+    return out_TD.to(out_dtype)
+
+
+def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype) -> torch.dtype:
+    """Validates :func:`weighted_reduce`'s arguments (shared with its kernel); returns the output
+    dtype (``y_PD``'s, bfloat16 for e4m3 input, unless ``out_dtype`` is given)."""
     check_tensor("y_PD", y_PD, dtype=(*FLOAT_DTYPES, E4M3), ndim=2)
     p, d = y_PD.shape
     check_tensor("pos_TK", pos_TK, dtype=(torch.int32, torch.int64), ndim=2, device=y_PD.device)
@@ -56,14 +73,6 @@ def weighted_reduce(
         if sf_PG is None:
             raise ValueError("sf_PG: expected per-token scales with a float8_e4m3fn y_PD, got None")
         check_tensor("sf_PG", sf_PG, dtype=SCALE_DTYPES, shape=(p, -(-d // group)), device=y_PD.device)
-        y_PD = cast_back(y_PD, sf_PG, block=(1, group), out_dtype=torch.float32)
     elif sf_PG is not None:
         raise ValueError(f"sf_PG: expected None with a {y_PD.dtype} y_PD (scales only with float8_e4m3fn)")
-
-    t, k = pos_TK.shape
-    out_TD = torch.zeros(t, d, dtype=torch.float32, device=y_PD.device)
-    for route in range(k):
-        has_route_T = pos_TK[:, route] >= 0
-        rows = pos_TK[has_route_T, route]
-        out_TD[has_route_T] += weights_TK[has_route_T, route, None] * y_PD[rows].float()
-    return out_TD.to(out_dtype)
+    return out_dtype

@@ -22,9 +22,8 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
+from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, check_cuda, tl_dtype, unpack_scale
-from kernels.validate import check_dtype, check_index_range, check_positive, check_tensor
 
 MAX_THREADS = 256
 
@@ -109,23 +108,10 @@ def weighted_reduce(
 ) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.weighted_reduce` (same arguments, same
     bits); tensors must be on a CUDA device and are copied first if not contiguous."""
-    check_tensor("y_PD", y_PD, dtype=(*FLOAT_DTYPES, E4M3), ndim=2)
+    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype)
     check_cuda("y_PD", y_PD)
     p, d = y_PD.shape
-    check_tensor("pos_TK", pos_TK, dtype=(torch.int32, torch.int64), ndim=2, device=y_PD.device)
-    check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=pos_TK.shape, device=y_PD.device)
-    check_index_range("pos_TK", pos_TK, p)
-    check_positive("group", group)
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if y_PD.dtype == E4M3 else y_PD.dtype
-    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
-    if y_PD.dtype == E4M3:
-        if sf_PG is None:
-            raise ValueError("sf_PG: expected per-token scales with a float8_e4m3fn y_PD, got None")
-        check_tensor("sf_PG", sf_PG, dtype=SCALE_DTYPES, shape=(p, -(-d // group)), device=y_PD.device)
-    elif sf_PG is not None:
-        raise ValueError(f"sf_PG: expected None with a {y_PD.dtype} y_PD (scales only with float8_e4m3fn)")
-    else:
+    if sf_PG is None:
         sf_PG = y_PD.new_empty((p, -(-d // group)), dtype=torch.float32)  # never read
 
     t, k = pos_TK.shape
