@@ -1,0 +1,94 @@
+"""The pre-apply kernel (``y = sum_i pre_i * x_i``) against the reference run on the same GPU, the
+public op's choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
+
+Tolerance: both compute the same float32 products; the kernel sums them over the streams in order
+with IEEE adds, the reference in whatever order its CUDA reduction takes, then both round once to
+the output dtype. So per element ``|y - y_ref| <= 2 * u * (|y_ref| + sum_i |pre_i * x_i|)``, with
+``u`` the output dtype's unit roundoff times two (2**-7 bfloat16, 2**-10 float16, 2**-23 float32):
+one output rounding step plus the reassociation of N float32 adds. Every element is checked;
+outputs start as poison (:func:`kernels.testing.poison_allocator`)."""
+
+import pytest
+import torch
+
+from kernels import lowering, mhc
+from kernels.mhc import reference
+from kernels.mhc.pre_apply_kernel import get_pre_apply_kernel, pre_apply
+from kernels.testing import poison_allocator
+
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+TOKENS = [0, 1, 130]
+HIDDEN = [64, 7168, 100]
+STREAMS = [1, 4]
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+
+
+def pre_apply_inputs(t, n, d, *, dtype, device, seed):
+    """Streams of mixed magnitudes and positive pre weights (as ``sigmoid + eps`` gives)."""
+    gen = torch.Generator().manual_seed(seed)
+    x_TND = torch.randn(t, n, d, generator=gen) * torch.logspace(-2, 2, n)[None, :, None]
+    pre_TN = torch.rand(t, n, generator=gen) + 1e-6
+    return x_TND.to(dtype).to(device), pre_TN.to(device)
+
+
+def assert_close_to_reference(y_TD, x_TND, pre_TN):
+    y_ref = reference.pre_apply(x_TND, pre_TN)
+    assert y_TD.dtype == y_ref.dtype and y_TD.shape == y_ref.shape and y_TD.stride() == y_ref.stride()
+    terms = (pre_TN.double()[:, :, None] * x_TND.double()).abs().sum(1)
+    bound = 2 * ULP[y_TD.dtype] * (y_ref.double().abs() + terms)
+    excess = (y_TD.double() - y_ref.double()).abs() - bound
+    assert excess.numel() == 0 or float(excess.max()) <= 0, float(excess.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+def test_matches_reference(t, d, n, dtype, seed):
+    x_TND, pre_TN = pre_apply_inputs(t, n, d, dtype=dtype, device="cuda", seed=seed)
+    poison_allocator("cuda")
+    assert_close_to_reference(pre_apply(x_TND, pre_TN), x_TND, pre_TN)
+
+
+@pytest.mark.gpu
+def test_strided_input_is_copied(seed):
+    x_TND, pre_TN = pre_apply_inputs(130, 4, 7168 + 8, dtype=torch.bfloat16, device="cuda", seed=seed)
+    x_TND = x_TND[:, :, 8:]  # not contiguous, not 16-byte aligned rows
+    poison_allocator("cuda")
+    assert_close_to_reference(pre_apply(x_TND, pre_TN), x_TND, pre_TN)
+
+
+@pytest.mark.gpu
+def test_public_op_runs_kernel_without_grad_and_reference_with_grad(seed):
+    x_TND, pre_TN = pre_apply_inputs(130, 4, 100, dtype=torch.bfloat16, device="cuda", seed=seed)
+    assert torch.equal(mhc.pre_apply(x_TND, pre_TN), pre_apply(x_TND, pre_TN))
+    x_TND.requires_grad_(True)
+    y_TD = mhc.pre_apply(x_TND, pre_TN)
+    assert y_TD.grad_fn is not None
+    y_TD.float().sum().backward()
+    assert x_TND.grad is not None and x_TND.grad.shape == x_TND.shape
+    with torch.no_grad():
+        assert mhc.pre_apply(x_TND, pre_TN).grad_fn is None
+
+
+def test_wrapper_names_bad_arguments():
+    x_TND, pre_TN = pre_apply_inputs(3, 4, 64, dtype=torch.bfloat16, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="^x_TND: expected a tensor on a CUDA device"):
+        pre_apply(x_TND, pre_TN)
+    with pytest.raises(TypeError, match="^x_TND: expected dtype"):
+        pre_apply(x_TND.int(), pre_TN)
+
+
+def test_public_op_on_cpu_is_the_reference():
+    x_TND, pre_TN = pre_apply_inputs(5, 4, 64, dtype=torch.float32, device="cpu", seed=1)
+    assert torch.equal(mhc.pre_apply(x_TND, pre_TN), reference.pre_apply(x_TND, pre_TN))
+
+
+def test_compiles_for_sm90a():
+    """DeepSeek-V4 widths (D = 4096, 7168; N = 4) and the tiny model's D = 64, in bfloat16: 16-byte
+    vector loads and stores, IEEE multiplies and adds (no FMA contraction)."""
+    with lowering.compile_only():
+        for d in (4096, 7168, 64):
+            source = lowering.kernel_source(get_pre_apply_kernel(4, d, "bfloat16"))
+            assert "uint4" in source and "__fadd_rn" in source and "fma" not in source, d
