@@ -160,12 +160,15 @@ def v4_model_config(**overrides) -> ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How ranks are split: ``ep`` ranks share one set of experts; EP borrows from DP."""
+    """How ranks are split: ``pp`` pipeline stages, each of ``world / pp`` ranks; within a stage
+    ``ep`` ranks share one set of experts; EP borrows from DP."""
 
-    ep: int | None = None  # None: all ranks form one EP group
+    pp: int = 1  # pipeline stages (ep_runtime/pipeline.py)
+    ep: int | None = None  # None: all ranks of a stage form one EP group
     timeout_s: float = 300.0  # collectives that take longer end the job
 
     def __post_init__(self):
+        _require(isinstance(self.pp, int) and self.pp >= 1, "parallel.pp", "an int >= 1", self.pp)
         if self.ep is not None:
             _require(self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         _require(self.timeout_s > 0, "parallel.timeout_s", "> 0", self.timeout_s)

@@ -5,6 +5,11 @@ an EP group stays inside a node when it fits) share one set of experts, and ``dp
 replicas of that set. EP borrows from data parallelism: every rank reads its own data, dense
 parameters are averaged over all ranks, expert parameters over the ``dp`` replicas.
 
+With pipeline parallelism (``parallel.pp > 1``) the mesh is ``(pp, dp, ep)``: stage ``s`` is ranks
+``[s * world / pp, (s + 1) * world / pp)``, each stage a ``(dp, ep)`` mesh of its own (EP groups,
+``dp`` replicas and a ``stage_group`` of all its ranks), and the ``pp`` group links the ranks of
+one ``(dp, ep)`` position across stages (``ep_runtime/pipeline.md``).
+
 A job without the torch.distributed environment (no ``WORLD_SIZE``) runs as one process that holds
 every expert, with no process group at all.
 
@@ -48,6 +53,10 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None  # the replicas of this rank's experts
     mesh: DeviceMesh | None
     store: dist.Store | None = None  # the job's key-value store (failure reports)
+    pp_rank: int = 0  # this rank's pipeline stage
+    pp_size: int = 1
+    pp_group: dist.ProcessGroup | None = None  # this (dp, ep) position in every stage; None: pp == 1
+    stage_group: dist.ProcessGroup | None = None  # every rank of this stage; None: the whole job
 
     @property
     def distributed(self) -> bool:
@@ -85,9 +94,12 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         return single_process()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    ep = cfg.ep or world
-    if world % ep:
-        raise ValueError(f"parallel.ep: expected a divisor of the world size {world}, got {ep}")
+    pp = cfg.pp
+    if world % pp:
+        raise ValueError(f"parallel.pp: expected a divisor of the world size {world}, got {pp}")
+    ep = cfg.ep or world // pp
+    if (world // pp) % ep:
+        raise ValueError(f"parallel.ep: expected a divisor of the ranks per stage {world // pp}, got {ep}")
     device = default_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -101,12 +113,20 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
                                 store=dist.PrefixStore(f"ep_runtime/attempt_{restart_count()}/pg", store),
                                 rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
-    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    pipeline = {}
+    if pp == 1:
+        mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    else:
+        mesh = init_device_mesh(device.type, (pp, world // pp // ep, ep), mesh_dim_names=("pp", "dp", "ep"))
+        per_stage = world // pp
+        stage_groups = [dist.new_group(list(range(s * per_stage, (s + 1) * per_stage))) for s in range(pp)]
+        pipeline = dict(pp_rank=mesh.get_local_rank("pp"), pp_size=pp, pp_group=mesh.get_group("pp"),
+                        stage_group=stage_groups[rank // per_stage])
     ctx = ParallelContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
                           ep_rank=mesh.get_local_rank("ep"), ep_size=ep, ep_group=mesh.get_group("ep"),
-                          dp_group=mesh.get_group("dp"), mesh=mesh, store=store)
-    log.info("%s of %d on %s: ep %d/%d, collective timeout %.0f s", ctx.where, world, device, ctx.ep_rank, ep,
-             cfg.timeout_s)
+                          dp_group=mesh.get_group("dp"), mesh=mesh, store=store, **pipeline)
+    log.info("%s of %d on %s: pp %d/%d, ep %d/%d, collective timeout %.0f s", ctx.where, world, device,
+             ctx.pp_rank, pp, ctx.ep_rank, ep, cfg.timeout_s)
     return ctx
 
 

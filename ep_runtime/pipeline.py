@@ -1,0 +1,237 @@
+"""Pipeline parallelism with expert parallelism inside each stage (``pipeline.md`` has the placement
+table and the 1F1B phase diagram).
+
+``TinyDeepSeek`` is cut into ``pp`` stages of whole blocks (``stage_layers``): stage 0 also holds the
+embeddings (and the mHC widening), the last stage the mHC head, final norm, LM head and loss. Each
+stage's MoE layers run expert parallelism over the stage's own EP group and its Engram tables are
+sharded within it (both come from the ``ParallelContext``, whose groups are per stage).
+
+What travels between stages, micro-batch by micro-batch, is the residual stream: ``[M_b, S, D]``,
+or ``[M_b, S, N, D]`` with mHC (``Boundary``, its shape declared once per step), forward as
+activations and backward as their gradients, by point-to-point ``isend``/``irecv`` over the ``pp``
+group. Token ids do not travel: every stage is given the same batch (the last stage needs it for
+its targets and an Engram layer in any stage for its hashes), as a data loader replicated along
+``pp`` would give it.
+
+Schedules (``PipelineSchedule.step``): ``"1f1b"`` (warmup forwards, steady one-forward-one-backward,
+cooldown backwards) and ``"gpipe"`` (every forward, then every backward), computing the same
+gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
+scaled by ``1 / num_microbatches``; ``average_stage_gradients`` then averages over the data ranks.
+
+Shape letters: B sequences of this rank, M number of micro-batches, M_b = B / M sequences per
+micro-batch, S sequence length (the batch's minus one), D hidden, N mHC streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from . import mhc
+from .model import TinyDeepSeek
+from .parallel import ParallelContext
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The blocks of each stage: ``num_layers`` whole blocks split into ``pp`` contiguous runs,
+    earlier stages taking one more when they do not divide evenly."""
+    if pp < 1 or num_layers < pp:
+        raise ValueError(f"parallel.pp: expected 1..model.num_layers={num_layers} stages, got {pp}")
+    base, extra = divmod(num_layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def split_microbatches(tokens_BS: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """``[B, S+1]`` -> ``num_microbatches`` chunks ``[B / M, S+1]``; raises unless M divides B."""
+    batch = tokens_BS.shape[0]
+    if not isinstance(num_microbatches, int) or num_microbatches < 1 or batch % num_microbatches:
+        raise ValueError(f"num_microbatches: expected a divisor of the batch size {batch} (sequences per rank), "
+                         f"got {num_microbatches!r}")
+    return list(tokens_BS.chunk(num_microbatches))
+
+
+class _OnAnotherStage(nn.Module):
+    """Stands in for a block that another stage holds (no parameters, no FFN, no Engram)."""
+
+    ffn = None
+    engram = None
+
+
+class PipelineStage(nn.Module):
+    """This rank's part of ``model``: the blocks of ``stage_layers(...)[stage]`` (others are replaced
+    by a parameterless stand-in so parameter names stay those of the whole model), the embeddings on the
+    first stage, the mHC head, final norm and LM head on the last. Build ``model`` under the same
+    seed on every rank, with this rank's stage-local dispatcher and EP rank."""
+
+    def __init__(self, model: TinyDeepSeek, *, stage: int, num_stages: int):
+        super().__init__()
+        self.cfg = model.cfg
+        self.stage, self.num_stages = stage, num_stages
+        self.layers = stage_layers(model.cfg.num_layers, num_stages)[stage]
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        for i in range(model.cfg.num_layers):
+            if i not in self.layers:
+                model.blocks[i] = _OnAnotherStage()
+        if not self.is_first:
+            model.embed = model.pos_embed = None
+        if not self.is_last:
+            model.mhc_head = model.norm = model.head = None
+        self.model = model
+
+    def forward(self, x: torch.Tensor | None, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """First stage: ``x`` is None, the stream starts from ``tokens_BS[:, :-1]``. Returns the
+        stream for the next stage, or on the last stage the micro-batch's mean loss."""
+        m = self.model
+        inputs_BS = tokens_BS[:, :-1]
+        if self.is_first:
+            pos_S = torch.arange(inputs_BS.shape[1], device=inputs_BS.device)
+            x = m.embed(inputs_BS) + m.pos_embed(pos_S)
+            if self.cfg.mhc:
+                x = mhc.expand(x, self.cfg.mhc.n)
+        for i in self.layers:
+            x = m.blocks[i](x, inputs_BS)
+        if not self.is_last:
+            return x
+        if m.mhc_head is not None:
+            x = m.mhc_head(x)
+        logits = m.head(m.norm(x))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+        if self.cfg.moe.router.aux_loss_coef > 0:
+            loss = loss + sum(moe.aux_loss for moe in m.moe_layers if moe is not None)
+        return loss
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The stream that crosses a stage boundary, declared once per step: ``[M_b, S, D]`` or with
+    mHC ``[M_b, S, N, D]``, in the stage's compute dtype."""
+
+    shape: tuple[int, ...]  # float32 on the wire (bf16 under autocast on GPU is a later step)
+    dtype: torch.dtype
+    device: torch.device
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+class PipelineSchedule:
+    """Runs one training step's forwards and backwards for this rank's ``stage``.
+
+    ``ctx`` gives the stage (``pp_rank``, ``pp_size``); the previous and next stage's ranks are
+    this rank's neighbours in the ``pp`` group. With ``pp_size == 1`` it is plain gradient
+    accumulation over micro-batches."""
+
+    def __init__(self, stage: PipelineStage, ctx: ParallelContext, *, num_microbatches: int,
+                 schedule: str = "1f1b"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches: expected an int >= 1, got {num_microbatches!r}")
+        if (stage.stage, stage.num_stages) != (ctx.pp_rank, ctx.pp_size):
+            raise ValueError(f"stage: expected stage {ctx.pp_rank} of {ctx.pp_size} (the context's), got "
+                             f"{stage.stage} of {stage.num_stages}")
+        self.stage, self.ctx = stage, ctx
+        self.num_microbatches, self.schedule = num_microbatches, schedule
+        per_stage = ctx.world_size // ctx.pp_size
+        self.prev_rank = ctx.rank - per_stage if not stage.is_first else None
+        self.next_rank = ctx.rank + per_stage if not stage.is_last else None
+
+    def boundary(self, tokens_BS: torch.Tensor) -> Boundary:
+        cfg = self.stage.cfg
+        rows, seq = tokens_BS.shape[0] // self.num_microbatches, tokens_BS.shape[1] - 1
+        streams = (cfg.mhc.n,) if cfg.mhc else ()
+        return Boundary((rows, seq, *streams, cfg.hidden), torch.float32, self.ctx.device)
+
+    def step(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of every micro-batch of ``tokens_BS`` (int64 ``[B, S+1]``, the same
+        on every stage of a pipeline). Accumulates gradients into this stage's parameters; returns
+        the mean loss over the micro-batches (detached) on the last stage, None elsewhere."""
+        micro = split_microbatches(tokens_BS, self.num_microbatches)
+        self._shape = self.boundary(tokens_BS)
+        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._losses: list[torch.Tensor] = []
+        m, s, p = self.num_microbatches, self.stage.stage, self.stage.num_stages
+        if self.schedule == "1f1b":
+            warmup = min(p - 1 - s, m)
+            # Phase 1, warmup: forwards only, filling the pipeline below this stage.
+            for i in range(warmup):
+                self._forward(i, micro[i])
+            # Phase 2, steady state: one forward, then the backward of the oldest micro-batch in flight.
+            for i in range(warmup, m):
+                self._forward(i, micro[i])
+                self._backward(i - warmup)
+            # Phase 3, cooldown: the remaining backwards, draining the pipeline.
+            for i in range(m - warmup, m):
+                self._backward(i)
+        else:  # gpipe
+            # Phase 1: every forward. Phase 2: every backward, in the same order.
+            for i in range(m):
+                self._forward(i, micro[i])
+            for i in range(m):
+                self._backward(i)
+        for work, _ in self._sends:
+            work.wait()
+        losses, self._saved, self._sends, self._losses = self._losses, {}, [], []
+        return torch.stack(losses).mean() if losses else None
+
+    def _forward(self, i: int, tokens_BS: torch.Tensor) -> None:
+        x = None
+        if self.prev_rank is not None:
+            x = self._shape.empty()
+            dist.irecv(x, self.prev_rank).wait()
+            x.requires_grad_()
+        out = self.stage(x, tokens_BS)
+        if self.next_rank is not None:
+            self._send(out.detach(), self.next_rank)
+        else:
+            self._losses.append(out.detach())
+        self._saved[i] = (x, out)
+
+    def _backward(self, i: int) -> None:
+        x, out = self._saved.pop(i)
+        if self.next_rank is None:
+            (out / self.num_microbatches).backward()
+        else:
+            grad = self._shape.empty()
+            dist.irecv(grad, self.next_rank).wait()
+            torch.autograd.backward(out, grad)
+        if self.prev_rank is not None:
+            self._send(x.grad, self.prev_rank)
+
+    def _send(self, t: torch.Tensor, dst: int) -> None:
+        t = t.to(self._shape.dtype).contiguous()
+        self._sends.append((dist.isend(t, dst), t))  # the tensor stays alive until the send is done
+
+
+def average_stage_gradients(stage: PipelineStage, ctx: ParallelContext) -> None:
+    """Makes this stage's gradients those of the mean loss over every data rank (the ``dp * ep``
+    ranks of a stage): dense parameters averaged over the stage, experts and Engram table shards
+    (whose gradient already sums the EP group's contributions) summed over the ``dp`` replicas and
+    divided by the stage's size. The pipeline counterpart of ``train.average_gradients``."""
+    if not ctx.distributed:
+        return
+    model = stage.model
+    data_ranks = ctx.world_size // ctx.pp_size
+    sharded = model.expert_parameters() + model.sharded_parameters()
+    for params, group in ((model.dense_parameters(), ctx.stage_group), (sharded, ctx.dp_group)):
+        if not params:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= data_ranks
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))

@@ -1,0 +1,79 @@
+"""Pipeline parallelism changes where blocks run, not what a training step computes: PP=2 x EP=2 on
+4 gloo processes gives the losses and gradients of one process training the same model on every
+data rank's batch, for each schedule; micro-batch counts that do not divide the batch are refused."""
+
+import pytest
+import torch
+from pipeline_workers import FLOOR, model_config, pipeline_matches_single_process, tokens
+
+from ep_runtime.dispatch import make_dispatcher
+from ep_runtime.model import TinyDeepSeek
+from ep_runtime.parallel import single_process
+from ep_runtime.pipeline import PipelineSchedule, PipelineStage, split_microbatches, stage_layers
+from launch.local import launch_local
+
+# Relative to the loss, and for gradients to each tensor's largest expected magnitude or
+# FLOOR times the model's largest gradient, whichever is larger. CPU, fp32 everywhere: the
+# pipeline sums the same terms in another order (micro-batches, ranks, index_add over experts).
+RTOL = 1e-5
+CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("mhc", "1f1b", 4), ("mhc-engram", "1f1b", 2)]
+STEPS = 2
+
+
+def test_pipeline_ep_matches_single_process():
+    results = launch_local(pipeline_matches_single_process, CASES, STEPS, nproc=4)
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, per_case in results.items():
+        assert sorted(per_case) == sorted(f"{v}/{s}/{m}" for v, s, m in CASES)
+        for case, r in per_case.items():
+            assert r["stage"] == rank // 2, (rank, case)
+            for step, (err, names) in enumerate(r["grad_errors"]):
+                assert names > 0, (rank, case)
+                assert err <= RTOL, f"rank {rank} {case} step {step + 1}: gradient error {err:.3g} > {RTOL}"
+            if r["stage"] == 1:  # the last stage computes the loss
+                assert len(r["losses"]) == STEPS
+                for got, want in zip(r["losses"], r["ref_losses"]):
+                    assert abs(got - want) <= RTOL * abs(want), (rank, case, r["losses"], r["ref_losses"])
+                assert r["losses"][1] != r["losses"][0]  # the update did something
+            else:
+                assert r["losses"] == []
+
+
+def test_stage_layers_split_whole_blocks():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(5, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    with pytest.raises(ValueError, match="parallel.pp"):
+        stage_layers(2, 3)
+
+
+def test_microbatches_that_do_not_divide_the_batch_are_refused():
+    with pytest.raises(ValueError, match="num_microbatches: expected a divisor of the batch size 4.*got 3"):
+        split_microbatches(tokens(0), 3)
+    ctx = single_process(torch.device("cpu"))
+    cfg = model_config("plain")
+    model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx))
+    pipe = PipelineSchedule(PipelineStage(model, stage=0, num_stages=1), ctx, num_microbatches=3)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        pipe.step(tokens(0))
+    with pytest.raises(ValueError, match="schedule"):
+        PipelineSchedule(PipelineStage(model, stage=0, num_stages=1), ctx, num_microbatches=2, schedule="zb")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_one_stage_is_gradient_accumulation(schedule):
+    """pp=1: the schedule's micro-batches give the whole batch's loss and gradients."""
+    ctx = single_process(torch.device("cpu"))
+    cfg = model_config("mhc")
+    torch.manual_seed(0)
+    ref = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx))
+    torch.manual_seed(0)
+    stage = PipelineStage(TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx)), stage=0, num_stages=1)
+    loss = PipelineSchedule(stage, ctx, num_microbatches=2, schedule=schedule).step(tokens(0))
+    ref_loss = ref.loss(tokens(0))
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=0)
+    floor = FLOOR * max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    for (name, p), q in zip(stage.model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            err = float((p.grad - q.grad).abs().max()) / max(float(q.grad.abs().max()), floor)
+            assert err <= RTOL, f"{name}: gradient error {err:.3g} > {RTOL}"
