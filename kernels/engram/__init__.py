@@ -1,5 +1,44 @@
-"""Engram: hashed n-gram memory ops (see :mod:`kernels.engram.reference`, the specification)."""
+"""Engram: hashed n-gram memory ops (see :mod:`kernels.engram.reference`, the specification).
 
-from kernels.engram.reference import HashConfig, gate, make_hash_config, ngram_hash, short_conv
+``gate`` runs its TileLang kernel (forward only, no backward yet) when
+:func:`kernels.select.use_tilelang` says so for the input's device, no gradient is needed (grad mode
+off, or no input requires grad) and the kernel takes the dtypes (bfloat16/float16/float32, ``wh`` and
+``we`` of one dtype); otherwise the reference with its autograd runs. The choice is made from the
+arguments up front, never by catching a kernel's error. The other ops are the reference's.
+"""
+
+import torch
+
+from kernels.engram import gate_kernel, reference
+from kernels.engram.reference import (
+    HashConfig,
+    make_hash_config,
+    ngram_hash,
+    short_conv,
+)
+from kernels.select import use_tilelang
 
 __all__ = ["HashConfig", "gate", "make_hash_config", "ngram_hash", "short_conv"]
+
+
+def gate(
+    x_TND: torch.Tensor,
+    k_TND: torch.Tensor,
+    v_TD: torch.Tensor,
+    wh_ND: torch.Tensor,
+    we_ND: torch.Tensor,
+    *,
+    clamp: float = 1e-6,
+    eps: float = 1e-6,
+    add_residual: bool = True,
+) -> torch.Tensor:
+    """See :func:`kernels.engram.reference.gate`."""
+    tensors = (x_TND, k_TND, v_TD, wh_ND, we_ND)
+    if (
+        all(isinstance(t, torch.Tensor) for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and use_tilelang(x_TND.device)
+        and gate_kernel.supports(*tensors)
+    ):
+        return gate_kernel.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)
+    return reference.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)

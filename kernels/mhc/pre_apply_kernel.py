@@ -17,7 +17,13 @@ import torch
 from tilelang import language as T
 
 from kernels.mhc.reference import _check_param, _check_stream
-from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, check_cuda, tl_dtype, vector_width
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    VECTOR_BYTES,
+    check_cuda,
+    tl_dtype,
+    vector_width,
+)
 
 THREADS = 128  # one vector of the output per thread
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference

@@ -1,0 +1,98 @@
+"""The Engram gate kernel (forward) against the reference run on the same GPU, the public op's
+choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
+
+Tolerance: the kernel sums ``x^2``, ``k^2`` and ``x*w*k`` over D in another order than PyTorch's
+reductions (and takes ``1/sqrt`` where the reference takes ``rsqrt``), which moves ``dot`` by a few
+float32 roundings of its terms; through ``sigmoid(sqrt(|dot|))`` that moves the gate by well under
+``1e-4`` for these inputs. So per element
+``|out - ref| <= 2 * u * (|ref| + |x| + |v|) + 1e-4 * |v|``, with ``u`` the output dtype's unit
+roundoff times two (2**-7 bfloat16, 2**-10 float16, 2**-23 float32). Every element is checked;
+outputs start as poison (:func:`kernels.testing.poison_allocator`)."""
+
+import pytest
+import torch
+
+from kernels import engram, lowering
+from kernels.engram import reference
+from kernels.engram.gate_kernel import gate, get_gate_kernel
+from kernels.testing import poison_allocator
+
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+TOKENS = [0, 1, 130]
+HIDDEN = [64, 7168, 100]
+STREAMS = [1, 4]
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DTYPES = {"bf16": (BF16, BF16, BF16, BF16), "fp32": (F32, F32, F32, F32), "mixed": (F32, BF16, F16, BF16)}
+
+
+def gate_inputs(t, n, d, *, dtypes, device, seed):
+    """``(x, k, v, wh, we)``: x and k of a few magnitudes, norm weights around 1 (x, k, v, weight
+    dtypes as given)."""
+    gen = torch.Generator().manual_seed(seed)
+    x_TND = torch.randn(t, n, d, generator=gen) * 3
+    k_TND = torch.randn(t, n, d, generator=gen) * 0.1 + 0.3 * x_TND  # correlated: gates away from 0.5
+    v_TD = torch.randn(t, d, generator=gen)
+    wh_ND, we_ND = torch.rand(n, d, generator=gen) + 0.5, torch.rand(n, d, generator=gen) + 0.5
+    x_dtype, k_dtype, v_dtype, w_dtype = dtypes
+    return (x_TND.to(x_dtype).to(device), k_TND.to(k_dtype).to(device), v_TD.to(v_dtype).to(device),
+            wh_ND.to(w_dtype).to(device), we_ND.to(w_dtype).to(device))  # fmt: skip
+
+
+def assert_close_to_reference(out_TND, args, add_residual):
+    ref_TND = reference.gate(*args, add_residual=add_residual)
+    assert out_TND.dtype == ref_TND.dtype and out_TND.shape == ref_TND.shape
+    assert out_TND.stride() == ref_TND.stride()
+    x, v = args[0].double(), args[2].double()[:, None, :]
+    bound = 2 * ULP[out_TND.dtype] * (ref_TND.double().abs() + x.abs() + v.abs()) + 1e-4 * v.abs()
+    excess = (out_TND.double() - ref_TND.double()).abs() - bound
+    assert excess.numel() == 0 or float(excess.max()) <= 0, float(excess.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("add_residual", [True, False])
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+def test_matches_reference(t, d, n, dtypes, add_residual, seed):
+    args = gate_inputs(t, n, d, dtypes=DTYPES[dtypes], device="cuda", seed=seed)
+    poison_allocator("cuda")
+    assert_close_to_reference(gate(*args, add_residual=add_residual), args, add_residual)
+
+
+@pytest.mark.gpu
+def test_public_op_runs_kernel_without_grad_and_reference_with_grad(seed):
+    args = gate_inputs(130, 4, 100, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
+    assert torch.equal(engram.gate(*args), gate(*args))
+    args[3].requires_grad_(True)
+    out_TND = engram.gate(*args)
+    assert out_TND.grad_fn is not None
+    out_TND.float().sum().backward()
+    assert args[3].grad is not None
+    with torch.no_grad():
+        assert engram.gate(*args).grad_fn is None
+
+
+def test_wrapper_names_bad_arguments():
+    args = gate_inputs(3, 4, 64, dtypes=DTYPES["bf16"], device="cpu", seed=0)
+    with pytest.raises(ValueError, match="^x_TND: expected a tensor on a CUDA device"):
+        gate(*args)
+    with pytest.raises(ValueError, match="^clamp: expected"):
+        gate(*args, clamp=0.0)
+    with pytest.raises(ValueError, match="^v_TD: expected shape"):
+        gate(args[0], args[1], args[2][:, :8], args[3], args[4])
+
+
+def test_public_op_on_cpu_is_the_reference():
+    args = gate_inputs(5, 4, 64, dtypes=DTYPES["fp32"], device="cpu", seed=1)
+    assert torch.equal(engram.gate(*args), reference.gate(*args))
+
+
+def test_compiles_for_sm90a():
+    """DeepSeek-V4 widths (D = 4096, 7168; N = 4) and the tiny model's D = 64, bfloat16 activations
+    with float32 norm weights: 16-byte vector accesses, IEEE adds, one ``expf`` per row."""
+    with lowering.compile_only():
+        for d in (4096, 7168, 64):
+            kernel = get_gate_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
+            source = lowering.kernel_source(kernel)
+            assert "uint4" in source and "__fadd_rn" in source and source.count("expf(") == 1, d
