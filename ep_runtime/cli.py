@@ -34,7 +34,11 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--hidden", type=int, help="override the preset's hidden size")
     p.add_argument("--experts", type=int, help="override the preset's routed experts")
     p.add_argument("--topk", type=int, help="override the preset's routes per token")
-    p.add_argument("--ep", type=int, help="EP group size (default: all ranks)")
+    p.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
+    p.add_argument("--pp", type=int, default=ParallelConfig.pp, help="pipeline stages (default 1: none)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default: 2 * pp)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default=ParallelConfig.schedule,
+                   help="pipeline schedule (default 1f1b)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
@@ -77,7 +81,9 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
-    return JobConfig(model=model, parallel=ParallelConfig(ep=a.ep, timeout_s=a.timeout), train=train)
+    parallel = ParallelConfig(ep=a.ep, pp=a.pp, microbatches=a.microbatches or (2 * a.pp if a.pp > 1 else 1),
+                              schedule=a.schedule, timeout_s=a.timeout)
+    return JobConfig(model=model, parallel=parallel, train=train)
 
 
 def _given(**options) -> dict:
@@ -107,7 +113,7 @@ def _train(a: argparse.Namespace) -> None:
 
         from launch.local import launch_local
 
-        nproc = a.num_workers or torch.cuda.device_count() or 2
+        nproc = a.num_workers or torch.cuda.device_count() or max(2, a.pp * (a.ep or 1))
         try:
             results = launch_local(worker, cfg, nproc=nproc, max_restarts=a.max_restarts)
         except ChildFailedError as failure:

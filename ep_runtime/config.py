@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("all_to_all",)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 def _require(ok: bool, path: str, expected: str, got: object) -> None:
@@ -164,11 +165,17 @@ class ParallelConfig:
     ``ep`` ranks share one set of experts; EP borrows from DP."""
 
     pp: int = 1  # pipeline stages (ep_runtime/pipeline.py)
+    microbatches: int = 1  # per step and rank, with pp > 1; must divide train.batch_size
+    schedule: str = "1f1b"  # pipeline schedule, one of PIPELINE_SCHEDULES
     ep: int | None = None  # None: all ranks of a stage form one EP group
     timeout_s: float = 300.0  # collectives that take longer end the job
 
     def __post_init__(self):
         _require(isinstance(self.pp, int) and self.pp >= 1, "parallel.pp", "an int >= 1", self.pp)
+        _require(isinstance(self.microbatches, int) and self.microbatches >= 1, "parallel.microbatches",
+                 "an int >= 1", self.microbatches)
+        _require(self.schedule in PIPELINE_SCHEDULES, "parallel.schedule", f"one of {PIPELINE_SCHEDULES}",
+                 self.schedule)
         if self.ep is not None:
             _require(self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         _require(self.timeout_s > 0, "parallel.timeout_s", "> 0", self.timeout_s)

@@ -32,10 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mhc
+from .config import PIPELINE_SCHEDULES
 from .model import TinyDeepSeek
 from .parallel import ParallelContext
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
@@ -74,6 +75,9 @@ class PipelineStage(nn.Module):
 
     def __init__(self, model: TinyDeepSeek, *, stage: int, num_stages: int):
         super().__init__()
+        if num_stages > 1 and model.cfg.moe.router.aux_loss_coef > 0:  # each stage would need its own term
+            raise ValueError("model.moe.router.aux_loss_coef: expected 0 with pipeline stages (parallel.pp > 1; "
+                             f"not supported yet), got {model.cfg.moe.router.aux_loss_coef}")
         self.cfg = model.cfg
         self.stage, self.num_stages = stage, num_stages
         self.layers = stage_layers(model.cfg.num_layers, num_stages)[stage]
@@ -105,8 +109,8 @@ class PipelineStage(nn.Module):
             x = m.mhc_head(x)
         logits = m.head(m.norm(x))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
-        if self.cfg.moe.router.aux_loss_coef > 0:
-            loss = loss + sum(moe.aux_loss for moe in m.moe_layers if moe is not None)
+        if self.cfg.moe.router.aux_loss_coef > 0:  # one stage (checked above): every MoE layer is here
+            loss = loss + sum(moe.aux_loss for moe in m.moe_layers)
         return loss
 
 
@@ -154,12 +158,14 @@ class PipelineSchedule:
     def step(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``tokens_BS`` (int64 ``[B, S+1]``, the same
         on every stage of a pipeline). Accumulates gradients into this stage's parameters; returns
-        the mean loss over the micro-batches (detached) on the last stage, None elsewhere."""
+        the mean loss over the micro-batches (detached) on the last stage, None elsewhere. Each MoE
+        layer's ``load_E`` then holds the routes of every micro-batch (as one forward of the batch)."""
         micro = split_microbatches(tokens_BS, self.num_microbatches)
         self._shape = self.boundary(tokens_BS)
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
+        self._load_LE: list[torch.Tensor] = [torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers]
         m, s, p = self.num_microbatches, self.stage.stage, self.stage.num_stages
         if self.schedule == "1f1b":
             warmup = min(p - 1 - s, m)
@@ -181,6 +187,8 @@ class PipelineSchedule:
                 self._backward(i)
         for work, _ in self._sends:
             work.wait()
+        for moe, load_E in zip(self.stage.model.moe_layers, self._load_LE):
+            moe.load_E = load_E
         losses, self._saved, self._sends, self._losses = self._losses, {}, [], []
         return torch.stack(losses).mean() if losses else None
 
@@ -191,6 +199,8 @@ class PipelineSchedule:
             dist.irecv(x, self.prev_rank).wait()
             x.requires_grad_()
         out = self.stage(x, tokens_BS)
+        for total_E, moe in zip(self._load_LE, self.stage.model.moe_layers):
+            total_E += moe.load_E.to(total_E.device)  # a forward leaves its own routes only
         if self.next_rank is not None:
             self._send(out.detach(), self.next_rank)
         else:

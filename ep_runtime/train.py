@@ -40,6 +40,7 @@ from .placement import sync_replica_gradients
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
 from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
+from .pipeline import PipelineSchedule, PipelineStage, average_stage_gradients
 
 log = logging.getLogger("ep_runtime.train")
 
@@ -70,10 +71,11 @@ def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
 
 
 def global_expert_load(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tensor:
-    """``[layers, E]`` routes per expert this step, summed over all ranks."""
+    """``[layers, E]`` routes per expert this step, summed over all ranks (of this pipeline stage,
+    for its layers)."""
     load_LE = torch.stack([moe.load_E for moe in model.moe_layers]).to(ctx.device, torch.int64)
     if ctx.distributed:
-        dist.all_reduce(load_LE)
+        dist.all_reduce(load_LE, group=ctx.stage_group)
     return load_LE
 
 
@@ -155,6 +157,15 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     torch.manual_seed(t.seed)
     model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx), ep_rank=ctx.ep_rank, seed=t.seed)
     model.to(ctx.device)
+    pipe = None
+    if ctx.pp_size > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)
+        if t.checkpoint_every or t.resume:
+            raise ValueError("train.checkpoint_every: checkpoints of a pipeline (parallel.pp > 1) are not "
+                             "supported yet")
+        stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size)
+        pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
+                                schedule=cfg.parallel.schedule)
+    data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     data = MarkovText(cfg.model.vocab_size, seed=t.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
@@ -163,7 +174,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     run_dir = Path(t.out_dir) / t.name
     ckpt_dir = run_dir / "ckpt"
     first_step = 1
-    if t.resume or restart_count() > 0:
+    if pipe is None and (t.resume or restart_count() > 0):
         saved = checkpoint.latest_step(ckpt_dir, ctx)
         if saved is None and t.resume:
             raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
@@ -187,17 +198,23 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
              cfg.model.moe.num_experts, first_step, t.steps, run_dir)
     progress = _progress(t.steps, initial=first_step - 1, enabled=ctx.rank == 0)
     losses = []
-    tokens_per_step = t.batch_size * t.seq_len * ctx.world_size
+    tokens_per_step = t.batch_size * t.seq_len * data_ranks
     for step in range(first_step, t.steps + 1):
         at.step = step
         if fault:
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
-        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=(t.seed * 1_000_003 + step) * 4099 + ctx.rank)
-        with autocast:
-            loss = model.loss(tokens_BS.to(ctx.device))
-        loss.backward()
-        average_gradients(model, ctx)
+        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=(t.seed * 1_000_003 + step) * 4099 + ctx.rank % data_ranks)
+        if pipe is None:
+            with autocast:
+                loss = model.loss(tokens_BS.to(ctx.device))
+            loss.backward()
+            average_gradients(model, ctx)
+        else:  # the loss is the last stage's; the others add zeros to the mean below
+            with autocast:
+                loss = pipe.step(tokens_BS.to(ctx.device))
+            average_stage_gradients(stage, ctx)
+            loss = torch.zeros((), device=ctx.device) if loss is None else loss
         sync_replica_gradients(model, ctx)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -207,7 +224,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         mean_loss = loss.detach().float()
         if ctx.distributed:
             dist.all_reduce(mean_loss)
-            mean_loss /= ctx.world_size
+            mean_loss /= data_ranks
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
