@@ -23,7 +23,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.engram.reference import FLOAT_DTYPES
+from kernels.engram.reference import check_gate_args
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     VECTOR_BYTES,
@@ -31,7 +31,6 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
-from kernels.validate import check_finite, check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
 WARP = 32
@@ -139,23 +138,6 @@ def supports(x_TND, k_TND, v_TD, wh_ND, we_ND) -> bool:
     return all(t.dtype in KERNEL_DTYPES for t in tensors) and wh_ND.dtype == we_ND.dtype
 
 
-def _check_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps) -> None:
-    """The reference's argument checks, with its messages."""
-    check_tensor("x_TND", x_TND, dtype=FLOAT_DTYPES, ndim=3)
-    t, n, d = x_TND.shape
-    dev = x_TND.device
-    check_tensor("k_TND", k_TND, dtype=FLOAT_DTYPES, shape=(t, n, d), device=dev)
-    check_tensor("v_TD", v_TD, dtype=FLOAT_DTYPES, shape=(t, d), device=dev)
-    check_tensor("wh_ND", wh_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
-    check_tensor("we_ND", we_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
-    for name, tensor in (("x_TND", x_TND), ("k_TND", k_TND), ("v_TD", v_TD), ("wh_ND", wh_ND), ("we_ND", we_ND)):
-        check_finite(name, tensor)
-    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf:
-        raise ValueError(f"clamp: expected a finite float > 0, got {clamp!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"eps: expected a finite float >= 0, got {eps!r}")
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when contiguous and 16-byte aligned (vector accesses need both), else a copy."""
     if t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0:
@@ -185,7 +167,7 @@ def gate(
     Returns:
         ``out_TND`` ``[T, N, D]`` in ``x_TND``'s dtype.
     """
-    _check_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
     check_cuda("x_TND", x_TND)
     if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
         raise TypeError(

@@ -393,19 +393,7 @@ def gate(
     Returns:
         ``out_TND`` ``[T, N, D]`` in ``x_TND``'s dtype.
     """
-    check_tensor("x_TND", x_TND, dtype=FLOAT_DTYPES, ndim=3)
-    t, n, d = x_TND.shape
-    dev = x_TND.device
-    check_tensor("k_TND", k_TND, dtype=FLOAT_DTYPES, shape=(t, n, d), device=dev)
-    check_tensor("v_TD", v_TD, dtype=FLOAT_DTYPES, shape=(t, d), device=dev)
-    check_tensor("wh_ND", wh_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
-    check_tensor("we_ND", we_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
-    for name, tensor in (("x_TND", x_TND), ("k_TND", k_TND), ("v_TD", v_TD), ("wh_ND", wh_ND), ("we_ND", we_ND)):
-        check_finite(name, tensor)
-    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf:
-        raise ValueError(f"clamp: expected a finite float > 0, got {clamp!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-        raise ValueError(f"eps: expected a finite float >= 0, got {eps!r}")
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
     return _Gate.apply(x_TND, k_TND, v_TD, wh_ND, we_ND, float(clamp), float(eps), bool(add_residual))
 
 
@@ -454,3 +442,20 @@ def short_conv(
     x_BCS = F.pad(x_BCS, ((w - 1) * dilation, 0))
     y_BCS = F.conv1d(x_BCS, weight_NDW.to(cdt).reshape(n * d, 1, w), dilation=dilation, groups=n * d)
     return F.silu(y_BCS).transpose(1, 2).reshape(b, s, n, d).to(x_BSND.dtype)
+
+
+def check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps) -> None:
+    """Validates :func:`gate`'s arguments (shared with its kernel)."""
+    check_tensor("x_TND", x_TND, dtype=FLOAT_DTYPES, ndim=3)
+    t, n, d = x_TND.shape
+    dev = x_TND.device
+    check_tensor("k_TND", k_TND, dtype=FLOAT_DTYPES, shape=(t, n, d), device=dev)
+    check_tensor("v_TD", v_TD, dtype=FLOAT_DTYPES, shape=(t, d), device=dev)
+    check_tensor("wh_ND", wh_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
+    check_tensor("we_ND", we_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
+    for name, tensor in (("x_TND", x_TND), ("k_TND", k_TND), ("v_TD", v_TD), ("wh_ND", wh_ND), ("we_ND", we_ND)):
+        check_finite(name, tensor)
+    if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf:
+        raise ValueError(f"clamp: expected a finite float > 0, got {clamp!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"eps: expected a finite float >= 0, got {eps!r}")
