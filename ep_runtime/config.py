@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-DISPATCHERS = ("all_to_all",)
+DISPATCHERS = ("all_to_all", "nvlink")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -54,7 +54,8 @@ class MoEConfig:
     num_shared_experts: int = 1
     alignment: int = 8  # rows per expert segment are padded to this (128 for grouped GEMM on GPU)
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
-    dispatcher: str = "all_to_all"
+    dispatcher: str = "all_to_all"  # or "nvlink": symmetric memory, no host sync (ep_runtime/dispatch/nvlink.py)
+    max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
     router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class MoEConfig:
         _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts", ">= 0", self.num_shared_experts)
         _require(self.alignment >= 1, f"{p}.alignment", ">= 1", self.alignment)
         _require(self.dispatcher in DISPATCHERS, f"{p}.dispatcher", f"one of {DISPATCHERS}", self.dispatcher)
+        _require(_is_int(self.max_tokens_per_rank) and self.max_tokens_per_rank >= 1, f"{p}.max_tokens_per_rank",
+                 "an int >= 1", self.max_tokens_per_rank)
         _require(self.num_experts % self.router.num_groups == 0, f"{p}.router.num_groups",
                  f"a divisor of num_experts={self.num_experts}", self.router.num_groups)
         selectable = self.num_experts // self.router.num_groups * (self.router.topk_groups or self.router.num_groups)

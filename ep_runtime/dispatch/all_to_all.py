@@ -4,20 +4,50 @@ Counts travel first (one int per peer), then the rows. Experts are placed contig
 expert ``e`` lives on EP rank ``e // num_local_experts``. With no process group (one process) the
 transport is the identity and every expert is local.
 
-Shape letters: T tokens, K routes per token, D hidden, W EP ranks, S rows sent, R rows received,
-P layout rows.
+Shape letters: T tokens, K routes per token, D hidden, W EP ranks, S rows sent (one per token per
+destination rank), R rows received, P layout rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from kernels.permute import expert_layout
-from kernels.validate import check_index_range, check_tensor
+from kernels.permute import ExpertLayout, expert_layout
+from kernels.quant import cast_back, per_token_cast
+from kernels.validate import check_index_range
 
 from .autograd import CombineFn, DispatchFn
-from .protocol import DispatchHandle, RowSplits, TokenRoute
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+
+
+@dataclass(frozen=True)
+class RowSplits:
+    """How many rows go to (``send``) and come from (``recv``) each EP rank, in rank order."""
+
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TokenRoute:
+    """Which rows go where: made by ``dispatch`` before any token moves; read-only.
+
+    Attributes:
+        send_token_S: int64 [S], the home token of each row this rank sends, grouped by
+            destination rank in rank order (ascending tokens within a rank).
+        splits: rows sent to and received from each EP rank.
+        layout: the expert-major layout of the received routes over the local experts
+            (its ``pos_TK`` is indexed by received row, [R, K]).
+        num_tokens: T, the tokens this rank dispatched.
+    """
+
+    send_token_S: torch.Tensor
+    splits: RowSplits
+    layout: ExpertLayout
+    num_tokens: int
 
 
 class AllToAllDispatcher:
@@ -35,11 +65,13 @@ class AllToAllDispatcher:
         self.fp8 = fp8
 
     # The transport: rows grouped by peer, in rank order.
-    def send(self, rows_SX: torch.Tensor, splits: RowSplits) -> torch.Tensor:
-        return self._exchange(rows_SX, splits.send, splits.recv)
+    def scatter(self, rows_TX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+        return self._exchange(rows_TX.index_select(0, route.send_token_S), route.splits.send, route.splits.recv)
 
-    def send_back(self, rows_RX: torch.Tensor, splits: RowSplits) -> torch.Tensor:
-        return self._exchange(rows_RX, splits.recv, splits.send)
+    def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+        rows_SX = self._exchange(rows_RX, route.splits.recv, route.splits.send)
+        out_TX = rows_SX.new_zeros((route.num_tokens, *rows_SX.shape[1:]), dtype=torch.float32)
+        return out_TX.index_add_(0, route.send_token_S, rows_SX.float()).to(rows_SX.dtype)
 
     def _exchange(self, rows: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         if self.group is None:
@@ -49,13 +81,9 @@ class AllToAllDispatcher:
         return out
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
-        check_tensor("x_TD", x_TD, ndim=2, dtype=(torch.float32, torch.bfloat16, torch.float16))
-        num_tokens = x_TD.shape[0]
-        check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int64, torch.int32), shape=(num_tokens, None),
-                     device=x_TD.device)
-        check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
-                     device=x_TD.device)
+        check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
         check_index_range("topk_idx_TK", topk_idx_TK, self.num_experts)
+        num_tokens = x_TD.shape[0]
 
         # Which ranks each token goes to: one row per (token, destination rank).
         idx_TK = topk_idx_TK.long()
@@ -65,19 +93,29 @@ class AllToAllDispatcher:
         dest_S, send_token_S = goes_WT.nonzero(as_tuple=True)
         mine_SK = dest_TK[send_token_S] == dest_S[:, None]
         local_idx_SK = torch.where(mine_SK, idx_TK[send_token_S] - dest_S[:, None] * self.num_local_experts, -1)
-        weights_SK = torch.where(mine_SK, topk_weights_TK[send_token_S], 0.0)
 
         send_splits = goes_WT.sum(1)
         recv_splits = self._exchange(send_splits, [1] * self.world, [1] * self.world)
         send, recv = torch.stack([send_splits, recv_splits]).tolist()  # this backend's one host sync
         splits = RowSplits(send=tuple(send), recv=tuple(recv))
-        layout = expert_layout(self.send(local_idx_SK, splits), self.num_local_experts, alignment=self.alignment)
+        local_idx_RK = self._exchange(local_idx_SK, splits.send, splits.recv)
+        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)
         route = TokenRoute(send_token_S=send_token_S, splits=splits, layout=layout, num_tokens=num_tokens)
-        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, weights_SK, route, self, self.fp8)
+        with torch.no_grad():
+            x_RD = self._send_tokens(x_TD, route)
+            weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
         return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
-    def combine(self, y_PD, handle: DispatchHandle):
-        check_tensor("y_PD", y_PD, shape=(handle.route.layout.num_rows, None),
-                     dtype=(torch.float32, torch.bfloat16, torch.float16))
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
+    def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+        """The tokens' rows at the ranks of their experts; as FP8 e4m3 with per-token 1x128 scales
+        travelling alongside when ``fp8`` (cast once per token, before the rows are copied)."""
+        if not self.fp8:
+            return self.scatter(x_TD, route)
+        q_TD, sf_TG = per_token_cast(x_TD)
+        q_RD = self.scatter(q_TD.view(torch.uint8), route).view(torch.float8_e4m3fn)
+        return cast_back(q_RD, self.scatter(sf_TG, route), block=(1, 128), out_dtype=x_TD.dtype)
 
+    def combine(self, y_PD, handle: DispatchHandle):
+        check_combine_args(y_PD, handle)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)

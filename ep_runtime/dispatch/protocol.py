@@ -18,33 +18,16 @@ from typing import Protocol
 import torch
 
 from kernels.permute import ExpertLayout
+from kernels.validate import check_tensor
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
-class RowSplits:
-    """How many rows go to (``send``) and come from (``recv``) each EP rank, in rank order."""
+class Route(Protocol):
+    """Where a backend's ``dispatch`` sent the rows (its own fields besides these); read-only."""
 
-    send: tuple[int, ...]
-    recv: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TokenRoute:
-    """Which rows go where: made by ``dispatch`` before any token moves; read-only.
-
-    Attributes:
-        send_token_S: int64 [S], the home token of each row this rank sends, grouped by
-            destination rank in rank order (ascending tokens within a rank).
-        splits: rows sent to and received from each EP rank.
-        layout: the expert-major layout of the received routes over the local experts
-            (its ``pos_TK`` is indexed by received row, [R, K]).
-        num_tokens: T, the tokens this rank dispatched.
-    """
-
-    send_token_S: torch.Tensor
-    splits: RowSplits
-    layout: ExpertLayout
-    num_tokens: int
+    layout: ExpertLayout  # of the received routes over the local experts (``pos_TK`` is [R, K])
+    num_tokens: int  # T, the tokens this rank dispatched
 
 
 @dataclass(frozen=True)
@@ -57,7 +40,7 @@ class DispatchHandle:
             expert, 0 for routes elsewhere or masked (-1). Part of the autograd graph.
     """
 
-    route: TokenRoute
+    route: Route
     recv_weights_RK: torch.Tensor
 
 
@@ -88,3 +71,19 @@ class Dispatcher(Protocol):
         ``out[t] = sum_k w[t, k] * expert_k(x[t])`` over routes not masked (zero rows for tokens
         with no route)."""
         ...
+
+
+def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> None:
+    """Dtypes, shapes and devices of ``Dispatcher.dispatch``'s arguments (values are the backend's
+    business: checking them on the host costs a sync)."""
+    check_tensor("x_TD", x_TD, ndim=2, dtype=FLOAT_DTYPES)
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int64, torch.int32), shape=(x_TD.shape[0], None),
+                 device=x_TD.device)
+    check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
+                 device=x_TD.device)
+
+
+def check_combine_args(y_PD: torch.Tensor, handle: object) -> None:
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"handle: expected the DispatchHandle from dispatch, got {type(handle).__name__}")
+    check_tensor("y_PD", y_PD, shape=(handle.route.layout.num_rows, None), dtype=FLOAT_DTYPES)

@@ -57,14 +57,16 @@ def weighted_reduce(
     return out_TD.to(out_dtype)
 
 
-def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype) -> torch.dtype:
-    """Validates :func:`weighted_reduce`'s arguments (shared with its kernel); returns the output
-    dtype (``y_PD``'s, bfloat16 for e4m3 input, unless ``out_dtype`` is given)."""
+def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, *, values: bool = True) -> torch.dtype:
+    """Validates :func:`weighted_reduce`'s arguments (shared with its kernel, which skips the
+    ``values`` check: it costs a host sync); returns the output dtype (``y_PD``'s, bfloat16 for
+    e4m3 input, unless ``out_dtype`` is given)."""
     check_tensor("y_PD", y_PD, dtype=(*FLOAT_DTYPES, E4M3), ndim=2)
     p, d = y_PD.shape
     check_tensor("pos_TK", pos_TK, dtype=(torch.int32, torch.int64), ndim=2, device=y_PD.device)
     check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=pos_TK.shape, device=y_PD.device)
-    check_index_range("pos_TK", pos_TK, p)
+    if values:
+        check_index_range("pos_TK", pos_TK, p)
     check_positive("group", group)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if y_PD.dtype == E4M3 else y_PD.dtype

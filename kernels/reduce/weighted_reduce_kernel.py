@@ -9,7 +9,8 @@ thread are in flight instead of one vector at a time. Then it adds ``w[t, k] * y
 (dequantized with its per-token scale for e4m3 ``y``) into float32 registers for k = 0 .. K-1.
 Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
-result is bit-exact. The columns are split into the fewest tiles of at most ``MAX_THREADS``
+result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
+treated as -1. The columns are split into the fewest tiles of at most ``MAX_THREADS``
 vectors, evenly (hidden 7168: 4 CTAs of 224 threads per token for bf16, 2 for e4m3), so no CTA
 runs half empty.
 
@@ -69,6 +70,8 @@ def get_weighted_reduce_kernel(
             out_buf = T.alloc_local((vec,), out_dtype)
             for k in T.unroll(topk):
                 rows[k] = T.Cast("int64", pos_TK[t, k])
+                if rows[k] >= num_rows:  # values are not checked on the host: out of range reads as -1
+                    rows[k] = -1
                 weights[k] = weights_TK[t, k]
             if c < num_vectors:
                 for k in T.unroll(topk):  # every load in flight before the first add
@@ -108,7 +111,7 @@ def weighted_reduce(
 ) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.weighted_reduce` (same arguments, same
     bits); tensors must be on a CUDA device and are copied first if not contiguous."""
-    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype)
+    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, values=False)
     check_cuda("y_PD", y_PD)
     p, d = y_PD.shape
     if sf_PG is None:

@@ -1,15 +1,15 @@
 """Expert parallelism changes where experts run, not what the layer computes: the MoE layer over
 an EP group of 2 or 4 gloo processes gives the outputs, input gradients, router gradient and expert
-gradients of one process holding all experts and all ranks' tokens."""
+gradients of one process holding all experts and all ranks' tokens, with either dispatcher."""
 
 import pytest
 import torch
-from ep_workers import ep_matches_single_process
+from ep_workers import case_name, ep_matches_single_process
 
 from launch.local import launch_local
 
-CASES = [("balanced", False), ("skewed", False), ("masked", False),
-         ("balanced", True), ("skewed", True), ("masked", True)]
+CASES = [(routing, fp8, dispatcher) for routing in ("balanced", "skewed", "masked") for fp8 in (False, True)
+         for dispatcher in ("all_to_all", "nvlink")]
 # Relative to the largest expected magnitude. CPU: fp32 everywhere, the EP run sums the same
 # terms in another order (matmul blocking, index_add). GPU: experts run torch._grouped_mm in bf16
 # over segments of other lengths.
@@ -23,7 +23,7 @@ def test_ep_layer_matches_single_process(world):
     results = launch_local(ep_matches_single_process, CASES, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, errors in results.items():
-        assert sorted(errors) == sorted(f"{r}{'-fp8' if f else ''}" for r, f in CASES)
+        assert sorted(errors) == sorted(case_name(*c) for c in CASES)
         for case, errs in errors.items():
             assert errs.pop("nonzero_out"), (rank, case)
             assert errs.pop("load") == 0, (rank, case)

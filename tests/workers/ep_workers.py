@@ -15,9 +15,10 @@ from ep_runtime.parallel import init_parallel, single_process
 TOKENS, HIDDEN = 24, 32
 
 
-def moe_config(routing: str, fp8: bool) -> MoEConfig:
+def moe_config(routing: str, fp8: bool, dispatcher: str = "all_to_all") -> MoEConfig:
     # hidden 32 < one FP8 group: a ragged group; alignment 4 gives padding rows.
     return MoEConfig(num_experts=8, expert_hidden=16, num_shared_experts=1, alignment=4, fp8_dispatch=fp8,
+                     dispatcher=dispatcher, max_tokens_per_rank=TOKENS,
                      router=RouterConfig(scoring="sigmoid", topk=2 if routing != "skewed" else 1,
                                          num_groups=2, topk_groups=2))
 
@@ -62,16 +63,20 @@ def _grad(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
+def case_name(routing: str, fp8: bool, dispatcher: str) -> str:
+    return f"{routing}{'-fp8' if fp8 else ''}/{dispatcher}"
+
+
 def ep_matches_single_process(cases: list[tuple[str, bool]]) -> dict:
-    """For each (routing, fp8) case: run the layer over the EP group, gather everything on every
+    """For each (routing, fp8, dispatcher) case: run the layer over the EP group, gather everything on every
     rank, and compare with one process holding all experts over all ranks' tokens (on this rank's
     device: gloo on CPU, NCCL on GPU). Returns per case and quantity the largest absolute error
     relative to the largest expected magnitude."""
     ctx = init_parallel(ParallelConfig())
     world = ctx.world_size
     errors = {}
-    for routing, fp8 in cases:
-        cfg = moe_config(routing, fp8)
+    for routing, fp8, dispatcher in cases:
+        cfg = moe_config(routing, fp8, dispatcher)
         layer = build_layer(cfg, ctx, routing)
         x, g = inputs(ctx.rank, ctx.device)
         out, grad_x = forward_backward(layer, x, g)
@@ -90,7 +95,7 @@ def ep_matches_single_process(cases: list[tuple[str, bool]]) -> dict:
         ref_out, ref_grad_x = forward_backward(ref, torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
         expected = {"out": ref_out, "grad_x": ref_grad_x, "grad_w13": _grad(ref.experts.w13_EDI2),
                     "grad_w2": _grad(ref.experts.w2_EID), "load": ref.load_E}
-        case = f"{routing}{'-fp8' if fp8 else ''}"
+        case = case_name(routing, fp8, dispatcher)
         expected["router"], gathered["router"] = ref.router.weight.grad, router_grad
         errors[case] = {k: _relative_error(gathered[k], expected[k]) for k in expected}
         errors[case]["nonzero_out"] = bool(gathered["out"].abs().sum() > 0)

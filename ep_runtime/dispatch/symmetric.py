@@ -1,0 +1,109 @@
+"""Symmetric heaps: one buffer of the same size on every rank of a group, each rank's copy
+readable and writable by every other. The ``nvlink`` backend moves tokens by storing them straight
+into peers' copies (``kernels.comm.put_rows``), then one barrier makes the stores visible.
+
+- ``CudaHeap``: torch symmetric memory (NVLink peer mappings); the barrier runs on the current
+  stream (no host sync) and CUDA graphs can capture it.
+- ``FileHeap``: CPU processes on one host map each other's shared-memory files (``/dev/shm``);
+  the barrier is the group's (gloo) barrier. The same backend code then runs, and is tested, on
+  CPU workers.
+
+Both hand out ``PeerRegion`` s: a typed ``[rows, width]`` slice at one byte offset of every
+rank's copy.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from kernels.comm import PeerRegion
+
+ALIGN = 256  # byte alignment of every region (vector stores need 16)
+
+
+class SymmetricHeap(Protocol):
+    rank: int
+    world: int
+    nbytes: int
+
+    def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
+        """Every rank's ``[rows, width]`` slice of ``dtype`` at byte ``offset`` (a multiple of ALIGN)."""
+        ...
+
+    def barrier(self) -> None:
+        """Returns (on the device: the stream proceeds) once every rank reached it; stores into
+        the heap made before it are visible after it."""
+        ...
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _slice(heap_bytes: torch.Tensor, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    size = shape[0] * shape[1] * dtype.itemsize
+    if offset % ALIGN or offset + size > heap_bytes.numel():
+        raise ValueError(f"offset: expected a multiple of {ALIGN} with {size} bytes after it inside a heap of "
+                         f"{heap_bytes.numel()} bytes, got {offset}")
+    return heap_bytes[offset:offset + size].view(dtype).view(shape)
+
+
+class FileHeap:
+    """A heap of ``nbytes`` per rank in ``/dev/shm`` files, mapped by every rank of ``group``
+    (processes on one host). The files are unlinked once all ranks mapped them."""
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup):
+        self.group, self.nbytes = group, nbytes
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        name = [uuid.uuid4().hex]
+        dist.broadcast_object_list(name, group_src=0, group=group)
+        paths = [f"/dev/shm/ep_runtime_{name[0]}_{r}" for r in range(self.world)]
+        mine = torch.from_file(paths[self.rank], shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier(group=group)
+        self.heaps = [mine if r == self.rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
+                      for r, p in enumerate(paths)]
+        dist.barrier(group=group)
+        os.unlink(paths[self.rank])
+
+    def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
+        return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps))
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+class CudaHeap:
+    """A heap of ``nbytes`` per rank in torch symmetric memory over ``group`` (GPUs of one NVLink
+    domain). Regions carry each peer's byte offset from rank 0's copy, for the TileLang kernels."""
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group, self.nbytes = group, nbytes
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        local.zero_()
+        self.handle = symm_mem.rendezvous(local, group)
+        self.heaps = [local if r == self.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
+                      for r in range(self.world)]
+        ptrs = [h.data_ptr() for h in self.heaps]
+        self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
+        self.barrier()
+
+    def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
+        return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps),
+                          delta_W=self.delta_W + offset - offset)
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0)
+
+
+def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
+    """The heap for ``device``: ``CudaHeap`` on CUDA, ``FileHeap`` on CPU."""
+    return CudaHeap(nbytes, group, device) if device.type == "cuda" else FileHeap(nbytes, group)

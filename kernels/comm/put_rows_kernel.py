@@ -1,0 +1,88 @@
+"""TileLang kernel of :func:`kernels.comm.reference.put_rows`: rows stored straight into other
+ranks' memory (NVLink peer mappings of a symmetric heap).
+
+Rows move as raw bits in the vectors of ``kernels.permute.expand_kernel`` (same tiles: each CTA
+loads its rows once, all loads before the first store, then stores them to every rank that
+wants them). The kernel takes only rank 0's copy of the region and reaches rank w's copy at
+``views[0] + delta_W[w]`` bytes: peers' copies sit at one offset in every heap, so one pointer
+and W offsets address them all, for any W, without a kernel argument per rank. Those stores lie
+outside the buffer the kernel was given, so TileLang's out-of-bounds guards are turned off
+(``TL_DISABLE_SAFE_MEMORY_ACCESS``); the wrapper checks everything else on the host.
+
+Values are not checked (no host sync): a destination row outside ``[0, M)`` is skipped, as -1 is.
+
+Shape suffixes: N source rows, W ranks, M destination rows, V vectors of a row, C vectors of the
+whole region.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.permute.expand_kernel import PASS_CONFIGS, THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
+
+from .reference import PeerRegion, check_put_rows_args
+
+PEER_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
+
+
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
+def get_put_rows_kernel(word: str, vec: int, tile_v: int, world: int):
+    """``(src_NVX, dest_NW, delta_W, dst_CX)`` kernel for W = ``world`` ranks: rows of V vectors of
+    ``vec`` words of type ``word``; rank 0's region as C vectors (row, vector and region sizes are
+    dynamic)."""
+    num_src, num_dst, nv, nc = T.dynamic("num_src"), T.dynamic("num_dst"), T.dynamic("nv"), T.dynamic("nc")
+    tile_m, per_thread = _tile(tile_v)
+    vector_bytes = vec * T.dtype(word).bits // 8
+
+    @T.prim_func
+    def put_rows_kernel(
+        src_NVX: T.Tensor[(num_src, nv, vec), word],
+        dest_NW: T.Tensor[(num_src, world), T.int32],
+        delta_W: T.Tensor[(world,), T.int64],
+        dst_CX: T.Tensor[(nc, vec), word],
+    ):
+        with T.Kernel(T.ceildiv(num_src, tile_m), T.ceildiv(nv, tile_v), threads=THREADS) as (bm, bn):
+            tid = T.get_thread_binding()
+            buf = T.alloc_local((per_thread * vec,), word)
+            row = T.alloc_var(T.int32)
+            for v in T.unroll(per_thread):
+                c = bn * tile_v + (v * THREADS + tid) % tile_v
+                n = bm * tile_m + (v * THREADS + tid) // tile_v
+                if c < nv and n < num_src:
+                    for j in T.vectorized(vec):
+                        buf[v * vec + j] = src_NVX[T.Cast(T.int64, n), c, j]
+            for w in T.serial(world):
+                for v in T.unroll(per_thread):
+                    c = bn * tile_v + (v * THREADS + tid) % tile_v
+                    n = bm * tile_m + (v * THREADS + tid) // tile_v
+                    if c < nv and n < num_src:
+                        row = dest_NW[n, w]
+                        if row >= 0 and row < nc // nv:
+                            for j in T.vectorized(vec):
+                                dst_CX[delta_W[w] // vector_bytes + T.Cast(T.int64, row) * nv + c, j] = buf[v * vec + j]
+
+    return put_rows_kernel
+
+
+def get_kernel_args(row_bytes: int, world: int) -> tuple[str, int, int, int]:
+    """``(word, vec, tile_v, world)``: the kernel's specialization for rows of ``row_bytes``."""
+    word_bytes, vec, nv = row_words(row_bytes)
+    return str(T.dtype(WORD_DTYPES[word_bytes])), vec, tile_vectors(nv), world
+
+
+def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
+    """The TileLang twin of :func:`kernels.comm.reference.put_rows` (same bits). ``region`` must
+    carry ``delta_W``, and its views must start on 16-byte boundaries."""
+    check_put_rows_args(src_NX, dest_NW, region)
+    if region.delta_W is None:
+        raise ValueError("region.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
+    first = region.views[0]
+    if first.device.type != "cuda" or not first.is_contiguous() or first.data_ptr() % 16:
+        raise ValueError("region.views[0]: expected a contiguous CUDA tensor starting on a 16-byte boundary")
+    if src_NX.shape[0] * src_NX.shape[1] == 0:
+        return
+    src_NVX = _as_vectors(src_NX)
+    dst_CX = _as_vectors(first).view(-1, src_NVX.shape[2])
+    kernel = get_put_rows_kernel(*get_kernel_args(src_NX.shape[1] * src_NX.element_size(), region.world))
+    kernel(src_NVX, dest_NW.to(torch.int32).contiguous(), region.delta_W, dst_CX)

@@ -1,0 +1,38 @@
+"""Every dispatcher backend against one definition: combine(expert(dispatch(x))) with expert e
+multiplying by e + 1 is ``sum_k w_k (e_k + 1) x`` (and its gradients), for balanced and skewed
+routing (experts without tokens), -1 routes and tokens without any, a rank with no tokens (idle), FP8
+payloads; the backends give the same bits and hand each expert the same rows in the same order;
+and a rank that dispatches more tokens than the receive buffers hold gets an error naming it.
+
+CPU: gloo processes (``nvlink`` over shared-memory files); GPU: one process per GPU (``nvlink``
+over NVLink symmetric memory with the TileLang kernels)."""
+
+import pytest
+import torch
+from dispatch_workers import conformance
+
+from launch.local import launch_local
+
+CASES = [("balanced", 37, False), ("skewed", 37, False), ("masked", 37, False), ("idle", 37, False),
+         ("balanced", 64, True), ("masked", 37, True)]
+TOL = {"out": 1e-6, "grad_x": 1e-5, "grad_w": 1e-6}  # float32 sums of a few float32 products
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_backends_conform(world):
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = launch_local(conformance, CASES, nproc=world)
+    assert sorted(results) == list(range(world))
+    for rank, per_case in results.items():
+        overflow = per_case.pop("overflow")
+        assert overflow is not None and f"rank {rank} " in overflow and "max_tokens_per_rank" in overflow
+        assert sorted(per_case) == sorted(f"{c}-{t}{'-fp8' if f else ''}" for c, t, f in CASES)
+        for case, r in per_case.items():
+            assert r.pop("same_out") and r.pop("same_rows"), (rank, case)
+            routes = r.pop("routes_received")
+            assert routes > 0 or "skewed" in case, (rank, case)
+            for backend, errs in r.items():
+                assert errs.pop("padding_zero"), (rank, case, backend)
+                for name, err in errs.items():
+                    assert err <= TOL[name], f"rank {rank} {case} {backend} {name}: error {err:.3g} > {TOL[name]}"

@@ -1,0 +1,126 @@
+"""The dispatcher conformance suite, run inside each worker process: every backend against the
+definition of dispatch + combine (and its gradients), and against each other."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime.config import ParallelConfig
+from ep_runtime.dispatch import AllToAllDispatcher, NVLinkDispatcher
+from ep_runtime.parallel import init_parallel
+
+HIDDEN = 160  # not a multiple of the FP8 group (128): a ragged last group
+TOPK = 4
+
+
+def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool, max_tokens: int):
+    if backend == "all_to_all":
+        return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8)
+    return NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
+                            max_tokens_per_rank=max_tokens, alignment=8, fp8=fp8)
+
+
+def routing(case: str, rank: int, num_tokens: int, num_experts: int, device):
+    """(topk_idx_TK, topk_weights_TK) of one case; drawn per rank, distinct experts per token."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    idx = torch.rand(num_tokens, num_experts, generator=g).argsort(1)[:, :TOPK]
+    if case == "skewed":  # every token to expert 1, the other routes to odd experts: even ones get nothing
+        others = torch.rand(num_tokens, num_experts // 2 - 1, generator=g).argsort(1)[:, :TOPK - 1] * 2 + 3
+        idx = torch.cat([torch.ones(num_tokens, 1, dtype=torch.long), others], 1)
+    if case == "masked":  # -1 routes, and whole tokens without any route
+        idx[torch.rand(num_tokens, TOPK, generator=g) < 0.3] = -1
+        idx[::5] = -1
+    weights = torch.rand(num_tokens, TOPK, generator=g) * (idx >= 0)
+    return idx.to(device), weights.to(device)
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def expected(x_TD, idx_TK, weights_TK):
+    """out[t] = sum over routes of w * (e + 1) * x[t]: what combine(dispatch) gives when expert e
+    multiplies its rows by e + 1."""
+    factor_TK = torch.where(idx_TK >= 0, idx_TK + 1, 0).double() * weights_TK.double()
+    return (factor_TK.sum(1, keepdim=True) * x_TD.double()).to(x_TD.dtype)
+
+
+def run_case(dispatcher, x_TD, idx_TK, weights_TK, first_expert: int):
+    """dispatch -> expert e multiplies by e + 1 -> combine, forward and backward. Returns the
+    output, both gradients and the tokens each local expert received (their first column)."""
+    x_TD = x_TD.clone().requires_grad_()
+    w_TK = weights_TK.clone().requires_grad_()
+    x_PD, layout, handle = dispatcher.dispatch(x_TD, idx_TK, w_TK)
+    ends = layout.offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    factor_P = torch.zeros(x_PD.shape[0], dtype=x_PD.dtype, device=x_PD.device)
+    rows_E = []
+    for e, (s, n) in enumerate(zip(starts, layout.counts_E.tolist())):
+        factor_P[s:s + n] = first_expert + e + 1
+        rows_E.append(x_PD[s:s + n, 0].detach().clone())
+    pad = torch.ones(x_PD.shape[0], dtype=torch.bool, device=x_PD.device)
+    for s, n in zip(starts, layout.counts_E.tolist()):
+        pad[s:s + n] = False
+    out_TD = dispatcher.combine(x_PD * factor_P[:, None], handle)
+    g_TD = torch.linspace(-1, 1, out_TD.numel(), device=x_TD.device).view_as(out_TD)
+    (out_TD * g_TD).sum().backward()
+    return {"out": out_TD.detach(), "grad_x": x_TD.grad, "grad_w": w_TK.grad, "rows_E": rows_E,
+            "padding_zero": bool((x_PD[pad] == 0).all())}
+
+
+def conformance(cases: list[tuple[str, int, bool]]) -> dict:
+    """For each (routing, tokens per rank, fp8) case and backend: the largest error of out,
+    grad_x and grad_w against the definition (exact arithmetic in float64), whether both backends
+    gave the same bits and the same rows per expert, and the overflow error's message."""
+    ctx = init_parallel(ParallelConfig())
+    world = ctx.world_size
+    num_experts = 4 * world
+    results = {}
+    max_tokens = max(t for _, t, _ in cases)
+    dispatchers = {(backend, fp8): make_dispatcher(backend, ctx, num_experts, fp8, max_tokens)
+                   for backend in ("all_to_all", "nvlink") for fp8 in (False, True)}
+    for case, num_tokens, fp8 in cases:
+        name = f"{case}-{num_tokens}{'-fp8' if fp8 else ''}"
+        if case == "idle" and ctx.rank == 0:  # one rank with no tokens (it still receives)
+            num_tokens = 0
+        idx, weights = routing(case, ctx.rank, num_tokens, num_experts, ctx.device)
+        g = torch.Generator().manual_seed(7 + ctx.rank)
+        # Token t of rank r carries r * 1000 + t in column 0, so rows say where they came from.
+        x = torch.randn(num_tokens, HIDDEN, generator=g).to(ctx.device)
+        x[:, 0] = ctx.rank * 1000 + torch.arange(num_tokens, device=ctx.device)
+        if fp8:  # integers in [-7, 7] with a 7 in every 128-group: scale 7/448 = 2^-6, no cast error
+            x = (x * 3).round().clamp(-7, 7)
+            x[:, 0], x[:, 1], x[:, 128] = torch.arange(num_tokens, device=ctx.device) % 8 - 4, 7, -7
+        want = expected(x, idx, weights)
+        got = {}
+        for backend in ("all_to_all", "nvlink"):
+            got[backend] = run_case(dispatchers[backend, fp8], x, idx, weights,
+                                    first_expert=ctx.ep_rank * (num_experts // world))
+        a, b = got["all_to_all"], got["nvlink"]
+        x_g = x.double()
+        g_TD = torch.linspace(-1, 1, want.numel(), device=x.device).view_as(want).double()
+        grad_w_want = torch.where(idx >= 0, idx + 1, 0).double() * (x_g * g_TD).sum(1, keepdim=True)
+        factor = (torch.where(idx >= 0, idx + 1, 0).double() * weights.double()).sum(1, keepdim=True)
+        grad_x_want = factor * g_TD
+        scale = max(_max_abs(want), 1.0)
+        results[name] = {
+            backend: {"out": _max_abs(r["out"].double() - want.double()) / scale,
+                      "grad_x": _max_abs(r["grad_x"].double() - grad_x_want),
+                      "grad_w": _max_abs(r["grad_w"].double() - grad_w_want) / max(_max_abs(grad_w_want), 1.0),
+                      "padding_zero": r["padding_zero"]}
+            for backend, r in got.items()} | {
+            "same_out": torch.equal(a["out"], b["out"]),
+            "same_rows": all(torch.equal(p, q) for p, q in zip(a["rows_E"], b["rows_E"])),
+            "routes_received": sum(len(r) for r in a["rows_E"]),
+        }
+    over = dispatchers["nvlink", False]
+    try:
+        x = torch.zeros(max_tokens + 1, HIDDEN, device=ctx.device)
+        idx, weights = routing("balanced", ctx.rank, max_tokens + 1, num_experts, ctx.device)
+        over.dispatch(x, idx, weights)
+        results["overflow"] = None
+    except ValueError as e:
+        results["overflow"] = str(e)
+    dist.destroy_process_group()
+    return results
