@@ -72,6 +72,7 @@ class BenchSpec:
     fp8_dispatch: bool
     alignment: int
     routed_scaling_factor: float
+    dispatcher: str = "all_to_all"  # or "nvlink" (EP 1 has no transport: all_to_all's identity)
     max_ep: int | None = None  # None: the world size
     modes: tuple[str, ...] = MODES
     warmup: int = 2
@@ -87,6 +88,8 @@ class BenchSpec:
             raise ValueError(f"bench.warmup: expected >= 0, got {self.warmup!r}")
         if self.max_ep is not None and self.max_ep < 1:
             raise ValueError(f"bench.max_ep: expected >= 1, got {self.max_ep!r}")
+        if self.dispatcher not in ("all_to_all", "nvlink"):
+            raise ValueError(f"bench.dispatcher: expected 'all_to_all' or 'nvlink', got {self.dispatcher!r}")
         if not self.modes or any(m not in MODES for m in self.modes):
             raise ValueError(f"bench.modes: expected a non-empty subset of {MODES}, got {self.modes!r}")
 
@@ -143,12 +146,16 @@ def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..dispatch import AllToAllDispatcher
+    from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
 
     device, rank = ctx.device, ctx.rank
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment,
-                                    fp8=spec.fp8_dispatch)
+    if spec.dispatcher == "nvlink" and group is not None:
+        dispatcher = NVLinkDispatcher(num_experts=spec.num_experts, group=group, device=device,
+                                      max_tokens_per_rank=tokens, alignment=spec.alignment, fp8=spec.fp8_dispatch)
+    else:  # one rank needs no transport
+        dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment,
+                                        fp8=spec.fp8_dispatch)
     layer = _build_layer(spec, dispatcher, ep_rank=rank, device=device, dtype=dtype)
     g = torch.Generator(device).manual_seed(spec.seed * 7919 + rank)
     x_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)
@@ -190,23 +197,29 @@ def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
             if i >= spec.warmup:
                 dispatch_ms.append(d_ms)
                 combine_ms.append(c_ms)
-        splits = out["handle"].route.splits
         routes_here = int(out["layout"].counts_E.sum())
+        # Rows to each rank (a token once per destination rank), and from each.
+        ranks_W = torch.arange(size, device=device)
+        send_W = ((idx_TK // dispatcher.num_local_experts)[:, :, None] == ranks_W).any(1).sum(0)
+        recv_W = send_W.clone()
+        if group is not None:
+            dist.all_to_all_single(recv_W, send_W, group=group)
+        send_rows, recv_rows = send_W.tolist(), recv_W.tolist()
         if group is not None:  # all_to_all_single of the dispatch's token bytes, for comparison
             row_bytes = _dispatch_row_bytes(spec, dtype)
-            send = torch.empty(sum(splits.send) * row_bytes, dtype=torch.uint8, device=device)
-            recv = torch.empty(sum(splits.recv) * row_bytes, dtype=torch.uint8, device=device)
+            send = torch.empty(sum(send_rows) * row_bytes, dtype=torch.uint8, device=device)
+            recv = torch.empty(sum(recv_rows) * row_bytes, dtype=torch.uint8, device=device)
             for i in range(spec.warmup + spec.iters):
                 sync()
-                ms = timer.time(lambda: dist.all_to_all_single(recv, send, [r * row_bytes for r in splits.recv],
-                                                               [s * row_bytes for s in splits.send], group=group))
+                ms = timer.time(lambda: dist.all_to_all_single(recv, send, [r * row_bytes for r in recv_rows],
+                                                               [s * row_bytes for s in send_rows], group=group))
                 if i >= spec.warmup:
                     a2a_ms.append(ms)
 
     # The slowest rank of the group sets the pace: max over ranks per iteration, then the median.
     times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters], dtype=torch.float64,
                          device=device)
-    counts = torch.tensor([sum(splits.send) - splits.send[rank], sum(splits.recv) - splits.recv[rank], routes_here],
+    counts = torch.tensor([sum(send_rows) - send_rows[rank], sum(recv_rows) - recv_rows[rank], routes_here],
                           dtype=torch.float64, device=device)
     per_rank = torch.zeros(size, 3, dtype=torch.float64, device=device)
     per_rank[rank] = counts
@@ -359,12 +372,15 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, help="override the shape's value")
     p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=None,
                    help="tokens travel as FP8 e4m3 with 1x128 scales (default: the shape's)")
+    p.add_argument("--dispatcher", choices=("all_to_all", "nvlink"), default="all_to_all",
+                   help="the dispatch/combine backend (default all_to_all)")
     p.add_argument("--max-ep", type=int, help="largest EP size (default: all workers)")
     p.add_argument("--modes", default=",".join(MODES), help="weak,strong (default both)")
     p.add_argument("--warmup", type=int, default=BenchSpec.warmup)
     p.add_argument("--iters", type=int, default=BenchSpec.iters)
     p.add_argument("--timeout", type=float, default=BenchSpec.timeout_s, help="collective timeout, s")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    p.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD)")
     return p
 
 
@@ -378,7 +394,7 @@ def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
             values[key] = value
     if values["num_experts"] % values["num_groups"]:  # an override of the experts: one group
         values.update(num_groups=1, topk_groups=None)
-    return BenchSpec(shape=shape, **values, max_ep=a.max_ep, modes=tuple(m for m in a.modes.split(",") if m),
+    return BenchSpec(shape=shape, **values, dispatcher=a.dispatcher, max_ep=a.max_ep, modes=tuple(m for m in a.modes.split(",") if m),
                      warmup=a.warmup, iters=a.iters, timeout_s=a.timeout)
 
 
@@ -401,12 +417,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         from launch.local import launch_local
 
         result = launch_local(bench_worker, spec, nproc=a.num_workers or torch.cuda.device_count() or 2)[0]
-    report = _report(spec, result, launcher)
+    report = _report(spec, result, launcher, a.commit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"ep_scaling_{spec.shape}.json"
+    stem = f"ep_scaling_{spec.shape}" + ("" if spec.dispatcher == "all_to_all" else f"_{spec.dispatcher}")
+    json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    png_path = plot(report, out / f"ep_scaling_{spec.shape}.png")
+    png_path = plot(report, out / f"{stem}.png")
     print(f"ep-scaling on {report['device']} ({launcher}, {report['world_size']} workers), shape {spec.shape}:")
     for row in report["rows"]:
         print(_row_line(row) + f" | efficiency layer {row['layer_efficiency']:.2f}")
@@ -414,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     return report
 
 
-def _report(spec: BenchSpec, result: dict, launcher: str) -> dict:
+def _report(spec: BenchSpec, result: dict, launcher: str, commit: str | None = None) -> dict:
     """Adds efficiencies against EP 1 of the same mode."""
     rows = result["rows"]
     for row in rows:
@@ -425,7 +442,7 @@ def _report(spec: BenchSpec, result: dict, launcher: str) -> dict:
                                               / (scale * (row["dispatch_ms"] + row["combine_ms"])))
     return {
         "benchmark": "ep-scaling", "device": result["device"], "world_size": result["world_size"],
-        "launcher": launcher, "commit": _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "launcher": launcher, "commit": commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": __import__("torch").__version__, "spec": asdict(spec),
         "bytes_counted": "per rank: dispatch = token rows sent to other ranks (FP8 bytes + float32 1x128 scales "
                          "with fp8_dispatch, else activation dtype); combine = rows sent back to other ranks "

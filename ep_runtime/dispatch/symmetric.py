@@ -79,14 +79,24 @@ class FileHeap:
 
 class CudaHeap:
     """A heap of ``nbytes`` per rank in torch symmetric memory over ``group`` (GPUs of one NVLink
-    domain). Regions carry each peer's byte offset from rank 0's copy, for the TileLang kernels."""
+    domain). Regions carry each peer's byte offset from rank 0's copy, for the TileLang kernels.
+
+    It needs torch's default ("CUDA") symmetric-memory backend: its barrier is a stream-ordered
+    kernel with release/acquire at system scope, where NVSHMEM's (torch <= 2.13) returns at once.
+    The heap is allocated and rendezvoused once (a host-blocking collective) and kept: freeing
+    symmetric memory synchronizes the device."""
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group, self.nbytes = group, nbytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # An explicit index: symmetric memory on torch 2.11 fails on a bare "cuda" device.
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        backend = symm_mem.get_backend(device)
+        if backend != "CUDA":
+            raise RuntimeError(f"symmetric memory backend: expected 'CUDA' (its barrier orders peers' stores), got "
+                               f"{backend!r} (TORCH_SYMMMEM or symm_mem.set_backend chose it)")
         local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         local.zero_()
         self.handle = symm_mem.rendezvous(local, group)
@@ -97,8 +107,7 @@ class CudaHeap:
         self.barrier()
 
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
-        return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps),
-                          delta_W=self.delta_W + offset - offset)
+        return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps), delta_W=self.delta_W)
 
     def barrier(self) -> None:
         self.handle.barrier(channel=0)

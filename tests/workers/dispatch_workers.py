@@ -124,3 +124,60 @@ def conformance(cases: list[tuple[str, int, bool]]) -> dict:
         results["overflow"] = str(e)
     dist.destroy_process_group()
     return results
+
+
+def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -> dict:
+    """On GPUs: the nvlink backend's dispatch + combine (FP8 and bf16) with CUDA's sync debug mode
+    set to error (any host synchronization raises), then captured in a CUDA graph and replayed on
+    new inputs copied into the captured ones; the replays must give the eager results."""
+    ctx = init_parallel(ParallelConfig())
+    results = {}
+    for fp8 in (False, True):
+        d = NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
+                             max_tokens_per_rank=tokens, alignment=128, fp8=fp8)
+        static = {}
+
+        def step(x_TD, idx_TK, w_TK):
+            x_PD, layout, handle = d.dispatch(x_TD, idx_TK, w_TK)
+            return d.combine(x_PD, handle)
+
+        def inputs(seed):
+            idx, w = routing("masked", ctx.rank + seed, tokens, num_experts, ctx.device)
+            g = torch.Generator(device=ctx.device).manual_seed(seed * 31 + ctx.rank)
+            return torch.randn(tokens, hidden, generator=g, device=ctx.device, dtype=torch.bfloat16), idx, w
+
+        with torch.no_grad():
+            for seed in range(3):  # warm-up: compiles kernels, allocates and rendezvouses the heap
+                step(*inputs(seed))
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                eager = [step(*inputs(seed)) for seed in (10, 11)]
+                synced = None
+            except RuntimeError as e:
+                synced = str(e).splitlines()[0]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            static["x"], static["idx"], static["w"] = inputs(10)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step(static["x"], static["idx"], static["w"])  # warm-up on the capture stream
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static["out"] = step(static["x"], static["idx"], static["w"])
+            replayed = []
+            for seed in (10, 11):
+                for name, t in zip(("x", "idx", "w"), inputs(seed)):
+                    static[name].copy_(t)
+                graph.replay()
+                replayed.append(static["out"].clone())
+            torch.cuda.synchronize()
+        results["fp8" if fp8 else "bf16"] = {
+            "host_sync": synced,
+            "graph_matches_eager": synced is None and all(torch.equal(a, b) for a, b in zip(replayed, eager)),
+            "nonzero": bool(replayed[0].abs().sum() > 0),
+        }
+    dist.destroy_process_group()
+    return results

@@ -1,0 +1,267 @@
+"""``ep-runtime bench dispatch``: dispatch and combine alone, per backend, against the transports
+they compete with, measured in the same run.
+
+    ep-runtime bench dispatch                                    # 2 CPU workers, small shape
+    torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch          # GPUs
+    torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --peer vdev
+
+For each token count (``--tokens``, default 4096 and 128 per rank: DeepSeek-V3's layer and the
+small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch`` (routes in,
+tokens out in the local experts' aligned layout, FP8 on the wire with ``--fp8``, the default),
+``combine`` (the layout's rows, bf16, weighted-reduced and summed at home), and for ``nvlink`` its
+``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier). Peers
+of the same bytes: NCCL ``all_to_all_single`` and the P2P copy ceiling (``copy_`` of a rank's
+remote bytes into its peer's symmetric buffer); ``--peer vdev`` runs only
+``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM, which must be chosen before any symmetric
+allocation: a run of its own) and writes ``dispatch_vdev.json``, which a later default run in
+the same ``--out`` folds into its table.
+
+Routing: each token picks ``topk`` distinct experts uniformly at random (a balanced load; every
+rank's token goes to each other rank with probability about 1 - (1 - 1/W)^K).
+
+Bytes counted per rank: rows sent to *other* ranks (one per token per destination rank) as they
+travel: ``hidden`` FP8 bytes plus ``ceil(hidden / 128)`` float32 scales for dispatch with
+``--fp8``, ``hidden`` bf16 elements for combine; routes, weights and counts (a few bytes per row)
+and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median over ``--iters``
+(after ``--warmup``) of the slowest rank per iteration, each iteration started from a barrier,
+measured with CUDA events (host timers on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+from .ep_scaling import _commit, _device_name, _Timer
+
+BACKENDS = ("all_to_all", "nvlink")
+
+
+def _routing(tokens: int, num_experts: int, topk: int, seed: int, device):
+    import torch
+
+    g = torch.Generator(device).manual_seed(seed)
+    idx_TK = torch.rand(tokens, num_experts, generator=g, device=device).argsort(1)[:, :topk]
+    weights_TK = torch.rand(tokens, topk, generator=g, device=device)
+    return idx_TK, weights_TK / weights_TK.sum(1, keepdim=True)
+
+
+def _remote_rows(idx_TK, num_local: int, world: int, rank: int) -> list[int]:
+    """Rows this rank sends to each rank (a token once per destination rank); its own zeroed."""
+    import torch
+
+    ranks_W = torch.arange(world, device=idx_TK.device)
+    goes_TW = ((idx_TK // num_local)[:, :, None] == ranks_W).any(1)
+    rows = goes_TW.sum(0).tolist()
+    rows[rank] = 0
+    return rows
+
+
+def bench_worker(a: argparse.Namespace) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from ..config import ParallelConfig
+    from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
+    from ..parallel import init_parallel
+
+    if a.peer == "vdev":
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")  # before any symmetric allocation, in this process only
+    ctx = init_parallel(ParallelConfig())
+    device, group, world, rank = ctx.device, ctx.ep_group, ctx.world_size, ctx.rank
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    timer = _Timer(device)
+    num_local = a.experts // world
+
+    def sync():
+        dist.barrier(group=group, **({"device_ids": [device.index]} if on_gpu else {}))
+
+    def median_ms(fn) -> float:
+        samples = []
+        for i in range(a.warmup + a.iters):
+            sync()
+            ms = timer.time(fn)
+            if i >= a.warmup:
+                samples.append(ms)
+        worst = torch.tensor(samples, dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        return statistics.median(worst.tolist())
+
+    rows = []
+    for tokens in a.tokens:
+        idx_TK, w_TK = _routing(tokens, a.experts, a.topk, a.seed * 7919 + rank, device)
+        x_TD = torch.randn(tokens, a.hidden, device=device, dtype=dtype)
+        sent = _remote_rows(idx_TK, num_local, world, rank)
+        token_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8 else a.hidden * x_TD.element_size()
+        home_bytes = a.hidden * x_TD.element_size()
+        worst_sent = torch.tensor([sum(sent)], device=device)
+        dist.all_reduce(worst_sent, op=dist.ReduceOp.MAX, group=group)
+        dispatch_bytes, combine_bytes = int(worst_sent) * token_bytes, int(worst_sent) * home_bytes
+        row = {"tokens_per_rank": tokens, "dispatch_bytes_per_rank": dispatch_bytes,
+               "combine_bytes_per_rank": combine_bytes}
+        if a.peer == "vdev":
+            row["vdev_dispatch_ms"] = _vdev_ms(median_ms, sent, token_bytes, group, device)
+            row["vdev_combine_ms"] = _vdev_ms(median_ms, sent, home_bytes, group, device)
+            rows.append(row)
+            continue
+        for backend in BACKENDS:
+            if backend == "all_to_all":
+                d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment, fp8=a.fp8)
+            else:
+                d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
+                                     alignment=a.alignment, fp8=a.fp8)
+            out = {}
+
+            def dispatch(d=d):
+                out["x_PD"], _, out["handle"] = d.dispatch(x_TD, idx_TK, w_TK)
+
+            with torch.no_grad():
+                row[f"{backend}_dispatch_ms"] = median_ms(dispatch)
+                row[f"{backend}_combine_ms"] = median_ms(lambda d=d: d.combine(out["x_PD"], out["handle"]))
+                if backend == "nvlink":
+                    q_TD = torch.empty(tokens, token_bytes, dtype=torch.uint8, device=device)
+                    row["nvlink_transport_ms"] = median_ms(lambda d=d: d.scatter(q_TD, out["handle"].route))
+            del out, d
+        recv_t = torch.tensor(sent, device=device)
+        got_t = torch.empty_like(recv_t)
+        dist.all_to_all_single(got_t, recv_t, group=group)
+        recv = got_t.tolist()
+        for name, nbytes in (("dispatch", token_bytes), ("combine", home_bytes)):
+            send_buf = torch.empty(sum(sent) * nbytes, dtype=torch.uint8, device=device)
+            recv_buf = torch.empty(sum(recv) * nbytes, dtype=torch.uint8, device=device)
+            row[f"nccl_a2a_{name}_ms"] = median_ms(lambda s=send_buf, r=recv_buf, n=nbytes: dist.all_to_all_single(
+                r, s, [x * n for x in recv], [x * n for x in sent], group=group))
+        if on_gpu:
+            row["p2p_copy_ms"] = _p2p_copy_ms(median_ms, dispatch_bytes, group, device)
+        rows.append(row)
+    result = {"device": _device_name(device), "world_size": world, "rows": rows}
+    dist.destroy_process_group()
+    return result if rank == 0 else None
+
+
+def _p2p_copy_ms(median_ms, nbytes: int, group, device) -> float:
+    """``copy_`` of ``nbytes`` into the next rank's symmetric buffer: the ceiling of a store."""
+    import torch
+
+    from ..dispatch.symmetric import CudaHeap
+
+    heap = CudaHeap(max(nbytes, 1), group, device)
+    peer = (heap.rank + 1) % heap.world
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy():
+        heap.heaps[peer][:nbytes].copy_(src)
+        heap.barrier()
+
+    return median_ms(copy)
+
+
+def _vdev_ms(median_ms, sent_rows: list[int], row_bytes: int, group, device) -> float:
+    """``torch.ops.symm_mem.all_to_all_vdev`` of the same bytes (NVSHMEM symmetric tensors)."""
+    import torch
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    world = len(sent_rows)
+    most = max(sum(sent_rows), 1) * row_bytes
+    inp = symm_mem.empty(most, dtype=torch.uint8, device=device)
+    out = symm_mem.empty(most * world, dtype=torch.uint8, device=device)
+    in_splits = symm_mem.empty(world, dtype=torch.int64, device=device)
+    out_splits_offsets = symm_mem.empty((2, world), dtype=torch.int64, device=device)
+    in_splits.copy_(torch.tensor([r * row_bytes for r in sent_rows]))
+    for t in (inp, out, in_splits, out_splits_offsets):
+        symm_mem.rendezvous(t, group)
+    return median_ms(lambda: torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_splits_offsets,
+                                                                 group.group_name))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ep-runtime bench dispatch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")],
+                   help="tokens per rank, comma-separated (default 4096,128 on GPU, 256 on CPU)")
+    p.add_argument("--hidden", type=int, help="default 7168 on GPU, 128 on CPU")
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--alignment", type=int, default=128)
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
+    p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
+    p.add_argument("--num-workers", type=int, default=2, help="CPU workers without torchrun (default 2)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    p.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    import torch
+
+    a = parser().parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    a.tokens = a.tokens or ([4096, 128] if on_gpu else [256])
+    a.hidden = a.hidden or (7168 if on_gpu else 128)
+    if "WORLD_SIZE" in os.environ:
+        result = bench_worker(a)
+        if result is None:
+            return None
+    else:
+        from launch.local import launch_local
+
+        result = launch_local(bench_worker, a, nproc=a.num_workers)[0]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.peer == "vdev":
+        path = out / "dispatch_vdev.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+        return result
+    report = _report(a, result, out / "dispatch_vdev.json")
+    path = out / "dispatch.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"dispatch/combine on {report['device']}, {report['world_size']} ranks, hidden {a.hidden}, "
+          f"{a.experts} experts, top-{a.topk}, {'FP8' if a.fp8 else 'bf16'} dispatch, bf16 combine:")
+    for row in report["rows"]:
+        print(f"  {row['tokens_per_rank']} tokens/rank, {row['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
+              f"{row['combine_bytes_per_rank'] / 1e6:.1f} MB combine per rank:")
+        for name, ms, gbps in row["table"]:
+            print(f"    {name:<28} {ms * 1e3:10.1f} us {gbps:9.1f} GB/s")
+    print(f"wrote {path}")
+    return report
+
+
+def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
+    """Adds GB/s per entry (and the vdev run's rows, when there is one) as a table per row."""
+    vdev = json.loads(vdev_path.read_text())["rows"] if vdev_path.exists() else []
+    for row in result["rows"]:
+        row.update(next((v for v in vdev if v["tokens_per_rank"] == row["tokens_per_rank"]), {}))
+        table = []
+        for key, ms in list(row.items()):
+            if key.endswith("_ms") and ms:
+                bytes_ = row["combine_bytes_per_rank"] if "combine" in key else row["dispatch_bytes_per_rank"]
+                row[key[:-3] + "_gbps"] = bytes_ / ms / 1e6
+                table.append((key[:-3], ms, bytes_ / ms / 1e6))
+        row["table"] = table
+    return {
+        "benchmark": "dispatch", "device": result["device"], "world_size": result["world_size"],
+        "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": __import__("torch").__version__,
+        "spec": {k: v for k, v in vars(a).items() if k not in ("out",)},
+        "bytes_counted": "per rank: rows sent to other ranks (one per token per destination rank); dispatch "
+                         "= hidden FP8 bytes + float32 1x128 scales with fp8, combine = hidden bf16 elements; "
+                         "routes, weights, counts and rows kept on the rank not counted",
+        "timing": "median over iters (after warmup) of the slowest rank per iteration; CUDA events on GPU",
+        "rows": result["rows"],
+    }
+
+
+if __name__ == "__main__":
+    main()
