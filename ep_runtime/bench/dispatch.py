@@ -9,7 +9,9 @@ For each token count (``--tokens``, default 4096 and 128 per rank: DeepSeek-V3's
 small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch`` (routes in,
 tokens out in the local experts' aligned layout, FP8 on the wire with ``--fp8``, the default),
 ``combine`` (the layout's rows, bf16, weighted-reduced and summed at home), and for ``nvlink`` its
-``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier). Peers
+``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier) and, on
+GPUs, dispatch and combine replayed as CUDA graphs (``graph``: its steady state without host
+overhead; eager calls launch a few dozen kernels each). Peers
 of the same bytes: NCCL ``all_to_all_single`` and the P2P copy ceiling (``copy_`` of a rank's
 remote bytes into its peer's symmetric buffer); ``--peer vdev`` runs only
 ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM, which must be chosen before any symmetric
@@ -129,6 +131,13 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
                 if backend == "nvlink":
                     q_TD = torch.empty(tokens, token_bytes, dtype=torch.uint8, device=device)
                     row["nvlink_transport_ms"] = median_ms(lambda d=d: d.scatter(q_TD, out["handle"].route))
+                if backend == "nvlink" and on_gpu:
+                    graphs = _capture(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]))
+                    row["nvlink_graph_dispatch_ms"] = median_ms(graphs[0].replay)
+                    row["nvlink_graph_combine_ms"] = median_ms(graphs[1].replay)
+                    if a.profile and rank == 0:
+                        _profile(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]), tokens)
+                    del graphs
             del out, d
         recv_t = torch.tensor(sent, device=device)
         got_t = torch.empty_like(recv_t)
@@ -145,6 +154,39 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     result = {"device": _device_name(device), "world_size": world, "rows": rows}
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def _capture(*steps):
+    """One CUDA graph per step (each warmed up once on the capture stream first)."""
+    import torch
+
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in steps:
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in steps:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graphs.append(graph)
+    return graphs
+
+
+def _profile(dispatch, combine, tokens: int) -> None:
+    """Prints where eager dispatch + combine spend their time (kernels and host), rank 0."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            dispatch()
+            combine()
+        torch.cuda.synchronize()
+    print(f"profile of 5 x (nvlink dispatch + combine), {tokens} tokens per rank:")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
 
 def _p2p_copy_ms(median_ms, nbytes: int, group, device) -> float:
@@ -193,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=128)
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
     p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
+    p.add_argument("--profile", action="store_true", help="print a profile of nvlink dispatch + combine (GPU)")
     p.add_argument("--num-workers", type=int, default=2, help="CPU workers without torchrun (default 2)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
