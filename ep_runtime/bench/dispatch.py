@@ -135,8 +135,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
                     graphs = _capture(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]))
                     row["nvlink_graph_dispatch_ms"] = median_ms(graphs[0].replay)
                     row["nvlink_graph_combine_ms"] = median_ms(graphs[1].replay)
-                    if a.profile and rank == 0:
-                        _profile(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]), tokens)
+                    if a.profile:  # every rank runs it (the barriers), rank 0 prints
+                        _profile(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]), tokens, rank == 0)
                     del graphs
             del out, d
         recv_t = torch.tensor(sent, device=device)
@@ -175,8 +175,8 @@ def _capture(*steps):
     return graphs
 
 
-def _profile(dispatch, combine, tokens: int) -> None:
-    """Prints where eager dispatch + combine spend their time (kernels and host), rank 0."""
+def _profile(dispatch, combine, tokens: int, show: bool) -> None:
+    """Where eager dispatch + combine spend their time (kernels and host), printed if ``show``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -185,6 +185,8 @@ def _profile(dispatch, combine, tokens: int) -> None:
             dispatch()
             combine()
         torch.cuda.synchronize()
+    if not show:
+        return
     print(f"profile of 5 x (nvlink dispatch + combine), {tokens} tokens per rank:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
 
