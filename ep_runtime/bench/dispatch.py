@@ -10,8 +10,8 @@ small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch``
 tokens out in the local experts' aligned layout, FP8 on the wire with ``--fp8``, the default),
 ``combine`` (the layout's rows, bf16, weighted-reduced and summed at home), and for ``nvlink`` its
 ``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier) and, on
-GPUs, dispatch and combine replayed as CUDA graphs (``graph``: its steady state without host
-overhead; eager calls launch a few dozen kernels each). Peers
+GPUs, all three replayed as CUDA graphs (``graph``: the steady state without host overhead;
+eager calls launch a few dozen kernels each). Peers
 of the same bytes: NCCL ``all_to_all_single`` and the P2P copy ceiling (``copy_`` of a rank's
 remote bytes into its peer's symmetric buffer); ``--peer vdev`` runs only
 ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM, which must be chosen before any symmetric
@@ -130,11 +130,13 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
                 row[f"{backend}_combine_ms"] = median_ms(lambda d=d: d.combine(out["x_PD"], out["handle"]))
                 if backend == "nvlink":
                     q_TD = torch.empty(tokens, token_bytes, dtype=torch.uint8, device=device)
-                    row["nvlink_transport_ms"] = median_ms(lambda d=d: d.scatter(q_TD, out["handle"].route))
+                    steps = {"dispatch": dispatch, "combine": lambda d=d: d.combine(out["x_PD"], out["handle"]),
+                             "transport": lambda d=d: d.scatter(q_TD, out["handle"].route)}
+                    row["nvlink_transport_ms"] = median_ms(steps["transport"])
                 if backend == "nvlink" and on_gpu:
-                    graphs = _capture(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]))
-                    row["nvlink_graph_dispatch_ms"] = median_ms(graphs[0].replay)
-                    row["nvlink_graph_combine_ms"] = median_ms(graphs[1].replay)
+                    graphs = _capture(*steps.values())
+                    for name, graph in zip(steps, graphs):
+                        row[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)
                     if a.profile:  # every rank runs it (the barriers), rank 0 prints
                         _profile(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]), tokens, rank == 0)
                     del graphs

@@ -139,9 +139,12 @@ class NVLinkDispatcher:
 
         # Where each token goes: its slot among this rank's tokens bound for rank w.
         dest_TK = torch.where(idx_TK >= 0, idx_TK // e_local, -1)
-        goes_TW = (dest_TK[:, :, None] == self.ranks_W).any(1)
-        slot_TW = goes_TW.int().cumsum(0, dtype=torch.int32) - goes_TW.int()
-        dest_TW = torch.where(goes_TW, me * t_max + slot_TW, -1)
+        goes_WT = (dest_TK[None] == self.ranks_W[:, None, None]).any(2)
+        goes_TW = goes_WT.T
+        # The scan runs along the contiguous axis: torch's scan down the outer one of [T, W] is
+        # 50x slower (225 us at T = 4096 on an H200).
+        slot_TW = (goes_WT.cumsum(1, dtype=torch.int32) - goes_WT.int()).T
+        dest_TW = torch.where(goes_TW, me * t_max + slot_TW, -1).contiguous()
         count_W1 = goes_TW.sum(0, dtype=torch.int32)[:, None]
 
         meta_TM = torch.cat([idx_TK, weights_TK.view(torch.int32)], 1)
@@ -178,7 +181,7 @@ class NVLinkDispatcher:
         # token t's row from rank w arrives at row w * T_max + slot.
         src_R = torch.arange(world, dtype=torch.int32, device=x_TD.device).repeat_interleave(t_max)
         back_RW = torch.where(valid_R[:, None] & (src_R[:, None] == self.ranks_W), me * t_max + row_R[:, None], -1)
-        home_TW = torch.where(goes_TW, self.ranks_W * t_max + slot_TW, -1)
+        home_TW = torch.where(goes_TW, self.ranks_W * t_max + slot_TW, -1).contiguous()
         route = PeerRoute(dest_TW=dest_TW, back_RW=back_RW, home_TW=home_TW, layout=layout, num_tokens=num_tokens)
         return route, x_RD, torch.where(local_RK, recv_weights_RK, 0.0)
 

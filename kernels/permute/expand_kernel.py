@@ -11,8 +11,10 @@ VECTORS_PER_THREAD`` vectors are split over a second grid dimension.
 expand is a scatter from the tokens, not a gather into the layout: a CTA loads each of its tokens
 once and stores it to the token's K rows (``pos_TK``), so every input byte is read once (a gather
 by ``src_P`` would read each token K times from memory: rows of one expert are spread over all
-tokens, and the token matrix does not fit in L2). Padding rows (``src_P == -1``) are zeroed by the
-grid's first CTAs, ``PAD_TILES`` row tiles each. This relies on ``pos_TK`` and ``src_P`` being each
+tokens, and the token matrix does not fit in L2). Padding rows (``src_P == -1``) inside the
+segments are zeroed by the grid's first CTAs, ``PAD_TILES`` row tiles each; rows past the last
+segment (``offsets_E[-1]``: the unused part of a static capacity, which no grouped GEMM reads) are
+left unwritten, so a worst-case capacity costs no stores. This relies on ``pos_TK`` and ``src_P`` being each
 other's inverse, as in every :class:`ExpertLayout` from ``expert_layout``; a row no route points to
 and whose ``src_P`` is not -1 is left unwritten.
 
@@ -69,11 +71,11 @@ def _tile(tile_v: int) -> tuple[int, int]:
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_expand_kernel(word: str, vec: int, tile_v: int):
-    """``(x_TNV, pos_TK, src_P, y_PNV)`` kernel: rows of N vectors of ``vec`` words of type
-    ``word``, CTA tiles of ``tile_v`` vectors per row (token, route, row and vector counts are
-    dynamic)."""
+    """``(x_TNV, pos_TK, src_P, offsets_E, y_PNV)`` kernel: rows of N vectors of ``vec`` words of
+    type ``word``, CTA tiles of ``tile_v`` vectors per row (token, route, row, expert and vector
+    counts are dynamic)."""
     num_tokens, topk, num_rows = T.dynamic("num_tokens"), T.dynamic("topk"), T.dynamic("num_rows")
-    nv = T.dynamic("nv")
+    nv, num_experts = T.dynamic("nv"), T.dynamic("num_experts")
     tile_m, per_thread = _tile(tile_v)
     pad_m = tile_m * PAD_TILES
 
@@ -82,6 +84,7 @@ def get_expand_kernel(word: str, vec: int, tile_v: int):
         x_TNV: T.Tensor[(num_tokens, nv, vec), word],
         pos_TK: T.Tensor[(num_tokens, topk), T.int32],
         src_P: T.Tensor[(num_rows,), T.int32],
+        offsets_E: T.Tensor[(num_experts,), T.int32],
         y_PNV: T.Tensor[(num_rows, nv, vec), word],
     ):
         pad_blocks = T.ceildiv(num_rows, pad_m)
@@ -97,7 +100,7 @@ def get_expand_kernel(word: str, vec: int, tile_v: int):
                     if s * THREADS + tid < pad_m:
                         row = bm * pad_m + s * THREADS + tid
                         pad_M[s * THREADS + tid] = 0
-                        if row < num_rows:
+                        if row < num_rows and row < offsets_E[num_experts - 1]:
                             pad_M[s * THREADS + tid] = T.Cast(T.int32, src_P[row] < 0)
                 T.sync_threads()
                 for g in T.unroll(PAD_TILES):
@@ -209,7 +212,8 @@ def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         layout: an :class:`ExpertLayout` from ``expert_layout`` (``pos_TK`` and ``src_P`` inverse).
 
     Returns:
-        x_PD: [P, D] same dtype; row p is ``x_TD[src_P[p] // K]``, zeros where ``src_P[p]`` is -1.
+        x_PD: [P, D] same dtype; row p is ``x_TD[src_P[p] // K]``, zeros where ``src_P[p]`` is -1,
+        unwritten past ``offsets_E[-1]``.
     """
     num_tokens = layout.pos_TK.shape[0] if isinstance(layout, ExpertLayout) else None
     _check("x_TD", x_TD, layout, num_tokens)
@@ -219,7 +223,7 @@ def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     x_PD = torch.empty((p, d), dtype=x_TD.dtype, device=x_TD.device)
     x_TNV = _as_vectors(x_TD)
     kernel = get_expand_kernel(*get_kernel_args(d * x_TD.element_size()))
-    kernel(x_TNV, _index(layout.pos_TK), _index(layout.src_P), _as_vectors(x_PD, output=True))
+    kernel(x_TNV, _index(layout.pos_TK), _index(layout.src_P), _index(layout.offsets_E), _as_vectors(x_PD, output=True))
     return x_PD
 
 

@@ -122,6 +122,8 @@ def expert_layout(
 
 def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """Gathers tokens into the layout: row p holds ``x_TD[src_P[p] // K]``, padding rows are 0.
+    Rows past the last segment (``offsets_E[-1]``, the unused part of a static capacity) are
+    unspecified: zeros here, left unwritten by the kernel; nothing may read them.
 
     Args:
         x_TD: [T, D] any dtype (float8 included), on the layout's device.

@@ -1,0 +1,1 @@
+"""APIs of other expert-parallel libraries, served by ep-runtime (``deep_ep``: DeepEP's Buffer)."""
