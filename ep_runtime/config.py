@@ -171,6 +171,7 @@ class ParallelConfig:
     microbatches: int = 1  # per step and rank, with pp > 1; must divide train.batch_size
     schedule: str = "1f1b"  # pipeline schedule, one of PIPELINE_SCHEDULES
     ep: int | None = None  # None: all ranks of a stage form one EP group
+    ranks_per_node: int | None = None  # None: LOCAL_WORLD_SIZE; an EP group spanning nodes dispatches in two stages
     timeout_s: float = 300.0  # collectives that take longer end the job
 
     def __post_init__(self):
@@ -181,6 +182,9 @@ class ParallelConfig:
                  self.schedule)
         if self.ep is not None:
             _require(self.ep >= 1, "parallel.ep", ">= 1", self.ep)
+        if self.ranks_per_node is not None:
+            _require(_is_int(self.ranks_per_node) and self.ranks_per_node >= 1, "parallel.ranks_per_node",
+                     "an int >= 1", self.ranks_per_node)
         _require(self.timeout_s > 0, "parallel.timeout_s", "> 0", self.timeout_s)
 
 

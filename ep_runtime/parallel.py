@@ -57,6 +57,10 @@ class ParallelContext:
     pp_size: int = 1
     pp_group: dist.ProcessGroup | None = None  # this (dp, ep) position in every stage; None: pp == 1
     stage_group: dist.ProcessGroup | None = None  # every rank of this stage; None: the whole job
+    # An EP group spanning nodes: this rank's node within it, and its rail (the ranks of its local
+    # index on every node). None while the EP group fits in one node.
+    ep_node_group: dist.ProcessGroup | None = None
+    ep_rail_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -124,10 +128,31 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
                         stage_group=stage_groups[rank // per_stage])
     ctx = ParallelContext(rank=rank, world_size=world, local_rank=local_rank, device=device,
                           ep_rank=mesh.get_local_rank("ep"), ep_size=ep, ep_group=mesh.get_group("ep"),
-                          dp_group=mesh.get_group("dp"), mesh=mesh, store=store, **pipeline)
+                          dp_group=mesh.get_group("dp"), mesh=mesh, store=store, **pipeline,
+                          **ep_node_groups(mesh, ep, cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     log.info("%s of %d on %s: pp %d/%d, ep %d/%d, collective timeout %.0f s", ctx.where, world, device,
              ctx.pp_rank, pp, ctx.ep_rank, ep, cfg.timeout_s)
     return ctx
+
+
+def ep_node_groups(mesh: DeviceMesh, ep: int, ranks_per_node: int) -> dict:
+    """``ep_node_group`` and ``ep_rail_group`` of this rank (see ``ParallelContext``) when its EP
+    group spans nodes of ``ranks_per_node`` ranks; none otherwise. Every rank creates every group
+    (``new_group`` is collective)."""
+    if ep <= ranks_per_node:
+        return {}
+    if ep % ranks_per_node:
+        raise ValueError(f"parallel.ranks_per_node: expected a divisor of the EP size {ep}, got {ranks_per_node}")
+    me = dist.get_rank()
+    groups = {}
+    for ep_ranks in mesh.mesh.reshape(-1, ep).tolist():
+        nodes = [ep_ranks[i:i + ranks_per_node] for i in range(0, ep, ranks_per_node)]
+        rails = [ep_ranks[i::ranks_per_node] for i in range(ranks_per_node)]
+        for kind, members in [("ep_node_group", n) for n in nodes] + [("ep_rail_group", r) for r in rails]:
+            group = dist.new_group(members)
+            if me in members:
+                groups[kind] = group
+    return groups
 
 
 def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

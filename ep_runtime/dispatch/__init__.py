@@ -5,15 +5,23 @@ from __future__ import annotations
 from ..config import MoEConfig
 from ..parallel import ParallelContext
 from .all_to_all import AllToAllDispatcher
+from .hierarchical import HierarchicalDispatcher
 from .nvlink import NVLinkDispatcher
 from .protocol import Dispatcher, DispatchHandle, Route
 
-__all__ = ["AllToAllDispatcher", "Dispatcher", "DispatchHandle", "NVLinkDispatcher", "Route", "make_dispatcher"]
+__all__ = ["AllToAllDispatcher", "Dispatcher", "DispatchHandle", "HierarchicalDispatcher", "NVLinkDispatcher", "Route",
+           "make_dispatcher"]
 
 
 def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:
-    """The backend named by ``cfg.dispatcher`` over this rank's EP group. Without a group (one
-    process) tokens do not travel: every backend is the identity transport of ``all_to_all``."""
+    """The backend named by ``cfg.dispatcher`` over this rank's EP group: ``nvlink`` is two-stage
+    (``hierarchical``) when the group spans nodes. Without a group (one process) tokens do not
+    travel: every backend is the identity transport of ``all_to_all``."""
+    if cfg.dispatcher == "nvlink" and ctx.ep_rail_group is not None:
+        return HierarchicalDispatcher(num_experts=cfg.num_experts, rail_group=ctx.ep_rail_group,
+                                      node_group=ctx.ep_node_group, device=ctx.device,
+                                      max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,
+                                      fp8=cfg.fp8_dispatch)
     if cfg.dispatcher == "nvlink" and ctx.ep_group is not None:
         return NVLinkDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, device=ctx.device,
                                 max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,

@@ -10,6 +10,7 @@ destination rank), R rows received, P layout rows.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +41,14 @@ class TokenRoute:
             destination rank in rank order (ascending tokens within a rank).
         splits: rows sent to and received from each EP rank.
         layout: the expert-major layout of the received routes over the local experts
-            (its ``pos_TK`` is indexed by received row, [R, K]).
+            (its ``pos_TK`` is indexed by received row, [R, K]); None for a stage of a
+            hierarchical route, which has one layout at its end.
         num_tokens: T, the tokens this rank dispatched.
     """
 
     send_token_S: torch.Tensor
     splits: RowSplits
-    layout: ExpertLayout
+    layout: ExpertLayout | None
     num_tokens: int
 
 
@@ -83,9 +85,17 @@ class AllToAllDispatcher:
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
         check_index_range("topk_idx_TK", topk_idx_TK, self.num_experts)
-        num_tokens = x_TD.shape[0]
+        with torch.no_grad():
+            route, local_idx_RK, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
+        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)
+        route = dataclasses.replace(route, layout=layout)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
+        return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
-        # Which ranks each token goes to: one row per (token, destination rank).
+    def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
+        """Moves each token once to every rank of its experts. Returns the route (without a
+        layout), the received rows' routes to local experts ([R, K], -1 elsewhere), the rows
+        ([R, D]) and their weights ([R, K], 0 elsewhere). Not differentiable."""
         idx_TK = topk_idx_TK.long()
         dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
         ranks_W = torch.arange(self.world, device=x_TD.device)
@@ -99,13 +109,9 @@ class AllToAllDispatcher:
         send, recv = torch.stack([send_splits, recv_splits]).tolist()  # this backend's one host sync
         splits = RowSplits(send=tuple(send), recv=tuple(recv))
         local_idx_RK = self._exchange(local_idx_SK, splits.send, splits.recv)
-        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)
-        route = TokenRoute(send_token_S=send_token_S, splits=splits, layout=layout, num_tokens=num_tokens)
-        with torch.no_grad():
-            x_RD = self._send_tokens(x_TD, route)
-            weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
-        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
-        return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
+        route = TokenRoute(send_token_S=send_token_S, splits=splits, layout=None, num_tokens=x_TD.shape[0])
+        weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
+        return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK
 
     def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor:
         """The tokens' rows at the ranks of their experts; as FP8 e4m3 with per-token 1x128 scales

@@ -126,14 +126,17 @@ class NVLinkDispatcher:
             raise ValueError(f"x_TD: rank {self.rank} of the EP group dispatches {num_tokens} tokens, more than the "
                              f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")
         with torch.no_grad():
-            route, x_RD, weights_RK = self._send_tokens(x_TD, topk_idx_TK.to(torch.int32), topk_weights_TK)
+            route, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
         x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
-    def _send_tokens(self, x_TD, idx_TK, weights_TK):
-        """Moves tokens, routes and weights in one barrier; plans the way back. Returns the route,
-        the received rows ([R, D], x's dtype) and their weights to local experts ([R, K])."""
+    def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
+        """Moves tokens, routes and weights in one barrier; plans the way back. Returns the route
+        (with the local experts' layout), the received rows ([R, D], x's dtype; a view of the
+        heap, valid until the next transport call) and their weights to local experts ([R, K]).
+        Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
+        idx_TK, weights_TK = topk_idx_TK.to(torch.int32), topk_weights_TK
         num_tokens, topk = idx_TK.shape
         d = x_TD.shape[1]
 

@@ -1,8 +1,9 @@
 """Every dispatcher backend against one definition: combine(expert(dispatch(x))) with expert e
 multiplying by e + 1 is ``sum_k w_k (e_k + 1) x`` (and its gradients), for balanced and skewed
 routing (experts without tokens), -1 routes and tokens without any, a rank with no tokens (idle), FP8
-payloads; the backends give the same bits and hand each expert the same rows in the same order;
-and a rank that dispatches more tokens than the receive buffers hold gets an error naming it.
+payloads; ``nvlink`` gives ``all_to_all``'s bits and hands each expert the same rows in the same
+order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
+dispatches more tokens than the receive buffers hold gets an error naming the limit.
 
 CPU: gloo processes (``nvlink`` over shared-memory files); GPU: one process per GPU (``nvlink``
 over NVLink symmetric memory with the TileLang kernels)."""
@@ -18,18 +19,20 @@ CASES = [("balanced", 37, False), ("skewed", 37, False), ("masked", 37, False), 
 TOL = {"out": 1e-6, "grad_x": 1e-5, "grad_w": 1e-6}  # float32 sums of a few float32 products
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_backends_conform(world):
+@pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
+def test_backends_conform(world, ranks_per_node):
+    """``hierarchical`` over 2 nodes of 1 rank (every process its own node) and of 2 ranks."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = launch_local(conformance, CASES, nproc=world)
+    results = launch_local(conformance, CASES, ranks_per_node, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, per_case in results.items():
-        overflow = per_case.pop("overflow")
-        assert overflow is not None and f"rank {rank} " in overflow and "max_tokens_per_rank" in overflow
+        for backend in ("nvlink", "hierarchical"):
+            overflow = per_case.pop(f"overflow-{backend}")
+            assert overflow is not None and f"rank {rank} " in overflow and "max_tokens_per_rank" in overflow, backend
         assert sorted(per_case) == sorted(f"{c}-{t}{'-fp8' if f else ''}" for c, t, f in CASES)
         for case, r in per_case.items():
-            assert r.pop("same_out") and r.pop("same_rows"), (rank, case)
+            assert r.pop("same_out") and r.pop("same_rows") and r.pop("same_row_sets"), (rank, case)
             routes = r.pop("routes_received")
             assert routes > 0 or "skewed" in case, (rank, case)
             for backend, errs in r.items():

@@ -16,11 +16,12 @@ CASES = [(routing, fp8, dispatcher) for routing in ("balanced", "skewed", "maske
 RTOL = 2e-2 if torch.cuda.is_available() else 1e-5
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ep_layer_matches_single_process(world):
+@pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, None), (4, 2)])
+def test_ep_layer_matches_single_process(world, ranks_per_node):
+    """(4, 2): the EP group spans two declared nodes, so ``nvlink`` runs as ``hierarchical``."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = launch_local(ep_matches_single_process, CASES, nproc=world)
+    results = launch_local(ep_matches_single_process, CASES, ranks_per_node, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, errors in results.items():
         assert sorted(errors) == sorted(case_name(*c) for c in CASES)

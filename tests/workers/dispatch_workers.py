@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.config import ParallelConfig
-from ep_runtime.dispatch import AllToAllDispatcher, NVLinkDispatcher
+from ep_runtime.dispatch import AllToAllDispatcher, HierarchicalDispatcher, NVLinkDispatcher
 from ep_runtime.parallel import init_parallel
 
 HIDDEN = 160  # not a multiple of the FP8 group (128): a ragged last group
@@ -19,6 +19,10 @@ TOPK = 4
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool, max_tokens: int):
     if backend == "all_to_all":
         return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8)
+    if backend == "hierarchical":
+        return HierarchicalDispatcher(num_experts=num_experts, rail_group=ctx.ep_rail_group,
+                                      node_group=ctx.ep_node_group, device=ctx.device, max_tokens_per_rank=max_tokens,
+                                      alignment=8, fp8=fp8)
     return NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
                             max_tokens_per_rank=max_tokens, alignment=8, fp8=fp8)
 
@@ -71,17 +75,20 @@ def run_case(dispatcher, x_TD, idx_TK, weights_TK, first_expert: int):
             "padding_zero": bool((x_PD[pad] == 0).all())}
 
 
-def conformance(cases: list[tuple[str, int, bool]]) -> dict:
+def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int) -> dict:
     """For each (routing, tokens per rank, fp8) case and backend: the largest error of out,
-    grad_x and grad_w against the definition (exact arithmetic in float64), whether both backends
-    gave the same bits and the same rows per expert, and the overflow error's message."""
-    ctx = init_parallel(ParallelConfig())
+    grad_x and grad_w against the definition (exact arithmetic in float64); whether ``nvlink``
+    gave ``all_to_all``'s bits and rows per expert in the same order, and ``hierarchical`` (the
+    EP group declared ``ranks_per_node`` ranks per node) the same rows per expert in some order;
+    the overflow error's message."""
+    ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
     world = ctx.world_size
     num_experts = 4 * world
     results = {}
     max_tokens = max(t for _, t, _ in cases)
+    backends = ("all_to_all", "nvlink", "hierarchical")
     dispatchers = {(backend, fp8): make_dispatcher(backend, ctx, num_experts, fp8, max_tokens)
-                   for backend in ("all_to_all", "nvlink") for fp8 in (False, True)}
+                   for backend in backends for fp8 in (False, True)}
     for case, num_tokens, fp8 in cases:
         name = f"{case}-{num_tokens}{'-fp8' if fp8 else ''}"
         if case == "idle" and ctx.rank == 0:  # one rank with no tokens (it still receives)
@@ -96,10 +103,10 @@ def conformance(cases: list[tuple[str, int, bool]]) -> dict:
             x[:, 0], x[:, 1], x[:, 128] = torch.arange(num_tokens, device=ctx.device) % 8 - 4, 7, -7
         want = expected(x, idx, weights)
         got = {}
-        for backend in ("all_to_all", "nvlink"):
+        for backend in backends:
             got[backend] = run_case(dispatchers[backend, fp8], x, idx, weights,
                                     first_expert=ctx.ep_rank * (num_experts // world))
-        a, b = got["all_to_all"], got["nvlink"]
+        a, b, c = got["all_to_all"], got["nvlink"], got["hierarchical"]
         x_g = x.double()
         g_TD = torch.linspace(-1, 1, want.numel(), device=x.device).view_as(want).double()
         grad_w_want = torch.where(idx >= 0, idx + 1, 0).double() * (x_g * g_TD).sum(1, keepdim=True)
@@ -114,16 +121,17 @@ def conformance(cases: list[tuple[str, int, bool]]) -> dict:
             for backend, r in got.items()} | {
             "same_out": torch.equal(a["out"], b["out"]),
             "same_rows": all(torch.equal(p, q) for p, q in zip(a["rows_E"], b["rows_E"])),
+            "same_row_sets": all(torch.equal(p.sort().values, q.sort().values) for p, q in zip(a["rows_E"], c["rows_E"])),
             "routes_received": sum(len(r) for r in a["rows_E"]),
         }
-    over = dispatchers["nvlink", False]
-    try:
-        x = torch.zeros(max_tokens + 1, HIDDEN, device=ctx.device)
-        idx, weights = routing("balanced", ctx.rank, max_tokens + 1, num_experts, ctx.device)
-        over.dispatch(x, idx, weights)
-        results["overflow"] = None
-    except ValueError as e:
-        results["overflow"] = str(e)
+    x = torch.zeros(max_tokens + 1, HIDDEN, device=ctx.device)
+    idx, weights = routing("balanced", ctx.rank, max_tokens + 1, num_experts, ctx.device)
+    for backend in ("nvlink", "hierarchical"):
+        try:
+            dispatchers[backend, False].dispatch(x, idx, weights)
+            results[f"overflow-{backend}"] = None
+        except ValueError as e:
+            results[f"overflow-{backend}"] = str(e)
     dist.destroy_process_group()
     return results
 

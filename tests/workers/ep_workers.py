@@ -67,12 +67,12 @@ def case_name(routing: str, fp8: bool, dispatcher: str) -> str:
     return f"{routing}{'-fp8' if fp8 else ''}/{dispatcher}"
 
 
-def ep_matches_single_process(cases: list[tuple[str, bool]]) -> dict:
+def ep_matches_single_process(cases: list[tuple[str, bool, str]], ranks_per_node: int | None = None) -> dict:
     """For each (routing, fp8, dispatcher) case: run the layer over the EP group, gather everything on every
     rank, and compare with one process holding all experts over all ranks' tokens (on this rank's
     device: gloo on CPU, NCCL on GPU). Returns per case and quantity the largest absolute error
     relative to the largest expected magnitude."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
     world = ctx.world_size
     errors = {}
     for routing, fp8, dispatcher in cases:

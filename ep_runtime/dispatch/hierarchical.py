@@ -1,0 +1,81 @@
+"""An EP group that spans nodes: ``all_to_all`` between nodes, ``nvlink`` inside them (DeepEP's
+internode scheme).
+
+A token travels once to each node holding one of its experts, to the rank of that node with its
+own local index (the "rail": the ranks of equal local index, one per node, linked by the
+network); there it is one of the rows the node-level ``nvlink`` backend forwards, once per rank
+of the node that holds one of its experts. Combine runs the other way: the node sums its ranks'
+rows per forwarded row, the rail sends one row per token home, the home rank sums its nodes.
+
+EP rank ``r`` is node ``r // G``, local rank ``r % G`` (G ranks per node); expert ``e`` is on EP
+rank ``e // E_local`` as in the flat backends. Both stages are the flat backends' transports, so
+the autograd of ``autograd.py`` serves the composition unchanged. Testable on one host by
+declaring fewer ranks per node (``parallel.ranks_per_node``; 1: every GPU its own node).
+
+Shape letters: T tokens, K routes, D hidden, R1 rows received from the rail, R rows received
+from the node, P layout rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kernels.permute import ExpertLayout
+
+from .all_to_all import AllToAllDispatcher, TokenRoute
+from .autograd import CombineFn, DispatchFn
+from .nvlink import NVLinkDispatcher, PeerRoute
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+
+
+@dataclass(frozen=True)
+class TwoStageRoute:
+    """Where the rows went: over the rail (``rail``), then inside the node (``node``)."""
+
+    rail: TokenRoute
+    node: PeerRoute
+    layout: ExpertLayout  # the node stage's: over the R rows this rank received
+    num_tokens: int
+
+
+class HierarchicalDispatcher:
+    """Dispatch/combine over an EP group of ``N`` nodes x ``G`` ranks: ``rail_group`` (this rank's
+    local index on every node) and ``node_group`` (this rank's node)."""
+
+    def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
+                 device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False):
+        nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
+        if num_experts % (nodes * per_node):
+            raise ValueError(f"num_experts: expected a multiple of the EP size {nodes * per_node}, got {num_experts}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // (nodes * per_node)
+        self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment, fp8=fp8)
+        # A rank forwards at most one row per token of each node's rail peer.
+        self.node = NVLinkDispatcher(num_experts=num_experts // nodes, group=node_group, device=device,
+                                     max_tokens_per_rank=nodes * max_tokens_per_rank, alignment=alignment, fp8=fp8)
+        self.max_tokens = max_tokens_per_rank
+
+    def scatter(self, rows_TX: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
+        return self.node.scatter(self.rail.scatter(rows_TX, route.rail), route.node)
+
+    def gather_home(self, rows_RX: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
+        return self.rail.gather_home(self.node.gather_home(rows_RX, route.node), route.rail)
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
+        check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
+        if x_TD.shape[0] > self.max_tokens:
+            raise ValueError(f"x_TD: rank {dist.get_rank()} dispatches {x_TD.shape[0]} tokens, more than the "
+                             f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")
+        with torch.no_grad():
+            rail, node_idx_R1K, x_R1D, weights_R1K = self.rail.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
+            node, x_RD, weights_RK = self.node.move_tokens(x_R1D, node_idx_R1K, weights_R1K)
+        route = TwoStageRoute(rail=rail, node=node, layout=node.layout, num_tokens=x_TD.shape[0])
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
+        return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
+
+    def combine(self, y_PD, handle: DispatchHandle):
+        check_combine_args(y_PD, handle)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
