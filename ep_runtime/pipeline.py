@@ -24,6 +24,7 @@ micro-batch, S sequence length (the batch's minus one), D hidden, N mHC streams.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -159,9 +160,12 @@ class PipelineSchedule:
         """Forward and backward of every micro-batch of ``tokens_BS`` (int64 ``[B, S+1]``, the same
         on every stage of a pipeline). Accumulates gradients into this stage's parameters; returns
         the mean loss over the micro-batches (detached) on the last stage, None elsewhere. Each MoE
-        layer's ``load_E`` then holds the routes of every micro-batch (as one forward of the batch)."""
+        layer's ``load_E`` then holds the routes of every micro-batch (as one forward of the batch),
+        and ``wait_s`` the seconds this rank waited on its neighbours (``ep-runtime bench pipeline``
+        divides it by the step's time: the measured bubble)."""
         micro = split_microbatches(tokens_BS, self.num_microbatches)
         self._shape = self.boundary(tokens_BS)
+        self.wait_s = 0.0
         self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
@@ -192,12 +196,23 @@ class PipelineSchedule:
         losses, self._saved, self._sends, self._losses = self._losses, {}, [], []
         return torch.stack(losses).mean() if losses else None
 
+    def _recv(self, src: int) -> torch.Tensor:
+        """The next stream (or gradient) from ``src``; the time this rank sat waiting for it (its
+        share of the pipeline's bubble) adds to ``wait_s``."""
+        t = self._shape.empty()
+        if t.is_cuda:  # this rank's own work is not waiting
+            torch.cuda.current_stream().synchronize()
+        begin = time.perf_counter()
+        dist.irecv(t, src).wait()
+        if t.is_cuda:  # NCCL receives complete on the stream
+            torch.cuda.current_stream().synchronize()
+        self.wait_s += time.perf_counter() - begin
+        return t
+
     def _forward(self, i: int, tokens_BS: torch.Tensor) -> None:
         x = None
         if self.prev_rank is not None:
-            x = self._shape.empty()
-            dist.irecv(x, self.prev_rank).wait()
-            x.requires_grad_()
+            x = self._recv(self.prev_rank).requires_grad_()
         out = self.stage(x, tokens_BS)
         for total_E, moe in zip(self._load_LE, self.stage.model.moe_layers):
             total_E += moe.load_E.to(total_E.device)  # a forward leaves its own routes only
@@ -212,9 +227,7 @@ class PipelineSchedule:
         if self.next_rank is None:
             (out / self.num_microbatches).backward()
         else:
-            grad = self._shape.empty()
-            dist.irecv(grad, self.next_rank).wait()
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(out, self._recv(self.next_rank))
         if self.prev_rank is not None:
             self._send(x.grad, self.prev_rank)
 
