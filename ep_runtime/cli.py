@@ -44,6 +44,13 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--fp8-dispatch", action="store_true", help="tokens travel as FP8 e4m3 (per-token scales)")
+    p.add_argument("--dispatcher", choices=("all_to_all", "nvlink"), default=MoEConfig.dispatcher,
+                   help="dispatch/combine backend: all_to_all (default) or nvlink (symmetric memory, no host sync; "
+                        "all_to_all between nodes when the EP group spans them)")
+    p.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer call "
+                   "(default: batch size x sequence length)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer declares "
+                   "more nodes, e.g. 1 for two-stage nvlink dispatch on one host")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--out", default=TrainConfig.out_dir, help="output directory (default runs/)")
     p.add_argument("--name", help="run name (default: the preset)")
@@ -75,14 +82,16 @@ def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def job_config_from_args(a: argparse.Namespace) -> JobConfig:
     model = PRESETS[a.model]()
     router = dataclasses.replace(model.moe.router, **_given(topk=a.topk))
-    moe = dataclasses.replace(model.moe, router=router, fp8_dispatch=a.fp8_dispatch, **_given(num_experts=a.experts))
+    moe = dataclasses.replace(model.moe, router=router, fp8_dispatch=a.fp8_dispatch, dispatcher=a.dispatcher,
+                              max_tokens_per_rank=a.max_tokens_per_rank or a.batch_size * a.seq_len,
+                              **_given(num_experts=a.experts))
     model = dataclasses.replace(model, moe=moe, max_seq_len=max(model.max_seq_len, a.seq_len),
                                 **_given(num_layers=a.layers, hidden=a.hidden))
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
     parallel = ParallelConfig(ep=a.ep, pp=a.pp, microbatches=a.microbatches or (2 * a.pp if a.pp > 1 else 1),
-                              schedule=a.schedule, timeout_s=a.timeout)
+                              schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout)
     return JobConfig(model=model, parallel=parallel, train=train)
 
 
