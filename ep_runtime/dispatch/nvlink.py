@@ -14,7 +14,8 @@ entered call n's barrier).
 
 Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``) and its
 routes and router weights; the receiver builds its experts' layout from the routes in the blocks'
-first ``count`` rows. Combine reduces each received row over its local experts
+first ``count`` rows. The bookkeeping on both sides (slots, counts, what each received row is and
+where it returns) is one kernel each (``kernels.comm.plan_send`` / ``plan_receive``). Combine reduces each received row over its local experts
 (``weighted_reduce``), puts it back into block ``me`` of its home rank at the row it came from,
 and the home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank
 order, float32).
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, put_rows
+from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows
 from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
@@ -83,7 +84,8 @@ class NVLinkDispatcher:
         self.fp8 = fp8
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
-        self.ranks_W = torch.arange(self.world, dtype=torch.int32, device=device)
+        # Each rank's count goes to row ``rank`` of rank w's counts region.
+        self.count_dest_WW = torch.where(torch.eye(self.world, dtype=torch.bool, device=device), self.rank, -1)
 
     @property
     def num_recv_rows(self) -> int:
@@ -138,19 +140,7 @@ class NVLinkDispatcher:
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
         idx_TK, weights_TK = topk_idx_TK.to(torch.int32), topk_weights_TK
         num_tokens, topk = idx_TK.shape
-        d = x_TD.shape[1]
-
-        # Where each token goes: its slot among this rank's tokens bound for rank w.
-        dest_TK = torch.where(idx_TK >= 0, idx_TK // e_local, -1)
-        goes_WT = (dest_TK[None] == self.ranks_W[:, None, None]).any(2)
-        goes_TW = goes_WT.T
-        # The scan runs along the contiguous axis: torch's scan down the outer one of [T, W] is
-        # 50x slower (225 us at T = 4096 on an H200).
-        slot_TW = (goes_WT.cumsum(1, dtype=torch.int32) - goes_WT.int()).T
-        dest_TW = torch.where(goes_TW, me * t_max + slot_TW, -1).contiguous()
-        count_W1 = goes_TW.sum(0, dtype=torch.int32)[:, None]
-
-        meta_TM = torch.cat([idx_TK, weights_TK.view(torch.int32)], 1)
+        send = plan_send(idx_TK, weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
         if self.fp8:
             q_TD, sf_TG = per_token_cast(x_TD, group=FP8_GROUP)
             payload = [(q_TD.view(torch.uint8), torch.uint8), (sf_TG, torch.float32)]
@@ -159,20 +149,16 @@ class NVLinkDispatcher:
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, rows.shape[1], dtype) for rows, dtype in payload))
         counts, meta, *data = regions
-        put_rows(count_W1, torch.where(torch.eye(world, dtype=torch.bool, device=x_TD.device), me, -1), counts)
-        put_rows(meta_TM, dest_TW, meta)
+        put_rows(send.count_W[:, None], self.count_dest_WW, counts)
+        put_rows(send.meta_TM, send.dest_TW, meta)
         for (rows, _), region in zip(payload, data):
-            put_rows(rows.contiguous(), dest_TW, region)
+            put_rows(rows.contiguous(), send.dest_TW, region)
         self.heap.barrier()
 
         # What arrived: block w's first count[w] rows.
-        row_R = torch.arange(t_max, dtype=torch.int32, device=x_TD.device).repeat(world)
-        valid_R = row_R < counts.views[me][:, 0].repeat_interleave(t_max)
-        meta_RM = meta.views[me]
-        idx_RK, recv_weights_RK = meta_RM[:, :topk], meta_RM[:, topk:].view(torch.float32)
-        local_RK = valid_R[:, None] & (idx_RK >= 0) & (idx_RK // e_local == me)
-        local_idx_RK = torch.where(local_RK, idx_RK - me * e_local, -1)
-        layout = expert_layout(local_idx_RK, e_local, alignment=self.alignment,
+        recv = plan_receive(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me,
+                            max_tokens=t_max)
+        layout = expert_layout(recv.local_idx_RK, e_local, alignment=self.alignment,
                                num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
         if self.fp8:
             x_RD = cast_back(data[0].views[me].view(torch.float8_e4m3fn), data[1].views[me], block=(1, FP8_GROUP),
@@ -180,13 +166,9 @@ class NVLinkDispatcher:
         else:
             x_RD = data[0].views[me]
 
-        # The way back: received row (w, i) returns to row me * T_max + i of rank w's region, and
-        # token t's row from rank w arrives at row w * T_max + slot.
-        src_R = torch.arange(world, dtype=torch.int32, device=x_TD.device).repeat_interleave(t_max)
-        back_RW = torch.where(valid_R[:, None] & (src_R[:, None] == self.ranks_W), me * t_max + row_R[:, None], -1)
-        home_TW = torch.where(goes_TW, self.ranks_W * t_max + slot_TW, -1).contiguous()
-        route = PeerRoute(dest_TW=dest_TW, back_RW=back_RW, home_TW=home_TW, layout=layout, num_tokens=num_tokens)
-        return route, x_RD, torch.where(local_RK, recv_weights_RK, 0.0)
+        route = PeerRoute(dest_TW=send.dest_TW, back_RW=recv.back_RW, home_TW=send.home_TW, layout=layout,
+                          num_tokens=num_tokens)
+        return route, x_RD, recv.weights_RK
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)

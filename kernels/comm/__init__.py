@@ -1,8 +1,10 @@
-"""Row copies into other ranks' memory: the data movement of the ``nvlink`` dispatch backend.
+"""Row copies into other ranks' memory and their bookkeeping: the ``nvlink`` dispatch backend's ops.
 
 ``put_rows`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
+``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
+TileLang kernels where ``use_tilelang`` says so, the reference otherwise.
 """
 
 import torch
@@ -10,9 +12,9 @@ import torch
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion
+from .reference import PeerRegion, ReceivePlan, SendPlan
 
-__all__ = ["PeerRegion", "put_rows"]
+__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "plan_receive", "plan_send", "put_rows"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -22,3 +24,21 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
         return kernel(src_NX, dest_NW, region)
     return reference.put_rows(src_NX, dest_NW, region)
+
+
+def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, **sizes) -> SendPlan:
+    """See :func:`kernels.comm.reference.plan_send`."""
+    if isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device):
+        from .plan_kernel import plan_send as kernel
+
+        return kernel(topk_idx_TK, topk_weights_TK, **sizes)
+    return reference.plan_send(topk_idx_TK, topk_weights_TK, **sizes)
+
+
+def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, **sizes) -> ReceivePlan:
+    """See :func:`kernels.comm.reference.plan_receive`."""
+    if isinstance(meta_RM, torch.Tensor) and use_tilelang(meta_RM.device):
+        from .plan_kernel import plan_receive as kernel
+
+        return kernel(meta_RM, count_W, **sizes)
+    return reference.plan_receive(meta_RM, count_W, **sizes)

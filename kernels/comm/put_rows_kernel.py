@@ -31,7 +31,7 @@ def get_put_rows_kernel(word: str, vec: int, tile_v: int, world: int):
     """``(src_NVX, dest_NW, delta_W, dst_CX)`` kernel for W = ``world`` ranks: rows of V vectors of
     ``vec`` words of type ``word``; rank 0's region as C vectors (row, vector and region sizes are
     dynamic)."""
-    num_src, num_dst, nv, nc = T.dynamic("num_src"), T.dynamic("num_dst"), T.dynamic("nv"), T.dynamic("nc")
+    num_src, nv, nc = T.dynamic("num_src"), T.dynamic("nv"), T.dynamic("nc")
     tile_m, per_thread = _tile(tile_v)
     vector_bytes = vec * T.dtype(word).bits // 8
 

@@ -58,3 +58,87 @@ def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: Pee
         raise ValueError(f"src_NX: expected rows of the region's width {first.shape[1]}, got shape {tuple(src_NX.shape)}")
     check_tensor("dest_NW", dest_NW, dtype=(torch.int32, torch.int64), shape=(src_NX.shape[0], region.world),
                  device=first.device)
+
+
+@dataclass(frozen=True, eq=False)
+class SendPlan:
+    """Where a rank's tokens go in its peers' receive regions (block ``me`` of every region holds
+    this rank's rows; all int32).
+
+    Attributes:
+        dest_TW: row of rank w's region that token t goes to (``me * T_max + slot``), -1 if none.
+        home_TW: row of this rank's region where token t's row from rank w comes back
+            (``w * T_max + slot``), -1 if none.
+        count_W: tokens going to each rank.
+        meta_TM: ``[T, 2K]``, each token's expert ids then its weights' float32 bits: what travels
+            with it.
+    """
+
+    dest_TW: torch.Tensor
+    home_TW: torch.Tensor
+    count_W: torch.Tensor
+    meta_TM: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class ReceivePlan:
+    """What a rank received, from ``meta_RM`` (rows ``[w * T_max, (w + 1) * T_max)`` from rank w,
+    the first ``count_W[w]`` of them real).
+
+    Attributes:
+        local_idx_RK: int32, each row's routes to this rank's experts (local ids), -1 elsewhere and
+            for unused rows.
+        weights_RK: float32, their router weights, 0 where ``local_idx_RK`` is -1.
+        back_RW: int32, row ``(w, i)`` returns to row ``me * T_max + i`` of rank w's region; -1 in
+            the other columns and for unused rows.
+    """
+
+    local_idx_RK: torch.Tensor
+    weights_RK: torch.Tensor
+    back_RW: torch.Tensor
+
+
+def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_local_experts: int, world: int,
+              rank: int, max_tokens: int) -> SendPlan:
+    """A token goes once to every rank holding one of its experts (expert e on rank
+    ``e // num_local_experts``), into slot ``s`` = its index among this rank's tokens bound there.
+
+    Args:
+        topk_idx_TK: [T, K] int32 expert ids, -1 for none (values are not checked).
+        topk_weights_TK: [T, K] float32.
+        num_local_experts, world, rank, max_tokens: E_local, W, this rank, T_max (>= T).
+    """
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=torch.int32, ndim=2)
+    check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
+                 device=topk_idx_TK.device)
+    ranks_W = torch.arange(world, dtype=torch.int32, device=topk_idx_TK.device)
+    dest_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // num_local_experts, -1)
+    goes_WT = (dest_TK[None] == ranks_W[:, None, None]).any(2)
+    slot_TW = (goes_WT.cumsum(1, dtype=torch.int32) - goes_WT.int()).T
+    goes_TW = goes_WT.T
+    return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + slot_TW, -1).contiguous(),
+                    home_TW=torch.where(goes_TW, ranks_W * max_tokens + slot_TW, -1).contiguous(),
+                    count_W=goes_WT.sum(1, dtype=torch.int32),
+                    meta_TM=torch.cat([topk_idx_TK, topk_weights_TK.view(torch.int32)], 1))
+
+
+def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
+                 max_tokens: int) -> ReceivePlan:
+    """The receiving side of :func:`plan_send`: ``meta_RM`` [W * T_max, 2K] int32 as it arrived
+    (unused rows hold anything), ``count_W`` [W] int32 the rows each rank sent."""
+    check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
+    check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)
+    world, topk = count_W.shape[0], meta_RM.shape[1] // 2
+    if meta_RM.shape[0] != world * max_tokens or meta_RM.shape[1] % 2:
+        raise ValueError(f"meta_RM: expected shape ({world * max_tokens}, 2 * K), got {tuple(meta_RM.shape)}")
+    device = meta_RM.device
+    row_R = torch.arange(max_tokens, dtype=torch.int32, device=device).repeat(world)
+    src_R = torch.arange(world, dtype=torch.int32, device=device).repeat_interleave(max_tokens)
+    valid_R = row_R < count_W.repeat_interleave(max_tokens)
+    idx_RK, weights_RK = meta_RM[:, :topk], meta_RM[:, topk:].view(torch.float32)
+    local_RK = valid_R[:, None] & (idx_RK >= 0) & (idx_RK // num_local_experts == rank)
+    ranks_W = torch.arange(world, dtype=torch.int32, device=device)
+    return ReceivePlan(local_idx_RK=torch.where(local_RK, idx_RK - rank * num_local_experts, -1),
+                       weights_RK=torch.where(local_RK, weights_RK, 0.0),
+                       back_RW=torch.where(valid_R[:, None] & (src_R[:, None] == ranks_W),
+                                           rank * max_tokens + row_R[:, None], -1))
