@@ -65,7 +65,9 @@ def run_case(dispatcher, x_TD, idx_TK, weights_TK, first_expert: int):
     for e, (s, n) in enumerate(zip(starts, layout.counts_E.tolist())):
         factor_P[s:s + n] = first_expert + e + 1
         rows_E.append(x_PD[s:s + n, 0].detach().clone())
-    pad = torch.ones(x_PD.shape[0], dtype=torch.bool, device=x_PD.device)
+    # Padding inside the segments is zero; rows past the last one (a static capacity's unused
+    # rows) are unspecified.
+    pad = torch.arange(x_PD.shape[0], device=x_PD.device) < (ends[-1] if ends else 0)
     for s, n in zip(starts, layout.counts_E.tolist()):
         pad[s:s + n] = False
     out_TD = dispatcher.combine(x_PD * factor_P[:, None], handle)
