@@ -44,9 +44,9 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--fp8-dispatch", action="store_true", help="tokens travel as FP8 e4m3 (per-token scales)")
-    p.add_argument("--dispatcher", choices=("all_to_all", "nvlink"), default=MoEConfig.dispatcher,
-                   help="dispatch/combine backend: all_to_all (default) or nvlink (symmetric memory, no host sync; "
-                        "all_to_all between nodes when the EP group spans them)")
+    p.add_argument("--dispatcher", choices=("all_to_all", "nvlink", "deepep"), default=MoEConfig.dispatcher,
+                   help="dispatch/combine backend: all_to_all (default), nvlink (symmetric memory, no host sync; "
+                        "all_to_all between nodes when the EP group spans them) or deepep (needs deep_ep)")
     p.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer call "
                    "(default: batch size x sequence length)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer declares "

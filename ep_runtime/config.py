@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
-DISPATCHERS = ("all_to_all", "nvlink")
+DISPATCHERS = ("all_to_all", "nvlink", "deepep")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -54,7 +54,7 @@ class MoEConfig:
     num_shared_experts: int = 1
     alignment: int = 8  # rows per expert segment are padded to this (128 for grouped GEMM on GPU)
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
-    dispatcher: str = "all_to_all"  # or "nvlink": symmetric memory, no host sync (ep_runtime/dispatch/nvlink.py)
+    dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
     router: RouterConfig = field(default_factory=RouterConfig)
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from ..config import MoEConfig
+from ..config import DISPATCHERS, MoEConfig
 from ..parallel import ParallelContext
 from .all_to_all import AllToAllDispatcher
+from .deepep import DeepEPDispatcher
 from .hierarchical import HierarchicalDispatcher
 from .nvlink import NVLinkDispatcher
 from .protocol import Dispatcher, DispatchHandle, Route
 
-__all__ = ["AllToAllDispatcher", "Dispatcher", "DispatchHandle", "HierarchicalDispatcher", "NVLinkDispatcher", "Route",
-           "make_dispatcher"]
+__all__ = ["AllToAllDispatcher", "DeepEPDispatcher", "Dispatcher", "DispatchHandle", "HierarchicalDispatcher",
+           "NVLinkDispatcher", "Route", "make_dispatcher"]
 
 
 def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:
-    """The backend named by ``cfg.dispatcher`` over this rank's EP group: ``nvlink`` is two-stage
+    """The backend named by ``cfg.dispatcher`` over this rank's EP group (``deepep`` needs the
+    ``deep_ep`` package and says so otherwise): ``nvlink`` is two-stage
     (``hierarchical``) when the group spans nodes. Without a group (one process) tokens do not
     travel: every backend is the identity transport of ``all_to_all``."""
     if cfg.dispatcher == "nvlink" and ctx.ep_rail_group is not None:
@@ -26,7 +28,10 @@ def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:
         return NVLinkDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, device=ctx.device,
                                 max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,
                                 fp8=cfg.fp8_dispatch)
-    if cfg.dispatcher in ("all_to_all", "nvlink"):
+    if cfg.dispatcher == "deepep" and ctx.ep_group is not None:
+        return DeepEPDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
+                                fp8=cfg.fp8_dispatch)
+    if cfg.dispatcher in DISPATCHERS:
         return AllToAllDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
                                   fp8=cfg.fp8_dispatch)
-    raise ValueError(f"model.moe.dispatcher: expected 'all_to_all' or 'nvlink', got {cfg.dispatcher!r}")
+    raise ValueError(f"model.moe.dispatcher: expected one of {DISPATCHERS}, got {cfg.dispatcher!r}")

@@ -1,8 +1,8 @@
 """Every dispatcher backend against one definition: combine(expert(dispatch(x))) with expert e
 multiplying by e + 1 is ``sum_k w_k (e_k + 1) x`` (and its gradients), for balanced and skewed
 routing (experts without tokens), -1 routes and tokens without any, a rank with no tokens (idle), FP8
-payloads; ``nvlink`` gives ``all_to_all``'s bits and hands each expert the same rows in the same
-order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
+payloads; ``nvlink`` and ``deepep`` (the adapter to DeepEP's Buffer, over ep-runtime's facade of
+it) give ``all_to_all``'s bits and hand each expert the same rows in the same order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
 dispatches more tokens than the receive buffers hold gets an error naming the limit.
 
 CPU: gloo processes (``nvlink`` over shared-memory files); GPU: one process per GPU (``nvlink``
@@ -39,3 +39,15 @@ def test_backends_conform(world, ranks_per_node):
                 assert errs.pop("padding_zero"), (rank, case, backend)
                 for name, err in errs.items():
                     assert err <= TOL[name], f"rank {rank} {case} {backend} {name}: error {err:.3g} > {TOL[name]}"
+
+
+def test_deepep_without_deep_ep_says_what_is_missing():
+    from ep_runtime.dispatch.deepep import import_deep_ep
+
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="'deepep' needs the deep_ep package"):
+            import_deep_ep()
+    else:
+        pytest.skip("deep_ep is installed here")

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ep_runtime.config import ParallelConfig
-from ep_runtime.dispatch import AllToAllDispatcher, HierarchicalDispatcher, NVLinkDispatcher
+from ep_runtime.compat import deep_ep as deep_ep_facade
+from ep_runtime.dispatch import AllToAllDispatcher, DeepEPDispatcher, HierarchicalDispatcher, NVLinkDispatcher
 from ep_runtime.parallel import init_parallel
 
 HIDDEN = 160  # not a multiple of the FP8 group (128): a ragged last group
@@ -19,6 +20,9 @@ TOPK = 4
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool, max_tokens: int):
     if backend == "all_to_all":
         return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8)
+    if backend == "deepep":  # the adapter, over ep-runtime's facade of DeepEP's Buffer
+        return DeepEPDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
+                                buffer_api=deep_ep_facade)
     if backend == "hierarchical":
         return HierarchicalDispatcher(num_experts=num_experts, rail_group=ctx.ep_rail_group,
                                       node_group=ctx.ep_node_group, device=ctx.device, max_tokens_per_rank=max_tokens,
@@ -79,8 +83,9 @@ def run_case(dispatcher, x_TD, idx_TK, weights_TK, first_expert: int):
 
 def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int) -> dict:
     """For each (routing, tokens per rank, fp8) case and backend: the largest error of out,
-    grad_x and grad_w against the definition (exact arithmetic in float64); whether ``nvlink``
-    gave ``all_to_all``'s bits and rows per expert in the same order, and ``hierarchical`` (the
+    grad_x and grad_w against the definition (exact arithmetic in float64); whether ``nvlink`` and
+    ``deepep`` (the adapter, over ep-runtime's facade of DeepEP's Buffer) gave ``all_to_all``'s
+    bits and rows per expert in the same order, and ``hierarchical`` (the
     EP group declared ``ranks_per_node`` ranks per node) the same rows per expert in some order;
     the overflow error's message."""
     ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
@@ -88,7 +93,7 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int) -> dict
     num_experts = 4 * world
     results = {}
     max_tokens = max(t for _, t, _ in cases)
-    backends = ("all_to_all", "nvlink", "hierarchical")
+    backends = ("all_to_all", "nvlink", "hierarchical", "deepep")
     dispatchers = {(backend, fp8): make_dispatcher(backend, ctx, num_experts, fp8, max_tokens)
                    for backend in backends for fp8 in (False, True)}
     for case, num_tokens, fp8 in cases:
@@ -108,7 +113,7 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int) -> dict
         for backend in backends:
             got[backend] = run_case(dispatchers[backend, fp8], x, idx, weights,
                                     first_expert=ctx.ep_rank * (num_experts // world))
-        a, b, c = got["all_to_all"], got["nvlink"], got["hierarchical"]
+        a, b, c, d = got["all_to_all"], got["nvlink"], got["hierarchical"], got["deepep"]
         x_g = x.double()
         g_TD = torch.linspace(-1, 1, want.numel(), device=x.device).view_as(want).double()
         grad_w_want = torch.where(idx >= 0, idx + 1, 0).double() * (x_g * g_TD).sum(1, keepdim=True)
@@ -121,8 +126,9 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int) -> dict
                       "grad_w": _max_abs(r["grad_w"].double() - grad_w_want) / max(_max_abs(grad_w_want), 1.0),
                       "padding_zero": r["padding_zero"]}
             for backend, r in got.items()} | {
-            "same_out": torch.equal(a["out"], b["out"]),
-            "same_rows": all(torch.equal(p, q) for p, q in zip(a["rows_E"], b["rows_E"])),
+            "same_out": torch.equal(a["out"], b["out"]) and torch.equal(a["out"], d["out"]),
+            "same_rows": all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in zip(a["rows_E"], b["rows_E"],
+                                                                                          d["rows_E"])),
             "same_row_sets": all(torch.equal(p.sort().values, q.sort().values) for p, q in zip(a["rows_E"], c["rows_E"])),
             "routes_received": sum(len(r) for r in a["rows_E"]),
         }

@@ -1,0 +1,87 @@
+"""The ``deepep`` backend: dispatch/combine through DeepEP's ``Buffer`` (intranode normal mode).
+
+Any module with DeepEP's ``Buffer`` API serves: ``deep_ep`` itself when it is installed (its NVLink
+kernels, bf16 activations), or ``ep_runtime.compat.deep_ep`` (ep-runtime's facade of that API,
+which is how the conformance suite runs this adapter without DeepEP). Tokens and their routes go
+out in one ``Buffer.dispatch`` (FP8 ``(data, scales)`` when ``fp8``), received rows come back
+grouped by source rank; the local experts' layout is built here. The transport of the autograd
+(``autograd.py``) is DeepEP's cached dispatch (``scatter``) and combine (``gather_home``; the
+router weights' gradients ride on combine's ``topk_weights``).
+
+Shape letters: T tokens, K routes, D hidden, R received rows, P layout rows.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kernels.permute import ExpertLayout, expert_layout
+from kernels.quant import cast_back, per_token_cast
+
+from .autograd import CombineFn, DispatchFn
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+
+
+@dataclass(frozen=True)
+class BufferRoute:
+    """DeepEP's handle of the dispatch, and the layout built from its received routes."""
+
+    handle: tuple
+    layout: ExpertLayout
+    num_tokens: int
+    hidden: int  # rows of another width are router weights' gradients ([R, K])
+
+
+def import_deep_ep() -> types.ModuleType:
+    try:
+        import deep_ep
+    except ImportError as e:
+        raise ValueError("model.moe.dispatcher: 'deepep' needs the deep_ep package (github.com/deepseek-ai/DeepEP), "
+                         f"which does not import here ({e}); use 'nvlink' or 'all_to_all'") from None
+    return deep_ep
+
+
+class DeepEPDispatcher:
+    """Dispatch/combine through ``buffer_api.Buffer`` over ``group`` (default: ``deep_ep``)."""
+
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup, alignment: int = 128, fp8: bool = False,
+                 buffer_api: types.ModuleType | None = None, num_nvl_bytes: int = 1 << 30):
+        world = dist.get_world_size(group)
+        if num_experts % world:
+            raise ValueError(f"num_experts: expected a multiple of the EP size {world}, got {num_experts}")
+        self.num_experts, self.num_local_experts = num_experts, num_experts // world
+        self.alignment, self.fp8 = alignment, fp8
+        self.buffer = (buffer_api or import_deep_ep()).Buffer(group, num_nvl_bytes)
+
+    def scatter(self, rows_TX: torch.Tensor, route: BufferRoute) -> torch.Tensor:
+        return self.buffer.dispatch(rows_TX, handle=route.handle)[0]
+
+    def gather_home(self, rows_RX: torch.Tensor, route: BufferRoute) -> torch.Tensor:
+        if rows_RX.shape[1] != route.hidden:  # router weights' gradients: combine's topk_weights
+            rows = torch.zeros(rows_RX.shape[0], 8, dtype=torch.bfloat16, device=rows_RX.device)
+            return self.buffer.combine(rows, route.handle, topk_weights=rows_RX.contiguous())[1]
+        return self.buffer.combine(rows_RX.contiguous(), route.handle)[0]
+
+    def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
+        check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
+        idx_TK = topk_idx_TK.to(torch.int64)
+        with torch.no_grad():
+            per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(idx_TK, self.num_experts)
+            x = per_token_cast(x_TD) if self.fp8 else x_TD
+            recv_x, recv_idx_RK, recv_weights_RK, _, handle, _ = self.buffer.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx_TK, topk_weights=topk_weights_TK)
+            if self.fp8:
+                recv_x = cast_back(*recv_x, block=(1, 128), out_dtype=x_TD.dtype)
+        layout = expert_layout(recv_idx_RK, self.num_local_experts, alignment=self.alignment)
+        route = BufferRoute(handle=handle, layout=layout, num_tokens=x_TD.shape[0], hidden=x_TD.shape[1])
+        x_PD, weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, recv_x, recv_weights_RK, route, self)
+        return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=weights_RK)
+
+    def combine(self, y_PD, handle: DispatchHandle):
+        check_combine_args(y_PD, handle)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
