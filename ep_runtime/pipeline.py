@@ -8,8 +8,8 @@ sharded within it (both come from the ``ParallelContext``, whose groups are per 
 
 What travels between stages, micro-batch by micro-batch, is the residual stream: ``[M_b, S, D]``,
 or ``[M_b, S, N, D]`` with mHC (``Boundary``, its shape declared once per step), forward as
-activations and backward as their gradients, by point-to-point ``isend``/``irecv`` over the ``pp``
-group. Token ids do not travel: every stage is given the same batch (the last stage needs it for
+activations and backward as their gradients (bf16 between GPUs, float32 on CPU), by point-to-point
+``isend``/``irecv`` over the ``pp`` group. Token ids do not travel: every stage is given the same batch (the last stage needs it for
 its targets and an Engram layer in any stage for its hashes), as a data loader replicated along
 ``pp`` would give it.
 
@@ -118,14 +118,16 @@ class PipelineStage(nn.Module):
 @dataclass(frozen=True)
 class Boundary:
     """The stream that crosses a stage boundary, declared once per step: ``[M_b, S, D]`` or with
-    mHC ``[M_b, S, N, D]``, in the stage's compute dtype."""
+    mHC ``[M_b, S, N, D]``. It travels as ``wire_dtype`` (bf16 between GPUs: half the bytes of
+    float32 activations and their gradients) and is computed on as ``dtype``."""
 
-    shape: tuple[int, ...]  # float32 on the wire (bf16 under autocast on GPU is a later step)
+    shape: tuple[int, ...]
     dtype: torch.dtype
+    wire_dtype: torch.dtype
     device: torch.device
 
     def empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
 
 class PipelineSchedule:
@@ -154,7 +156,8 @@ class PipelineSchedule:
         cfg = self.stage.cfg
         rows, seq = tokens_BS.shape[0] // self.num_microbatches, tokens_BS.shape[1] - 1
         streams = (cfg.mhc.n,) if cfg.mhc else ()
-        return Boundary((rows, seq, *streams, cfg.hidden), torch.float32, self.ctx.device)
+        wire = torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32
+        return Boundary((rows, seq, *streams, cfg.hidden), torch.float32, wire, self.ctx.device)
 
     def step(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every micro-batch of ``tokens_BS`` (int64 ``[B, S+1]``, the same
@@ -207,7 +210,7 @@ class PipelineSchedule:
         if t.is_cuda:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
         self.wait_s += time.perf_counter() - begin
-        return t
+        return t.to(self._shape.dtype)
 
     def _forward(self, i: int, tokens_BS: torch.Tensor) -> None:
         x = None
@@ -232,7 +235,7 @@ class PipelineSchedule:
             self._send(x.grad, self.prev_rank)
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
-        t = t.to(self._shape.dtype).contiguous()
+        t = t.to(self._shape.wire_dtype).contiguous()
         self._sends.append((dist.isend(t, dst), t))  # the tensor stays alive until the send is done
 
 

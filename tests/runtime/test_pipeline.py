@@ -16,7 +16,8 @@ from launch.local import launch_local
 # FLOOR times the model's largest gradient, whichever is larger. CPU, fp32 everywhere: the
 # pipeline sums the same terms in another order (micro-batches, ranks, index_add over experts).
 RTOL = 1e-5
-CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("mhc", "1f1b", 4), ("mhc-engram", "1f1b", 2)]
+CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("mhc", "1f1b", 4), ("mhc-recompute", "1f1b", 4),
+         ("mhc-engram", "1f1b", 2)]
 STEPS = 2
 
 

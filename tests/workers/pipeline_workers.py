@@ -19,8 +19,8 @@ def model_config(variant: str) -> ModelConfig:
     moe = MoEConfig(num_experts=4, expert_hidden=8, num_shared_experts=1, alignment=4,
                     router=RouterConfig(scoring="sigmoid", topk=2, bias_update_rate=0.0))
     extra = {}
-    if variant in ("mhc", "mhc-engram"):
-        extra["mhc"] = MHCConfig(n=2, sinkhorn_iters=5)
+    if variant in ("mhc", "mhc-engram", "mhc-recompute"):  # recompute: each stage keeps its input stream only
+        extra["mhc"] = MHCConfig(n=2, sinkhorn_iters=5, recompute=variant == "mhc-recompute")
     if variant == "mhc-engram":  # one Engram layer on each stage
         extra["engram"] = EngramConfig(layers=(0, 3), max_ngram=2, num_heads=1, table_size=17, head_dim=4)
     return ModelConfig(vocab_size=32, hidden=16, num_layers=4, num_heads=2, max_seq_len=SEQ, dense_layers=1,
