@@ -33,3 +33,43 @@ def test_ep_scaling_runs_at_ep_1_and_2(tmp_path):
             assert row["dispatch_gbps_per_rank"] > 0 and row["a2a_same_bytes_gbps_per_rank"] > 0
     assert (tmp_path / "ep_scaling_small.png").stat().st_size > 10_000
     assert "weak EP   2" in done.stdout
+
+
+def run_bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "ep_runtime.cli", "bench", *args, "--out", str(tmp_path)],
+                          env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_ep_scaling_with_the_nvlink_backend(tmp_path):
+    run_bench(tmp_path, "ep-scaling", "--num-workers", "2", "--dispatcher", "nvlink", "--modes", "weak",
+              "--warmup", "1", "--iters", "1")
+    report = json.loads((tmp_path / "ep_scaling_small_nvlink.json").read_text())
+    assert report["spec"]["dispatcher"] == "nvlink"
+    assert [r["ep"] for r in report["rows"]] == [1, 2] and all(r["layer_ms"] > 0 for r in report["rows"])
+
+
+def test_dispatch_bench_times_every_backend_and_peer(tmp_path):
+    """CPU: all_to_all and nvlink (shared-memory heap), its transport, NCCL's stand-in (gloo a2a)."""
+    done = run_bench(tmp_path, "dispatch", "--tokens", "64", "--hidden", "256", "--warmup", "1", "--iters", "2")
+    report = json.loads((tmp_path / "dispatch.json").read_text())
+    (row,) = report["rows"]
+    for key in ("all_to_all_dispatch", "all_to_all_combine", "nvlink_dispatch", "nvlink_combine", "nvlink_transport",
+                "nccl_a2a_dispatch", "nccl_a2a_combine"):
+        assert row[f"{key}_ms"] > 0 and row[f"{key}_gbps"] > 0, key
+    # about half of 64 tokens go to the other rank: 256 FP8 bytes + 2 float32 scales each
+    assert 0.3 * 64 * 264 < row["dispatch_bytes_per_rank"] <= 64 * 264
+    assert "nvlink_transport" in done.stdout
+
+
+def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
+    run_bench(tmp_path, "pipeline", "--microbatches", "2,4", "--batch-size", "4", "--seq-len", "8",
+              "--warmup", "1", "--steps", "2")
+    report = json.loads((tmp_path / "pipeline.json").read_text())
+    rows = {(r["schedule"], r["microbatches"], r["stage"]): r for r in report["rows"]}
+    assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe") for m in (2, 4) for st in (0, 1)]
+    for (_, m, _), r in rows.items():
+        assert r["bubble_formula"] == 1 / (m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0
+        assert r["peak_memory_mb"] > 0
+    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
