@@ -37,8 +37,9 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
     p.add_argument("--pp", type=int, default=ParallelConfig.pp, help="pipeline stages (default 1: none)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default: 2 * pp)")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default=ParallelConfig.schedule,
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default=ParallelConfig.schedule,
                    help="pipeline schedule (default 1f1b)")
+    p.add_argument("--virtual-stages", type=int, help="model chunks per stage with --schedule interleaved (default 2)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
@@ -91,7 +92,8 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
     parallel = ParallelConfig(ep=a.ep, pp=a.pp, microbatches=a.microbatches or (2 * a.pp if a.pp > 1 else 1),
-                              schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout)
+                              schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout,
+                              virtual_stages=a.virtual_stages or (2 if a.schedule == "interleaved" else 1))
     return JobConfig(model=model, parallel=parallel, train=train)
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from . import mhc
 from .config import PIPELINE_SCHEDULES
 from .model import TinyDeepSeek
+from .moe import MoELayer
 from .parallel import ParallelContext
 
 SCHEDULES = PIPELINE_SCHEDULES
@@ -69,19 +70,28 @@ class _OnAnotherStage(nn.Module):
 
 
 class PipelineStage(nn.Module):
-    """This rank's part of ``model``: the blocks of ``stage_layers(...)[stage]`` (others are replaced
-    by a parameterless stand-in so parameter names stay those of the whole model), the embeddings on the
-    first stage, the mHC head, final norm and LM head on the last. Build ``model`` under the same
-    seed on every rank, with this rank's stage-local dispatcher and EP rank."""
+    """This rank's part of ``model``: the blocks of its virtual stages (``stage``, ``stage + P``,
+    ... for ``chunks`` model chunks, ``P = num_stages``; one chunk without interleaving; others are
+    replaced by a parameterless stand-in so parameter names stay those of the whole model), the
+    embeddings on the first stage, the mHC head, final norm and LM head on the last. Build
+    ``model`` under the same seed on every rank, with this rank's stage-local dispatcher and EP
+    rank."""
 
-    def __init__(self, model: TinyDeepSeek, *, stage: int, num_stages: int):
+    def __init__(self, model: TinyDeepSeek, *, stage: int, num_stages: int, chunks: int = 1):
         super().__init__()
         if num_stages > 1 and model.cfg.moe.router.aux_loss_coef > 0:  # each stage would need its own term
             raise ValueError("model.moe.router.aux_loss_coef: expected 0 with pipeline stages (parallel.pp > 1; "
                              f"not supported yet), got {model.cfg.moe.router.aux_loss_coef}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"parallel.virtual_stages: expected an int >= 1, got {chunks!r}")
+        if chunks > 1 and num_stages * chunks > model.cfg.num_layers:
+            raise ValueError(f"parallel.virtual_stages: expected pp x virtual_stages <= model.num_layers="
+                             f"{model.cfg.num_layers} (a block per virtual stage at least), got {num_stages} x {chunks}")
         self.cfg = model.cfg
-        self.stage, self.num_stages = stage, num_stages
-        self.layers = stage_layers(model.cfg.num_layers, num_stages)[stage]
+        self.stage, self.num_stages, self.chunks = stage, num_stages, chunks
+        every = stage_layers(model.cfg.num_layers, num_stages * chunks)
+        self.chunk_layers = [every[c * num_stages + stage] for c in range(chunks)]
+        self.layers = [i for layers in self.chunk_layers for i in layers]
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         for i in range(model.cfg.num_layers):
             if i not in self.layers:
@@ -92,19 +102,25 @@ class PipelineStage(nn.Module):
             model.mhc_head = model.norm = model.head = None
         self.model = model
 
-    def forward(self, x: torch.Tensor | None, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """First stage: ``x`` is None, the stream starts from ``tokens_BS[:, :-1]``. Returns the
-        stream for the next stage, or on the last stage the micro-batch's mean loss."""
+    def moe_layers(self, chunk: int) -> list[MoELayer]:
+        return [self.model.blocks[i].ffn for i in self.chunk_layers[chunk]
+                if isinstance(self.model.blocks[i].ffn, MoELayer)]
+
+    def forward(self, x: torch.Tensor | None, tokens_BS: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """The first virtual stage: ``x`` is None, the stream starts from ``tokens_BS[:, :-1]``.
+        Returns the stream for the next virtual stage, or on the last the micro-batch's mean
+        loss."""
         m = self.model
         inputs_BS = tokens_BS[:, :-1]
-        if self.is_first:
+        first, last = self.is_first and chunk == 0, self.is_last and chunk == self.chunks - 1
+        if first:
             pos_S = torch.arange(inputs_BS.shape[1], device=inputs_BS.device)
             x = m.embed(inputs_BS) + m.pos_embed(pos_S)
             if self.cfg.mhc:
                 x = mhc.expand(x, self.cfg.mhc.n)
-        for i in self.layers:
+        for i in self.chunk_layers[chunk]:
             x = m.blocks[i](x, inputs_BS)
-        if not self.is_last:
+        if not last:
             return x
         if m.mhc_head is not None:
             x = m.mhc_head(x)
@@ -130,12 +146,45 @@ class Boundary:
         return torch.empty(self.shape, dtype=self.wire_dtype, device=self.device)
 
 
+def schedule_ops(schedule: str, *, stage: int, num_stages: int, num_microbatches: int,
+                 chunks: int = 1) -> list[tuple[str, int, int]]:
+    """The order in which ``stage`` runs its forwards and backwards: ``("F" or "B", chunk,
+    micro-batch)``, phase by phase as ``pipeline.md`` draws them."""
+    p, m, s = num_stages, num_microbatches, stage
+    if schedule == "gpipe":  # phase 1: every forward; phase 2: every backward
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(p - 1 - s, m)
+        ops = [("F", 0, i) for i in range(warmup)]  # phase 1, warmup: fill the pipeline below
+        for i in range(warmup, m):  # phase 2, steady state: one forward, the oldest backward
+            ops += [("F", 0, i), ("B", 0, i - warmup)]
+        return ops + [("B", 0, i) for i in range(m - warmup, m)]  # phase 3, cooldown: drain
+    # interleaved: forward k runs chunk (k // P) % V on micro-batch (k // (P V)) P + k % P, so
+    # each group of P micro-batches passes every chunk in turn; backwards the chunks in reverse.
+    if m % p:
+        raise ValueError(f"num_microbatches: expected a multiple of the {p} stages with the interleaved schedule, "
+                         f"got {m}")
+    total = m * chunks
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k // p) % chunks
+        return kind, chunk if kind == "F" else chunks - 1 - chunk, (k // (p * chunks)) * p + k % p
+
+    warmup = min((p - s - 1) * 2 + (chunks - 1) * p, total)
+    ops = [op("F", k) for k in range(warmup)]  # phase 1, warmup
+    for k in range(warmup, total):  # phase 2, steady state
+        ops += [op("F", k), op("B", k - warmup)]
+    return ops + [op("B", k) for k in range(total - warmup, total)]  # phase 3, cooldown
+
+
 class PipelineSchedule:
     """Runs one training step's forwards and backwards for this rank's ``stage``.
 
-    ``ctx`` gives the stage (``pp_rank``, ``pp_size``); the previous and next stage's ranks are
-    this rank's neighbours in the ``pp`` group. With ``pp_size == 1`` it is plain gradient
-    accumulation over micro-batches."""
+    ``ctx`` gives the stage (``pp_rank``, ``pp_size``); the neighbouring virtual stages are this
+    rank's neighbours in the ``pp`` group (the last stage's next is the first stage's next chunk).
+    Activations travel in one process group and gradients in another, so each direction's
+    messages between two ranks are matched in the order they were sent, whatever the schedule
+    interleaves. With ``pp_size == 1`` it is plain gradient accumulation over micro-batches."""
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext, *, num_microbatches: int,
                  schedule: str = "1f1b"):
@@ -146,11 +195,23 @@ class PipelineSchedule:
         if (stage.stage, stage.num_stages) != (ctx.pp_rank, ctx.pp_size):
             raise ValueError(f"stage: expected stage {ctx.pp_rank} of {ctx.pp_size} (the context's), got "
                              f"{stage.stage} of {stage.num_stages}")
+        if (schedule == "interleaved") != (stage.chunks > 1):
+            raise ValueError(f"parallel.virtual_stages: expected > 1 with the interleaved schedule and 1 otherwise, "
+                             f"got {stage.chunks} with {schedule!r}")
         self.stage, self.ctx = stage, ctx
         self.num_microbatches, self.schedule = num_microbatches, schedule
-        per_stage = ctx.world_size // ctx.pp_size
-        self.prev_rank = ctx.rank - per_stage if not stage.is_first else None
-        self.next_rank = ctx.rank + per_stage if not stage.is_last else None
+        self.per_stage = ctx.world_size // ctx.pp_size
+        self.groups = {"F": None, "B": None}
+        if ctx.distributed and ctx.pp_size > 1:  # every rank creates both (collective)
+            self.groups = {"F": dist.new_group(), "B": dist.new_group()}
+
+    def _neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
+        """``(rank, chunk)`` of the virtual stage ``step`` (+1 or -1) away, None past either end."""
+        p, s = self.stage.num_stages, self.stage.stage
+        chunk += (s + step) // p  # -1 or +1 at the ends of a pass over the stages
+        if not 0 <= chunk < self.stage.chunks:
+            return None
+        return self.ctx.rank + ((s + step) % p - s) * self.per_stage, chunk
 
     def boundary(self, tokens_BS: torch.Tensor) -> Boundary:
         cfg = self.stage.cfg
@@ -167,76 +228,64 @@ class PipelineSchedule:
         and ``wait_s`` the seconds this rank waited on its neighbours (``ep-runtime bench pipeline``
         divides it by the step's time: the measured bubble)."""
         micro = split_microbatches(tokens_BS, self.num_microbatches)
+        ops = schedule_ops(self.schedule, stage=self.stage.stage, num_stages=self.stage.num_stages,
+                           num_microbatches=self.num_microbatches, chunks=self.stage.chunks)
         self._shape = self.boundary(tokens_BS)
         self.wait_s = 0.0
-        self._saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
-        self._load_LE: list[torch.Tensor] = [torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers]
-        m, s, p = self.num_microbatches, self.stage.stage, self.stage.num_stages
-        if self.schedule == "1f1b":
-            warmup = min(p - 1 - s, m)
-            # Phase 1, warmup: forwards only, filling the pipeline below this stage.
-            for i in range(warmup):
-                self._forward(i, micro[i])
-            # Phase 2, steady state: one forward, then the backward of the oldest micro-batch in flight.
-            for i in range(warmup, m):
-                self._forward(i, micro[i])
-                self._backward(i - warmup)
-            # Phase 3, cooldown: the remaining backwards, draining the pipeline.
-            for i in range(m - warmup, m):
-                self._backward(i)
-        else:  # gpipe
-            # Phase 1: every forward. Phase 2: every backward, in the same order.
-            for i in range(m):
-                self._forward(i, micro[i])
-            for i in range(m):
-                self._backward(i)
+        self._load = {moe: torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers}
+        for kind, chunk, i in ops:
+            if kind == "F":
+                self._forward(chunk, i, micro[i])
+            else:
+                self._backward(chunk, i)
         for work, _ in self._sends:
             work.wait()
-        for moe, load_E in zip(self.stage.model.moe_layers, self._load_LE):
+        for moe, load_E in self._load.items():
             moe.load_E = load_E
         losses, self._saved, self._sends, self._losses = self._losses, {}, [], []
         return torch.stack(losses).mean() if losses else None
 
-    def _recv(self, src: int) -> torch.Tensor:
-        """The next stream (or gradient) from ``src``; the time this rank sat waiting for it (its
-        share of the pipeline's bubble) adds to ``wait_s``."""
+    def _recv(self, src: int, kind: str) -> torch.Tensor:
+        """The next stream (``kind`` "F") or gradient ("B") from ``src``; the time this rank sat
+        waiting for it (its share of the pipeline's bubble) adds to ``wait_s``."""
         t = self._shape.empty()
         if t.is_cuda:  # this rank's own work is not waiting
             torch.cuda.current_stream().synchronize()
         begin = time.perf_counter()
-        dist.irecv(t, src).wait()
+        dist.irecv(t, src, group=self.groups[kind]).wait()
         if t.is_cuda:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
         self.wait_s += time.perf_counter() - begin
         return t.to(self._shape.dtype)
 
-    def _forward(self, i: int, tokens_BS: torch.Tensor) -> None:
-        x = None
-        if self.prev_rank is not None:
-            x = self._recv(self.prev_rank).requires_grad_()
-        out = self.stage(x, tokens_BS)
-        for total_E, moe in zip(self._load_LE, self.stage.model.moe_layers):
-            total_E += moe.load_E.to(total_E.device)  # a forward leaves its own routes only
-        if self.next_rank is not None:
-            self._send(out.detach(), self.next_rank)
+    def _forward(self, chunk: int, i: int, tokens_BS: torch.Tensor) -> None:
+        prev, nxt = self._neighbour(chunk, -1), self._neighbour(chunk, +1)
+        x = self._recv(prev[0], "F").requires_grad_() if prev else None
+        out = self.stage(x, tokens_BS, chunk)
+        for moe in self.stage.moe_layers(chunk):
+            self._load[moe] += moe.load_E.to(self._load[moe].device)  # a forward leaves its own routes only
+        if nxt:
+            self._send(out.detach(), nxt[0], "F")
         else:
             self._losses.append(out.detach())
-        self._saved[i] = (x, out)
+        self._saved[chunk, i] = (x, out)
 
-    def _backward(self, i: int) -> None:
-        x, out = self._saved.pop(i)
-        if self.next_rank is None:
+    def _backward(self, chunk: int, i: int) -> None:
+        x, out = self._saved.pop((chunk, i))
+        prev, nxt = self._neighbour(chunk, -1), self._neighbour(chunk, +1)
+        if nxt is None:
             (out / self.num_microbatches).backward()
         else:
-            torch.autograd.backward(out, self._recv(self.next_rank))
-        if self.prev_rank is not None:
-            self._send(x.grad, self.prev_rank)
+            torch.autograd.backward(out, self._recv(nxt[0], "B"))
+        if prev:
+            self._send(x.grad, prev[0], "B")
 
-    def _send(self, t: torch.Tensor, dst: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, kind: str) -> None:
         t = t.to(self._shape.wire_dtype).contiguous()
-        self._sends.append((dist.isend(t, dst), t))  # the tensor stays alive until the send is done
+        self._sends.append((dist.isend(t, dst, group=self.groups[kind]), t))  # alive until the send is done
 
 
 def average_stage_gradients(stage: PipelineStage, ctx: ParallelContext) -> None:

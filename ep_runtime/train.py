@@ -162,7 +162,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         if t.checkpoint_every or t.resume:
             raise ValueError("train.checkpoint_every: checkpoints of a pipeline (parallel.pp > 1) are not "
                              "supported yet")
-        stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size)
+        stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size, chunks=cfg.parallel.virtual_stages)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
     data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)

@@ -1,7 +1,7 @@
 """``ep-runtime bench pipeline``: step time, bubble fraction and peak memory per stage of each
 pipeline schedule, over micro-batch counts.
 
-    ep-runtime bench pipeline                          # PP=2 x EP=1 on 2 CPU workers, preset tiny
+    ep-runtime bench pipeline                          # PP=2 x EP=1 on 2 CPU workers, preset small
     torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.pipeline --pp 2   # GPUs
 
 For each schedule (``--schedules``) and micro-batch count M (``--microbatches``): ``--steps``
@@ -9,7 +9,8 @@ training steps (SGD) after ``--warmup``, each started from a barrier. Per stage:
 (the slowest rank's, median over steps), the measured bubble (the part of the step the stage did
 not compute: waiting on a neighbour, ``PipelineSchedule.wait_s``, or done before the slowest
 stage) against the schedule's formula ``(P - 1) / (M + P - 1)``
-(1F1B and GPipe alike, forward and backward taken as one slot each), and the peak memory: CUDA's
+(1F1B and GPipe alike, forward and backward taken as one slot each; ``(P - 1) / (V M + P - 1)``
+interleaved over V virtual stages), and the peak memory: CUDA's
 peak allocation on GPUs, the process's peak resident set on CPU (which only grows: configurations
 run in the order given). Writes ``pipeline.json`` and ``pipeline.png`` under ``--out``.
 """
@@ -28,9 +29,10 @@ from pathlib import Path
 from .ep_scaling import _commit, _device_name
 
 
-def bubble_formula(pp: int, microbatches: int) -> float:
-    """The idle fraction of 1F1B and GPipe with equal forward and backward slots."""
-    return (pp - 1) / (microbatches + pp - 1)
+def bubble_formula(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle fraction of 1F1B and GPipe with equal forward and backward slots; interleaving V
+    chunks per stage divides the warmup and cooldown by V: ``(P - 1) / (V M + P - 1)``."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
 def bench_worker(a: argparse.Namespace) -> dict | None:
@@ -58,7 +60,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
         for m in a.microbatches:
             torch.manual_seed(0)
             model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank, seed=1).to(ctx.device)
-            stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size)
+            stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size,
+                                  chunks=a.virtual_stages if schedule == "interleaved" else 1)
             pipe = PipelineSchedule(stage, ctx, num_microbatches=m, schedule=schedule)
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -83,8 +86,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
                     wait_s.append(pipe.wait_s)
             peak = (torch.cuda.max_memory_allocated(ctx.device) if on_gpu
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            rows.append({"schedule": schedule, "microbatches": m, "rank": ctx.rank, "stage": ctx.pp_rank,
-                         "step_s": step_s, "wait_s": wait_s, "peak_memory_bytes": peak})
+            rows.append({"schedule": schedule, "microbatches": m, "virtual_stages": stage.chunks, "rank": ctx.rank,
+                         "stage": ctx.pp_rank, "step_s": step_s, "wait_s": wait_s, "peak_memory_bytes": peak})
             del pipe, stage, model
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, rows)
@@ -107,7 +110,8 @@ def summarize(result: dict) -> list[dict]:
             mine = [r for r in rs if r["stage"] == stage]
             bubbles = [1 - (own - wait) / step for r in mine for own, wait, step in zip(r["step_s"], r["wait_s"], step_s)]
             out.append({"schedule": schedule, "microbatches": m, "stage": stage, "step_s": statistics.median(step_s),
-                        "bubble": statistics.median(bubbles), "bubble_formula": bubble_formula(result["pp"], m),
+                        "bubble": statistics.median(bubbles),
+                        "bubble_formula": bubble_formula(result["pp"], m, rs[0]["virtual_stages"]),
                         "peak_memory_mb": max(r["peak_memory_bytes"] for r in mine) / 2**20})
     return out
 
@@ -117,8 +121,10 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--model", default="tiny", help="model preset of ep-runtime train (default tiny)")
-    p.add_argument("--schedules", type=lambda s: s.split(","), default=["1f1b", "gpipe"])
+    p.add_argument("--model", default="small", help="model preset of ep-runtime train (default small: 4 blocks, "
+                   "enough for 2 stages x 2 virtual stages)")
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=["1f1b", "gpipe", "interleaved"])
+    p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage, interleaved (default 2)")
     p.add_argument("--microbatches", type=lambda s: [int(m) for m in s.split(",")], default=[2, 4, 8])
     p.add_argument("--batch-size", type=int, default=16, help="sequences per data rank per step")
     p.add_argument("--seq-len", type=int, default=32)

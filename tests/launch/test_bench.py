@@ -68,8 +68,9 @@ def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
               "--warmup", "1", "--steps", "2")
     report = json.loads((tmp_path / "pipeline.json").read_text())
     rows = {(r["schedule"], r["microbatches"], r["stage"]): r for r in report["rows"]}
-    assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe") for m in (2, 4) for st in (0, 1)]
-    for (_, m, _), r in rows.items():
-        assert r["bubble_formula"] == 1 / (m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0
+    assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe", "interleaved") for m in (2, 4) for st in (0, 1)]
+    for (schedule, m, _), r in rows.items():
+        chunks = 2 if schedule == "interleaved" else 1
+        assert r["bubble_formula"] == 1 / (chunks * m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0
         assert r["peak_memory_mb"] > 0
     assert (tmp_path / "pipeline.png").stat().st_size > 10_000

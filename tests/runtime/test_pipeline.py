@@ -9,15 +9,15 @@ from pipeline_workers import FLOOR, model_config, pipeline_matches_single_proces
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import single_process
-from ep_runtime.pipeline import PipelineSchedule, PipelineStage, split_microbatches, stage_layers
+from ep_runtime.pipeline import PipelineSchedule, PipelineStage, schedule_ops, split_microbatches, stage_layers
 from launch.local import launch_local
 
 # Relative to the loss, and for gradients to each tensor's largest expected magnitude or
 # FLOOR times the model's largest gradient, whichever is larger. CPU, fp32 everywhere: the
 # pipeline sums the same terms in another order (micro-batches, ranks, index_add over experts).
 RTOL = 1e-5
-CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("mhc", "1f1b", 4), ("mhc-recompute", "1f1b", 4),
-         ("mhc-engram", "1f1b", 2)]
+CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("plain", "interleaved", 4), ("mhc", "1f1b", 4),
+         ("mhc-recompute", "1f1b", 4), ("mhc-engram", "1f1b", 2), ("mhc-engram", "interleaved", 2)]
 STEPS = 2
 
 
@@ -98,3 +98,34 @@ def test_train_pp2_ep2_matches_ep2(tmp_path):
     for rank in range(4):
         torch.testing.assert_close(piped[rank]["losses"], losses, rtol=1e-4, atol=0)
     assert (tmp_path / "pp" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_every_forward_and_backward_once_in_dependency_order(schedule, chunks, p, m):
+    for s in range(p):
+        ops = schedule_ops(schedule, stage=s, num_stages=p, num_microbatches=m, chunks=chunks)
+        forwards = [(c, i) for kind, c, i in ops if kind == "F"]
+        backwards = [(c, i) for kind, c, i in ops if kind == "B"]
+        assert sorted(forwards) == sorted(backwards) == [(c, i) for c in range(chunks) for i in range(m)]
+        for c, i in backwards:  # a backward after its own forward, and after the later chunk's backward
+            assert ops.index(("F", c, i)) < ops.index(("B", c, i))
+            if c + 1 < chunks:
+                assert ops.index(("B", c + 1, i)) < ops.index(("B", c, i))
+        in_flight = max(sum(1 for kind, *_ in ops[:n] if kind == "F") - sum(1 for kind, *_ in ops[:n] if kind == "B")
+                        for n in range(len(ops) + 1))
+        if schedule == "1f1b":
+            assert in_flight <= p - s  # what 1F1B saves over GPipe's m
+        if schedule == "interleaved":
+            assert in_flight <= min((p - s - 1) * 2 + (chunks - 1) * p + 1, m * chunks)
+
+
+def test_interleaving_needs_whole_groups_of_microbatches_and_chunks():
+    with pytest.raises(ValueError, match="num_microbatches: expected a multiple of the 2 stages"):
+        schedule_ops("interleaved", stage=0, num_stages=2, num_microbatches=3, chunks=2)
+    from ep_runtime.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="parallel.virtual_stages"):
+        ParallelConfig(schedule="interleaved")
+    with pytest.raises(ValueError, match="parallel.virtual_stages"):
+        ParallelConfig(schedule="1f1b", virtual_stages=2)

@@ -71,7 +71,8 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
     results = {}
     for variant, schedule, num_micro in cases:
         cfg = model_config(variant)
-        stage = PipelineStage(_build(cfg, ctx), stage=ctx.pp_rank, num_stages=ctx.pp_size)
+        stage = PipelineStage(_build(cfg, ctx), stage=ctx.pp_rank, num_stages=ctx.pp_size,
+                              chunks=2 if schedule == "interleaved" else 1)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=num_micro, schedule=schedule)
         ref = _build(cfg, single_process(ctx.device))
         all_tokens = torch.cat([tokens(d) for d in range(per_stage)])
