@@ -120,27 +120,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             else:
                 d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
                                      alignment=a.alignment, fp8=a.fp8)
-            out = {}
-
-            def dispatch(d=d):
-                out["x_PD"], _, out["handle"] = d.dispatch(x_TD, idx_TK, w_TK)
-
             with torch.no_grad():
-                row[f"{backend}_dispatch_ms"] = median_ms(dispatch)
-                row[f"{backend}_combine_ms"] = median_ms(lambda d=d: d.combine(out["x_PD"], out["handle"]))
-                if backend == "nvlink":
-                    q_TD = torch.empty(tokens, token_bytes, dtype=torch.uint8, device=device)
-                    steps = {"dispatch": dispatch, "combine": lambda d=d: d.combine(out["x_PD"], out["handle"]),
-                             "transport": lambda d=d: d.scatter(q_TD, out["handle"].route)}
-                    row["nvlink_transport_ms"] = median_ms(steps["transport"])
-                if backend == "nvlink" and on_gpu:
-                    graphs = _capture(*steps.values())
-                    for name, graph in zip(steps, graphs):
-                        row[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)
-                    if a.profile:  # every rank runs it (the barriers), rank 0 prints
-                        _profile(dispatch, lambda d=d: d.combine(out["x_PD"], out["handle"]), tokens, rank == 0)
-                    del graphs
-            del out, d
+                row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, median_ms, a, rank == 0))
         recv_t = torch.tensor(sent, device=device)
         got_t = torch.empty_like(recv_t)
         dist.all_to_all_single(got_t, recv_t, group=group)
@@ -156,6 +137,33 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     result = {"device": _device_name(device), "world_size": world, "rows": rows}
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_ms, a, show: bool) -> dict:
+    """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, all
+    three replayed as CUDA graphs (and the profile with ``--profile``)."""
+    import torch
+
+    out = {}
+
+    def dispatch():
+        out["x_PD"], _, out["handle"] = d.dispatch(x_TD, idx_TK, w_TK)
+
+    def combine():
+        d.combine(out["x_PD"], out["handle"])
+
+    times = {f"{backend}_dispatch_ms": median_ms(dispatch), f"{backend}_combine_ms": median_ms(combine)}
+    if backend != "nvlink":
+        return times
+    q_TD = torch.empty(x_TD.shape[0], token_bytes, dtype=torch.uint8, device=x_TD.device)
+    steps = {"dispatch": dispatch, "combine": combine, "transport": lambda: d.scatter(q_TD, out["handle"].route)}
+    times["nvlink_transport_ms"] = median_ms(steps["transport"])
+    if x_TD.is_cuda:
+        for name, graph in zip(steps, _capture(*steps.values())):
+            times[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)
+        if a.profile:  # every rank runs it (the barriers), rank 0 prints
+            _profile(dispatch, combine, x_TD.shape[0], show)
+    return times
 
 
 def _capture(*steps):
