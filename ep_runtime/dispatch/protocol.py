@@ -1,7 +1,12 @@
 """The contract every dispatch/combine backend meets.
 
-Shape letters: T tokens on this rank, K routes per token (top-k), D hidden, S rows this rank sends
-(one per token per destination rank), R rows this rank receives, P rows of the expert-major layout.
+Shape letters: T tokens on this rank, K routes per token (top-k), D hidden, R rows this rank
+receives (one per token per destination rank), P rows of the expert-major layout.
+
+Backends: ``all_to_all`` (``all_to_all_single``), ``nvlink`` (a symmetric heap, no host sync),
+``hierarchical`` (the two across nodes), ``deepep`` (DeepEP's ``Buffer``). Each supplies its route
+and the transport of ``autograd.py`` (``scatter`` / ``gather_home``); one conformance suite
+(``tests/runtime/test_dispatch_conformance.py``) holds them to this contract.
 
 ``dispatch`` puts each token once on every EP rank that owns one of its experts (once per rank,
 not per route: link bytes are the scarce resource) and hands the local experts an expert-major
