@@ -69,20 +69,25 @@ class Shape:
     intermediate: int = 2048  # SwiGLU output width per expert (moe_intermediate_size)
     transpose_batch: int = 8  # batched_transpose input: [B, T / B, D]
     routed_scaling_factor: float = 2.5
+    streams: int = 4  # mHC residual streams (the mHC and Engram ops)
 
 
 SHAPES = {
     "large": Shape(tokens=16384),
     "small": Shape(tokens=128),
+    # DeepSeek-V4-like mHC sublayers: 8192 tokens, 4 streams, hidden 4096 or 7168.
+    "v4-d4096": Shape(tokens=8192, hidden=4096),
+    "v4-d7168": Shape(tokens=8192, hidden=7168),
     "tiny": Shape(tokens=64, hidden=256, experts=16, groups=4, topk_groups=2, topk=4, alignment=8, intermediate=128),
 }
+MHC_OPS = ("mhc_pre_apply", "mhc_post", "engram_gate")  # at the v4 shapes (and tiny); the rest at large/small
 
 # Ops whose cost is moving bytes at these shapes (held to the copy-bandwidth bar); the routing ops
 # touch a few MiB and are latency-bound.
 MEMORY_BOUND = {
     "expand", "unexpand", "per_token_cast", "per_block_cast", "per_channel_cast", "cast_back", "swiglu",
     "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
-    "expand_per_token_cast",
+    "expand_per_token_cast", *MHC_OPS,
 }
 
 
@@ -144,9 +149,31 @@ class Inputs:
         self.routed = int((self.layout.pos_TK >= 0).sum())  # rows a gather by pos_TK reads
 
 
-def build_cases(inp: Inputs, names: list[str], with_peers: bool) -> tuple[list[Case], dict[str, str]]:
-    """The cases for ``names`` that exist in this checkout, and why any others were skipped."""
-    builders = {name: fn for name, fn in CASE_BUILDERS.items() if name in names}
+class StreamInputs:
+    """The mHC and Engram ops' inputs for one shape: bf16 streams, float32 coefficients."""
+
+    def __init__(self, shape: Shape, device: torch.device, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        t, n, d = shape.tokens, shape.streams, shape.hidden
+        self.shape, self.device = shape, device
+
+        def randn(*size, scale=1.0, dtype=torch.bfloat16):
+            return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=dtype)
+
+        self.x_TND, self.f_TD, self.v_TD = randn(t, n, d), randn(t, d), randn(t, d)
+        self.k_TND = (randn(t, n, d, scale=0.1).float() + 0.3 * self.x_TND.float()).to(torch.bfloat16)
+        self.pre_TN = torch.rand(t, n, generator=g).to(device) + 0.1
+        self.post_TN = 2 * torch.rand(t, n, generator=g).to(device)
+        self.comb_TNN = torch.softmax(torch.randn(t, n, n, generator=g), -1).to(device)
+        self.wh_ND = (torch.rand(n, d, generator=g) + 0.5).to(device)
+        self.we_ND = (torch.rand(n, d, generator=g) + 0.5).to(device)
+
+
+def build_cases(inp: Inputs | StreamInputs, names: list[str], with_peers: bool) -> tuple[list[Case], dict[str, str]]:
+    """The cases for ``names`` that exist in this checkout and take ``inp`` (the mHC/Engram ops
+    take ``StreamInputs``), and why any others were skipped."""
+    streams = isinstance(inp, StreamInputs)
+    builders = {name: fn for name, fn in CASE_BUILDERS.items() if name in names and (name in MHC_OPS) == streams}
     cases, skipped = [], {}
     tk = _tile_kernels() if with_peers else None
     for name, builder in builders.items():
@@ -473,6 +500,56 @@ def _case_expand_per_token_cast(inp: Inputs, tk) -> Case:
     )
 
 
+def _case_mhc_pre_apply(inp: StreamInputs, tk) -> Case:
+    from kernels import mhc
+    from kernels.mhc import reference
+
+    x, pre = inp.x_TND, inp.pre_TN
+    t, n, d = x.shape
+
+    def tk_call(tk):
+        o = x.new_empty(t, d)
+        tk.mhc.mhc_pre_apply_mix_fwd(x, pre, o)
+        return o
+
+    return Case("mhc_pre_apply", lambda: mhc.pre_apply(x, pre), reference.pre_apply, (x, pre),
+                bytes=_nbytes(x, pre) + t * d * 2, bytes_note="read x [T,N,D] bf16 + pre [T,N] f32; write y [T,D] bf16",
+                exact=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
+def _case_mhc_post(inp: StreamInputs, tk) -> Case:
+    from kernels import mhc
+    from kernels.mhc import reference
+
+    f, x, post, comb = inp.f_TD, inp.x_TND, inp.post_TN, inp.comb_TNN
+    t, n, d = x.shape
+
+    def tk_call(tk):  # its comb is indexed [output, input]: ours transposed
+        return tk.mhc.mhc_post_fwd(f[None], x[None], post[None, :, :, None].contiguous(),
+                                   comb.transpose(1, 2)[None].contiguous())
+
+    return Case("mhc_post", lambda: mhc.post(f, x, post, comb), reference.post, (f, x, post, comb),
+                bytes=_nbytes(f, x, post, comb) + _nbytes(x),
+                bytes_note="read f [T,D] + x [T,N,D] bf16 + post, comb f32; write x' [T,N,D] bf16",
+                exact=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
+def _case_engram_gate(inp: StreamInputs, tk) -> Case:
+    from kernels import engram
+    from kernels.engram import reference
+
+    x, k, v, wh, we = inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND
+    kv = torch.cat([k, v[:, None]], 1)  # its keys and value in one tensor
+
+    def tk_call(tk):
+        return tk.engram.engram_gate_fwd(x, kv, wh * we, 1e-6, 1e-6, save_for_backward=False)[0]
+
+    return Case("engram_gate", lambda: engram.gate(x, k, v, wh, we), reference.gate, (x, k, v, wh, we),
+                bytes=_nbytes(x, k, v, wh, we) + _nbytes(x),
+                bytes_note="read x, k [T,N,D] + v [T,D] bf16 + wh, we [N,D] f32; write out [T,N,D] bf16",
+                exact=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
 CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "topk_route": _case_topk_route,
     "topk_route_with_counts": _case_topk_route_with_counts,
@@ -492,6 +569,9 @@ CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "weighted_reduce_fp8": _case_weighted_reduce_fp8,
     "batched_transpose": _case_batched_transpose,
     "expand_per_token_cast": _case_expand_per_token_cast,
+    "mhc_pre_apply": _case_mhc_pre_apply,
+    "mhc_post": _case_mhc_post,
+    "engram_gate": _case_engram_gate,
 }
 
 
@@ -815,9 +895,10 @@ def print_table(report: dict) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ep-runtime bench kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", choices=("large", "small", "all", "tiny"), default=None,
-                   help="large (16384 tokens), small (128 tokens), all (both; the default on CUDA), tiny "
-                        "(the CPU smoke shape; the default with --device cpu --quick)")
+    p.add_argument("--shapes", choices=("large", "small", "v4", "all", "tiny"), default=None,
+                   help="large (16384 tokens), small (128 tokens), v4 (the mHC/Engram ops at 8192 tokens, 4 "
+                        "streams, hidden 4096 and 7168), all (the three; the default on CUDA), tiny (the CPU "
+                        "smoke shape; the default with --device cpu --quick)")
     p.add_argument("--ops", default=None, help=f"comma-separated subset of: {', '.join(CASE_BUILDERS)}")
     p.add_argument("--iters", type=int, default=50, help="timed runs per measurement at most (default 50)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
@@ -845,7 +926,8 @@ def main(argv: list[str] | None = None) -> dict:
         device = torch.device("cuda", torch.cuda.current_device())
     on_cuda = device.type == "cuda"
     shapes = args.shapes or ("all" if on_cuda or not args.quick else "tiny")
-    shape_names = ["large", "small"] if shapes == "all" else [shapes]
+    shape_names = {"all": ["large", "small", "v4-d4096", "v4-d7168"], "v4": ["v4-d4096", "v4-d7168"]}.get(shapes,
+                                                                                                        [shapes])
     names = list(CASE_BUILDERS) if args.ops is None else [n.strip() for n in args.ops.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASE_BUILDERS]
     if unknown:
@@ -879,7 +961,7 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": device_name(device),
         "device_type": device.type,
-        "commit": _git("rev-parse", "HEAD") or args.commit,
+        "commit": args.commit or _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if _git("rev-parse", "HEAD") else None,
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -907,14 +989,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     for shape_name in shape_names:
         shape = SHAPES[shape_name]
-        inputs = Inputs(shape, device, seed)
-        cases, missing = build_cases(inputs, names, with_peers)
+        cases, missing = [], {}
+        if shape_name == "tiny":
+            makers = [Inputs, StreamInputs]
+        else:
+            makers = [StreamInputs if shape_name.startswith("v4") else Inputs]
+        for make in makers:
+            more, skipped = build_cases(make(shape, device, seed), names, with_peers)
+            cases += more
+            missing.update(skipped)
         report["skipped"].update({f"{shape_name}/{k}": v for k, v in missing.items()})
         for case in tqdm(cases, desc=f"{shape_name} ({shape.tokens} tokens)", file=sys.stderr):
             result = run_case(case, timer, copy["gbps"], with_peers=with_peers, compile_budget=budget, impl=impl)
             report["results"].append({"shape": shape_name, **result})
             write()
-        del inputs, cases
+        del cases
     report["complete"] = True
     write()
     print_table(report)
