@@ -13,10 +13,11 @@ activations and backward as their gradients (bf16 between GPUs, float32 on CPU),
 its targets and an Engram layer in any stage for its hashes), as a data loader replicated along
 ``pp`` would give it.
 
-Schedules (``PipelineSchedule.step``): ``"1f1b"`` (warmup forwards, steady one-forward-one-backward,
-cooldown backwards) and ``"gpipe"`` (every forward, then every backward), computing the same
-gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
-scaled by ``1 / num_microbatches``; ``average_stage_gradients`` then averages over the data ranks.
+Schedules (``schedule_ops``, run by ``PipelineSchedule.step``): ``"1f1b"`` (warmup forwards, steady
+one-forward-one-backward, cooldown backwards), ``"gpipe"`` (every forward, then every backward) and
+``"interleaved"`` (1F1B over ``V`` model chunks per stage), computing the same gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
+scaled by ``1 / num_microbatches``; ``train.average_gradients`` then averages over the stage's data
+ranks.
 
 Shape letters: B sequences of this rank, M number of micro-batches, M_b = B / M sequences per
 micro-batch, S sequence length (the batch's minus one), D hidden, N mHC streams.
@@ -187,7 +188,7 @@ class PipelineSchedule:
     interleaves. With ``pp_size == 1`` it is plain gradient accumulation over micro-batches."""
 
     def __init__(self, stage: PipelineStage, ctx: ParallelContext, *, num_microbatches: int,
-                 schedule: str = "1f1b"):
+                 schedule: str = "1f1b", timed: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -200,6 +201,7 @@ class PipelineSchedule:
                              f"got {stage.chunks} with {schedule!r}")
         self.stage, self.ctx = stage, ctx
         self.num_microbatches, self.schedule = num_microbatches, schedule
+        self.timed = timed  # on GPUs: synchronize around receives, so that wait_s is the waiting
         self.per_stage = ctx.world_size // ctx.pp_size
         self.groups = {"F": None, "B": None}
         if ctx.distributed and ctx.pp_size > 1:  # every rank creates both (collective)
@@ -226,7 +228,8 @@ class PipelineSchedule:
         the mean loss over the micro-batches (detached) on the last stage, None elsewhere. Each MoE
         layer's ``load_E`` then holds the routes of every micro-batch (as one forward of the batch),
         and ``wait_s`` the seconds this rank waited on its neighbours (``ep-runtime bench pipeline``
-        divides it by the step's time: the measured bubble)."""
+        divides it by the step's time: the measured bubble; on GPUs only with ``timed``, which
+        synchronizes the stream around every receive and is off in training)."""
         micro = split_microbatches(tokens_BS, self.num_microbatches)
         ops = schedule_ops(self.schedule, stage=self.stage.stage, num_stages=self.stage.num_stages,
                            num_microbatches=self.num_microbatches, chunks=self.stage.chunks)
@@ -252,11 +255,12 @@ class PipelineSchedule:
         """The next stream (``kind`` "F") or gradient ("B") from ``src``; the time this rank sat
         waiting for it (its share of the pipeline's bubble) adds to ``wait_s``."""
         t = self._shape.empty()
-        if t.is_cuda:  # this rank's own work is not waiting
+        synchronize = self.timed and t.is_cuda
+        if synchronize:  # this rank's own work is not waiting
             torch.cuda.current_stream().synchronize()
         begin = time.perf_counter()
         dist.irecv(t, src, group=self.groups[kind]).wait()
-        if t.is_cuda:  # NCCL receives complete on the stream
+        if synchronize:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
         self.wait_s += time.perf_counter() - begin
         return t.to(self._shape.dtype)
@@ -286,27 +290,3 @@ class PipelineSchedule:
     def _send(self, t: torch.Tensor, dst: int, kind: str) -> None:
         t = t.to(self._shape.wire_dtype).contiguous()
         self._sends.append((dist.isend(t, dst, group=self.groups[kind]), t))  # alive until the send is done
-
-
-def average_stage_gradients(stage: PipelineStage, ctx: ParallelContext) -> None:
-    """Makes this stage's gradients those of the mean loss over every data rank (the ``dp * ep``
-    ranks of a stage): dense parameters averaged over the stage, experts and Engram table shards
-    (whose gradient already sums the EP group's contributions) summed over the ``dp`` replicas and
-    divided by the stage's size. The pipeline counterpart of ``train.average_gradients``."""
-    if not ctx.distributed:
-        return
-    model = stage.model
-    data_ranks = ctx.world_size // ctx.pp_size
-    sharded = model.expert_parameters() + model.sharded_parameters()
-    for params, group in ((model.dense_parameters(), ctx.stage_group), (sharded, ctx.dp_group)):
-        if not params:
-            continue
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= data_ranks
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))

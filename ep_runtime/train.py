@@ -40,32 +40,35 @@ from .placement import sync_replica_gradients
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
 from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
-from .pipeline import PipelineSchedule, PipelineStage, average_stage_gradients
+from .pipeline import PipelineSchedule, PipelineStage
 
 log = logging.getLogger("ep_runtime.train")
 
 
 def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
-    """Makes every rank's gradient that of the mean loss over all ranks.
+    """Makes every rank's gradient that of the mean loss over the data ranks of its pipeline stage
+    (all ranks without pipelining; ``model`` holds this stage's blocks).
 
-    Dense parameters are replicated on every rank: average over the world. Each expert's gradient,
-    and each Engram table shard's, already sums the contributions of every rank of its EP group
-    (through combine's or the lookup's backward), so it is summed over the ``dp`` replicas and
-    divided by the world size. A parameter that got no
-    gradient on this rank (an expert no token reached) takes part with zeros, so every rank
-    reduces tensors of the same size.
+    Dense parameters are replicated on every rank of a stage: averaged over the stage. Each
+    expert's gradient, and each Engram table shard's, already sums the contributions of every rank
+    of its EP group (through combine's or the lookup's backward), so it is summed over the ``dp``
+    replicas and divided by the stage's size. A parameter that got no gradient on this rank (an
+    expert no token reached) takes part with zeros, so every rank reduces tensors of the same size.
     """
     if not ctx.distributed:
         return
+    data_ranks = ctx.world_size // ctx.pp_size
     sharded = model.expert_parameters() + model.sharded_parameters()
-    for params, group in ((model.dense_parameters(), None), (sharded, ctx.dp_group)):
+    for params, group in ((model.dense_parameters(), ctx.stage_group), (sharded, ctx.dp_group)):
+        if not params:
+            continue
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=group)
-        flat /= ctx.world_size
+        flat /= data_ranks
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
 
@@ -209,12 +212,11 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             with autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
             loss.backward()
-            average_gradients(model, ctx)
         else:  # the loss is the last stage's; the others add zeros to the mean below
             with autocast:
                 loss = pipe.step(tokens_BS.to(ctx.device))
-            average_stage_gradients(stage, ctx)
             loss = torch.zeros((), device=ctx.device) if loss is None else loss
+        average_gradients(model, ctx)
         sync_replica_gradients(model, ctx)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -39,7 +39,7 @@ import os
 import statistics
 from pathlib import Path
 
-from .ep_scaling import _commit, _device_name, _Timer
+from .ep_scaling import _commit, _device_name, _Timer, rows_per_rank
 
 BACKENDS = ("all_to_all", "nvlink")
 
@@ -51,17 +51,6 @@ def _routing(tokens: int, num_experts: int, topk: int, seed: int, device):
     idx_TK = torch.rand(tokens, num_experts, generator=g, device=device).argsort(1)[:, :topk]
     weights_TK = torch.rand(tokens, topk, generator=g, device=device)
     return idx_TK, weights_TK / weights_TK.sum(1, keepdim=True)
-
-
-def _remote_rows(idx_TK, num_local: int, world: int, rank: int) -> list[int]:
-    """Rows this rank sends to each rank (a token once per destination rank); its own zeroed."""
-    import torch
-
-    ranks_W = torch.arange(world, device=idx_TK.device)
-    goes_TW = ((idx_TK // num_local)[:, :, None] == ranks_W).any(1)
-    rows = goes_TW.sum(0).tolist()
-    rows[rank] = 0
-    return rows
 
 
 def bench_worker(a: argparse.Namespace) -> dict | None:
@@ -101,7 +90,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     for tokens in a.tokens:
         idx_TK, w_TK = _routing(tokens, a.experts, a.topk, a.seed * 7919 + rank, device)
         x_TD = torch.randn(tokens, a.hidden, device=device, dtype=dtype)
-        sent = _remote_rows(idx_TK, num_local, world, rank)
+        sent = rows_per_rank(idx_TK, num_local, world)
+        sent[rank] = 0  # rows a rank keeps are not counted
         token_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8 else a.hidden * x_TD.element_size()
         home_bytes = a.hidden * x_TD.element_size()
         worst_sent = torch.tensor([sum(sent)], device=device)

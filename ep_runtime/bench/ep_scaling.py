@@ -199,8 +199,7 @@ def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
                 combine_ms.append(c_ms)
         routes_here = int(out["layout"].counts_E.sum())
         # Rows to each rank (a token once per destination rank), and from each.
-        ranks_W = torch.arange(size, device=device)
-        send_W = ((idx_TK // dispatcher.num_local_experts)[:, :, None] == ranks_W).any(1).sum(0)
+        send_W = torch.tensor(rows_per_rank(idx_TK, dispatcher.num_local_experts, size), device=device)
         recv_W = send_W.clone()
         if group is not None:
             dist.all_to_all_single(recv_W, send_W, group=group)
@@ -245,6 +244,15 @@ def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
         "expert_imbalance": float(load_E.max() / load_E.float().mean()) if int(load_E.sum()) else 1.0,
     }
     return row
+
+
+def rows_per_rank(idx_TK, num_local_experts: int, world: int) -> list[int]:
+    """Rows a rank sends to each rank of its EP group: a token once per rank holding one of its
+    experts (-1 routes go nowhere)."""
+    import torch
+
+    ranks_W = torch.arange(world, device=idx_TK.device)
+    return ((idx_TK // num_local_experts)[:, :, None] == ranks_W).any(1).sum(0).tolist()
 
 
 def _dispatch_row_bytes(spec: BenchSpec, dtype) -> int:

@@ -62,7 +62,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank, seed=1).to(ctx.device)
             stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size,
                                   chunks=a.virtual_stages if schedule == "interleaved" else 1)
-            pipe = PipelineSchedule(stage, ctx, num_microbatches=m, schedule=schedule)
+            pipe = PipelineSchedule(stage, ctx, num_microbatches=m, schedule=schedule, timed=True)
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             step_s, wait_s = [], []

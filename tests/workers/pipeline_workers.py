@@ -9,7 +9,8 @@ from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig, MoEConfig, P
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel, single_process
-from ep_runtime.pipeline import PipelineSchedule, PipelineStage, average_stage_gradients
+from ep_runtime.pipeline import PipelineSchedule, PipelineStage
+from ep_runtime.train import average_gradients
 
 SEQ, BATCH, LR = 6, 4, 0.1  # sequences per data rank; SEQ + 1 tokens each (inputs and targets)
 FLOOR = 1e-2  # gradient errors are relative to at least this fraction of the model's largest gradient
@@ -80,7 +81,7 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
         losses, ref_losses, grad_errors = [], [], []
         for _ in range(steps):
             loss = pipe.step(tokens(data_rank))
-            average_stage_gradients(stage, ctx)
+            average_gradients(stage.model, ctx)
             if loss is not None:
                 mean = loss.clone()
                 dist.all_reduce(mean, group=ctx.stage_group)
