@@ -163,11 +163,22 @@ def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.T
                          is_master=rank == 0 and not hosted_by_launcher, timeout=timeout)
 
 
-def prefix_group(size: int) -> dist.ProcessGroup | None:
-    """A process group of ranks ``[0, size)`` (an EP group smaller than the job, for benchmarks):
-    every rank calls this; None for ``size == 1`` (one rank needs no group)."""
-    group = dist.new_group(list(range(size))) if size > 1 else None
-    return group if dist.get_rank() < size else None
+def block_group(size: int) -> dist.ProcessGroup | None:
+    """The group of ranks ``[k * size, (k + 1) * size)`` holding this rank: the job cut into blocks
+    of ``size`` that run side by side (EP groups smaller than the job, for benchmarks). Every rank
+    calls this; None for ``size == 1`` and for ranks past the last whole block (they wait).
+
+    Blocks rather than one group of ``[0, size)`` with the others idle: every rank then makes the
+    same symmetric-memory rendezvous in the same order (torch <= 2.11 hangs a rendezvous whose
+    ranks made different numbers of earlier ones; pytorch/pytorch#196082)."""
+    if size == 1:
+        return None
+    me, mine = dist.get_rank(), None
+    for start in range(0, dist.get_world_size() - size + 1, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= me < start + size:
+            mine = group
+    return mine
 
 
 # ---------------------------------------------------------------------------------------------

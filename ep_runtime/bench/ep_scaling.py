@@ -1,7 +1,7 @@
 """``ep-runtime bench ep-scaling``: the MoE layer and its bare dispatch/combine at EP sizes 1, 2, 4, ...
 
-For each EP size (ranks ``[0, size)`` of the job form the EP group; the others wait) and each
-scaling mode it measures:
+For each EP size (the job cut into EP groups of that size that run side by side, see
+``parallel.block_group``; rank 0's group is reported) and each scaling mode it measures:
 
 - ``weak``: a fixed load per rank (``--tokens-per-rank``): ideally the time stays flat;
   efficiency = t(EP 1) / t(EP n).
@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -110,8 +112,9 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     import torch.distributed as dist
 
     from ..config import ParallelConfig
-    from ..parallel import init_parallel, prefix_group
+    from ..parallel import block_group, init_parallel
 
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # a hung rank says where
     ctx = init_parallel(ParallelConfig(timeout_s=spec.timeout_s))
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -119,10 +122,10 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     points = [(mode, size) for mode in spec.modes for size in sizes]
     progress = _progress(len(points), enabled=ctx.rank == 0)
     rows = []
-    groups = {size: prefix_group(size) if ctx.distributed else None for size in sizes}  # collective: all ranks
+    groups = {size: block_group(size) if ctx.distributed else None for size in sizes}  # collective: all ranks
     for mode, size in points:
         group = groups[size]
-        if ctx.rank < size:
+        if group is not None or size == 1:
             tokens = spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(sizes) // size
             row = _measure(spec, ctx, group, size, tokens)
             if ctx.device.type == "cuda":
@@ -148,7 +151,8 @@ def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
 
     from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
 
-    device, rank = ctx.device, ctx.rank
+    device = ctx.device
+    rank = dist.get_rank(group) if group is not None else 0  # within the EP group
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if spec.dispatcher == "nvlink" and group is not None:
         dispatcher = NVLinkDispatcher(num_experts=spec.num_experts, group=group, device=device,
