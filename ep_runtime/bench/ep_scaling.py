@@ -47,7 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SHAPES = {
@@ -76,6 +76,7 @@ class BenchSpec:
     routed_scaling_factor: float
     dispatcher: str = "all_to_all"  # or "nvlink" (EP 1 has no transport: all_to_all's identity)
     max_ep: int | None = None  # None: the world size
+    only_ep: int | None = None  # measure this EP size alone (one launch of a per-size sweep)
     modes: tuple[str, ...] = MODES
     warmup: int = 2
     iters: int = 5
@@ -95,11 +96,24 @@ class BenchSpec:
         if not self.modes or any(m not in MODES for m in self.modes):
             raise ValueError(f"bench.modes: expected a non-empty subset of {MODES}, got {self.modes!r}")
 
-    def ep_sizes(self, world: int) -> list[int]:
+    def sweep(self, world: int) -> list[int]:
         """1, 2, 4, ... up to ``max_ep`` (and ``max_ep`` itself), those that divide the experts."""
         top = min(self.max_ep or world, world)
         sizes = sorted({2**i for i in range(int(math.log2(top)) + 1)} | {top})
         return [s for s in sizes if self.num_experts % s == 0]
+
+    def ep_sizes(self, world: int) -> list[int]:
+        """The sizes one process set measures: the sweep, or ``only_ep`` alone when set."""
+        sizes = self.sweep(world)
+        if self.only_ep is not None:
+            if self.only_ep not in sizes:
+                raise ValueError(f"bench.only_ep: expected one of {sizes}, got {self.only_ep!r}")
+            return [self.only_ep]
+        if self.dispatcher == "nvlink" and sum(s > 1 for s in sizes) > 1:
+            raise ValueError("bench.dispatcher: 'nvlink' measures one EP size > 1 per process set (a process's "
+                             f"symmetric memory goes over one group), got EP sizes {sizes}: use the local or ray "
+                             "launcher (a fresh process set per size) or --max-ep / --only-ep")
+        return sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,7 +140,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     for mode, size in points:
         group = groups[size]
         if group is not None or size == 1:
-            tokens = spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(sizes) // size
+            tokens = spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(spec.sweep(ctx.world_size)) // size
             row = _measure(spec, ctx, group, size, tokens)
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()  # the layer of this size is gone; the next one may be larger
@@ -387,6 +401,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatcher", choices=("all_to_all", "nvlink"), default="all_to_all",
                    help="the dispatch/combine backend (default all_to_all)")
     p.add_argument("--max-ep", type=int, help="largest EP size (default: all workers)")
+    p.add_argument("--only-ep", type=int, help="measure this EP size alone (the efficiency then needs EP 1 too)")
     p.add_argument("--modes", default=",".join(MODES), help="weak,strong (default both)")
     p.add_argument("--warmup", type=int, default=BenchSpec.warmup)
     p.add_argument("--iters", type=int, default=BenchSpec.iters)
@@ -406,7 +421,7 @@ def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
             values[key] = value
     if values["num_experts"] % values["num_groups"]:  # an override of the experts: one group
         values.update(num_groups=1, topk_groups=None)
-    return BenchSpec(shape=shape, **values, dispatcher=a.dispatcher, max_ep=a.max_ep, modes=tuple(m for m in a.modes.split(",") if m),
+    return BenchSpec(shape=shape, **values, dispatcher=a.dispatcher, max_ep=a.max_ep, only_ep=a.only_ep, modes=tuple(m for m in a.modes.split(",") if m),
                      warmup=a.warmup, iters=a.iters, timeout_s=a.timeout)
 
 
@@ -416,19 +431,32 @@ def main(argv: list[str] | None = None) -> dict | None:
     a = parser().parse_args(argv)
     launcher = a.launcher or ("torchrun-env" if "WORLD_SIZE" in os.environ else "local")
     spec = spec_from_args(a, on_gpu=torch.cuda.is_available())
+    world = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun-env" else a.num_workers or torch.cuda.device_count() or 2
+    if launcher == "torchrun-env" or spec.dispatcher != "nvlink" or spec.only_ep is not None:
+        spec.ep_sizes(world)  # bad sizes fail here, not in every worker
     if launcher == "torchrun-env":
         result = bench_worker(spec)
         if result is None:  # not rank 0
             return None
-    elif launcher == "ray":
-        from launch.ray import RayConfig, launch_ray
-
-        config = RayConfig(address=a.address, num_workers=a.num_workers, gpus_per_worker=a.gpus_per_worker)
-        result = launch_ray(bench_worker, spec, config=config)[0]
     else:
-        from launch.local import launch_local
+        if launcher == "ray":
+            from launch.ray import RayConfig, launch_ray
 
-        result = launch_local(bench_worker, spec, nproc=a.num_workers or torch.cuda.device_count() or 2)[0]
+            config = RayConfig(address=a.address, num_workers=world, gpus_per_worker=a.gpus_per_worker)
+
+            def launch(s: BenchSpec) -> dict:
+                return launch_ray(bench_worker, s, config=config)[0]
+        else:
+            from launch.local import launch_local
+
+            def launch(s: BenchSpec) -> dict:
+                return launch_local(bench_worker, s, nproc=world)[0]
+        if spec.dispatcher == "nvlink" and spec.only_ep is None:
+            # A fresh process set per EP size: a process's symmetric memory goes over one group.
+            parts = [launch(replace(spec, only_ep=size)) for size in spec.sweep(world)]
+            result = {**parts[0], "rows": [r for mode in spec.modes for p in parts for r in p["rows"] if r["mode"] == mode]}
+        else:
+            result = launch(spec)
     report = _report(spec, result, launcher, a.commit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -438,7 +466,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     png_path = plot(report, out / f"{stem}.png")
     print(f"ep-scaling on {report['device']} ({launcher}, {report['world_size']} workers), shape {spec.shape}:")
     for row in report["rows"]:
-        print(_row_line(row) + f" | efficiency layer {row['layer_efficiency']:.2f}")
+        eff = row["layer_efficiency"]
+        print(_row_line(row) + (f" | efficiency layer {eff:.2f}" if eff is not None else ""))
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else " (no plot: matplotlib is not installed)"))
     return report
 
@@ -447,7 +476,10 @@ def _report(spec: BenchSpec, result: dict, launcher: str, commit: str | None = N
     """Adds efficiencies against EP 1 of the same mode."""
     rows = result["rows"]
     for row in rows:
-        base = next(r for r in rows if r["mode"] == row["mode"] and r["ep"] == 1)
+        base = next((r for r in rows if r["mode"] == row["mode"] and r["ep"] == 1), None)
+        if base is None:  # --only-ep without EP 1
+            row["layer_efficiency"] = row["dispatch_combine_efficiency"] = None
+            continue
         scale = 1 if row["mode"] == "weak" else row["ep"]
         row["layer_efficiency"] = base["layer_ms"] / (scale * row["layer_ms"])
         row["dispatch_combine_efficiency"] = ((base["dispatch_ms"] + base["combine_ms"])
@@ -493,6 +525,8 @@ def plot(report: dict, png_path: Path) -> Path | None:
                      label=f"MoE layer fwd+bwd, {mode}")
         ax_tput.plot(eps, [r["dispatch_combine_tokens_per_s"] for r in rows], style, color="C1",
                      label=f"dispatch+combine, {mode}")
+        if rows[0]["layer_efficiency"] is None:  # --only-ep without EP 1
+            continue
         ax_eff.plot(eps, [r["layer_efficiency"] for r in rows], style, color="C0", label=f"MoE layer, {mode}")
         ax_eff.plot(eps, [r["dispatch_combine_efficiency"] for r in rows], style, color="C1",
                     label=f"dispatch+combine, {mode}")

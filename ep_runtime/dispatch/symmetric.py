@@ -84,7 +84,15 @@ class CudaHeap:
     It needs torch's default ("CUDA") symmetric-memory backend: its barrier is a stream-ordered
     kernel with release/acquire at system scope, where NVSHMEM's (torch <= 2.13) returns at once.
     The heap is allocated and rendezvoused once (a host-blocking collective) and kept: freeing
-    symmetric memory synchronizes the device."""
+    symmetric memory synchronizes the device.
+
+    One process rendezvouses over one group only (a heap may grow there): torch 2.11's symmetric
+    memory hangs, or maps the wrong peers, when a process's rendezvous over one group follows one
+    over another (seen on 4 H200s: a group after a smaller one hangs, pytorch/pytorch#196082; a
+    group of nodes after the whole job gave wrong rows). A second group raises instead. A group
+    of one rank has no peers and needs no rendezvous."""
+
+    _group_of_process: str | None = None  # the group this process's rendezvous went over
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -97,11 +105,15 @@ class CudaHeap:
         if backend != "CUDA":
             raise RuntimeError(f"symmetric memory backend: expected 'CUDA' (its barrier orders peers' stores), got "
                                f"{backend!r} (TORCH_SYMMMEM or symm_mem.set_backend chose it)")
-        local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        local.zero_()
-        self.handle = symm_mem.rendezvous(local, group)
-        self.heaps = [local if r == self.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
-                      for r in range(self.world)]
+        if self.world == 1:
+            self.handle, self.heaps = None, [torch.zeros(nbytes, dtype=torch.uint8, device=device)]
+        else:
+            self._claim_group(group)
+            local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            local.zero_()
+            self.handle = symm_mem.rendezvous(local, group)
+            self.heaps = [local if r == self.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
+                          for r in range(self.world)]
         ptrs = [h.data_ptr() for h in self.heaps]
         self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
         self.barrier()
@@ -109,8 +121,20 @@ class CudaHeap:
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
         return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps), delta_W=self.delta_W)
 
+    @classmethod
+    def _claim_group(cls, group: dist.ProcessGroup) -> None:
+        if cls._group_of_process is None:
+            cls._group_of_process = group.group_name
+        elif cls._group_of_process != group.group_name:
+            raise RuntimeError(
+                f"group: this process's symmetric memory already went over process group "
+                f"{cls._group_of_process!r}; torch's symmetric memory cannot rendezvous over a second one "
+                f"({group.group_name!r}, ranks {dist.get_process_group_ranks(group)}) in the same process "
+                "(pytorch/pytorch#196082): use one nvlink EP group per process, e.g. one process set per EP size")
+
     def barrier(self) -> None:
-        self.handle.barrier(channel=0)
+        if self.handle is not None:  # one rank: the stream orders everything
+            self.handle.barrier(channel=0)
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:

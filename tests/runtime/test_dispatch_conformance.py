@@ -19,15 +19,21 @@ CASES = [("balanced", 37, False), ("skewed", 37, False), ("masked", 37, False), 
 TOL = {"out": 1e-6, "grad_x": 1e-5, "grad_w": 1e-6}  # float32 sums of a few float32 products
 
 
+# One launch per symmetric-memory group: on GPUs a process's heaps go over one group only
+# (``CudaHeap``), and ``hierarchical``'s heap is over a node, ``nvlink``'s over the whole group.
+LAUNCHES = [("all_to_all", "nvlink", "deepep"), ("all_to_all", "hierarchical")]
+
+
+@pytest.mark.parametrize("backends", LAUNCHES, ids=["nvlink", "hierarchical"])
 @pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
-def test_backends_conform(world, ranks_per_node):
+def test_backends_conform(world, ranks_per_node, backends):
     """``hierarchical`` over 2 nodes of 1 rank (every process its own node) and of 2 ranks."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = launch_local(conformance, CASES, ranks_per_node, nproc=world)
+    results = launch_local(conformance, CASES, ranks_per_node, backends, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, per_case in results.items():
-        for backend in ("nvlink", "hierarchical"):
+        for backend in {"nvlink", "hierarchical"} & set(backends):
             overflow = per_case.pop(f"overflow-{backend}")
             assert overflow is not None and f"rank {rank} " in overflow and "max_tokens_per_rank" in overflow, backend
         assert sorted(per_case) == sorted(f"{c}-{t}{'-fp8' if f else ''}" for c, t, f in CASES)
@@ -35,6 +41,7 @@ def test_backends_conform(world, ranks_per_node):
             assert r.pop("same_out") and r.pop("same_rows") and r.pop("same_row_sets"), (rank, case)
             routes = r.pop("routes_received")
             assert routes > 0 or "skewed" in case, (rank, case)
+            assert sorted(r) == sorted(backends), (rank, case)
             for backend, errs in r.items():
                 assert errs.pop("padding_zero"), (rank, case, backend)
                 for name, err in errs.items():
