@@ -137,11 +137,17 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     progress = _progress(len(points), enabled=ctx.rank == 0)
     rows = []
     groups = {size: block_group(size) if ctx.distributed else None for size in sizes}  # collective: all ranks
+    def tokens_per_rank(mode: str, size: int) -> int:
+        return spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(spec.sweep(ctx.world_size)) // size
+
+    # One dispatcher per EP size for all modes (its receive buffers sized for the largest): a
+    # second nvlink dispatcher's heap over the same group hung on 4 H200s.
+    dispatchers = {size: _make_dispatcher(spec, groups[size], ctx.device, max(tokens_per_rank(m, size) for m in spec.modes))
+                   for size in sizes if groups[size] is not None or size == 1}
     for mode, size in points:
         group = groups[size]
-        if group is not None or size == 1:
-            tokens = spec.tokens_per_rank if mode == "weak" else spec.tokens_per_rank * max(spec.sweep(ctx.world_size)) // size
-            row = _measure(spec, ctx, group, size, tokens)
+        if size in dispatchers:
+            row = _measure(spec, ctx, group, dispatchers[size], tokens_per_rank(mode, size))
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()  # the layer of this size is gone; the next one may be larger
             row["mode"] = mode
@@ -158,22 +164,25 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     return result if ctx.rank == 0 else None
 
 
-def _measure(spec: BenchSpec, ctx, group, size: int, tokens: int) -> dict:
-    """One EP group of ``size`` ranks, ``tokens`` tokens per rank: the layer, then dispatch/combine."""
+def _make_dispatcher(spec: BenchSpec, group, device, max_tokens: int):
+    from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
+
+    if spec.dispatcher == "nvlink" and group is not None:
+        return NVLinkDispatcher(num_experts=spec.num_experts, group=group, device=device, max_tokens_per_rank=max_tokens,
+                                alignment=spec.alignment, fp8=spec.fp8_dispatch)
+    # One rank needs no transport.
+    return AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment, fp8=spec.fp8_dispatch)
+
+
+def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
+    """One EP group, ``tokens`` tokens per rank: the layer, then dispatch/combine."""
     import torch
     import torch.distributed as dist
 
-    from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
-
     device = ctx.device
+    size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0  # within the EP group
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if spec.dispatcher == "nvlink" and group is not None:
-        dispatcher = NVLinkDispatcher(num_experts=spec.num_experts, group=group, device=device,
-                                      max_tokens_per_rank=tokens, alignment=spec.alignment, fp8=spec.fp8_dispatch)
-    else:  # one rank needs no transport
-        dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment,
-                                        fp8=spec.fp8_dispatch)
     layer = _build_layer(spec, dispatcher, ep_rank=rank, device=device, dtype=dtype)
     g = torch.Generator(device).manual_seed(spec.seed * 7919 + rank)
     x_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)

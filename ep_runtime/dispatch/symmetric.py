@@ -93,6 +93,7 @@ class CudaHeap:
     of one rank has no peers and needs no rendezvous."""
 
     _group_of_process: str | None = None  # the group this process's rendezvous went over
+    _kept: list = []  # every heap, never freed: a second dispatcher's heap hung after the first's was freed
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -112,6 +113,7 @@ class CudaHeap:
             local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
             local.zero_()
             self.handle = symm_mem.rendezvous(local, group)
+            CudaHeap._kept.append(local)
             self.heaps = [local if r == self.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
                           for r in range(self.world)]
         ptrs = [h.data_ptr() for h in self.heaps]
