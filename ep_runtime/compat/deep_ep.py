@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from kernels.validate import check_tensor
 
+from ..dispatch.all_to_all import home_rows, sum_home
+
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 topk_idx_t = torch.int64
@@ -115,6 +117,7 @@ class Handle(NamedTuple):
     is_token_in_rank: torch.Tensor
     send_head: None
     send_token_S: torch.Tensor  # the token of each row sent, grouped by destination rank
+    home_TW: torch.Tensor  # the sent row of token t bound for rank w, -1 if none
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
 
@@ -261,7 +264,9 @@ class Buffer:
         send, recv = per_rank.tolist(), matrix_WW[:, self.rank].tolist()
         handle = Handle(rank_prefix_matrix=matrix_WW.cumsum(0).to(torch.int32), channel_prefix_matrix=None,
                         recv_channel_prefix_matrix=None, recv_src_idx=torch.empty(0), is_token_in_rank=is_token_in_rank,
-                        send_head=None, send_token_S=send_token_S, send_splits=tuple(send), recv_splits=tuple(recv))
+                        send_head=None, send_token_S=send_token_S,
+                        home_TW=home_rows(dest_S, send_token_S, is_token_in_rank.shape[0], self.group_size),
+                        send_splits=tuple(send), recv_splits=tuple(recv))
         return handle._replace(recv_src_idx=self._send_rows(send_token_S.to(torch.int32), handle))
 
     def _exchange(self, rows: torch.Tensor, send_splits, recv_splits) -> torch.Tensor:
@@ -279,10 +284,7 @@ class Buffer:
         return self._send_rows(rows, handle)
 
     def _sum_home(self, rows_NX: torch.Tensor, handle: Handle) -> torch.Tensor:
-        back = self._exchange(rows_NX, handle.recv_splits, handle.send_splits)
-        out = torch.zeros((handle.is_token_in_rank.shape[0], *rows_NX.shape[1:]), dtype=torch.float32,
-                          device=rows_NX.device)
-        return out.index_add_(0, handle.send_token_S, back.float()).to(rows_NX.dtype)
+        return sum_home(self._exchange(rows_NX, handle.recv_splits, handle.send_splits), handle.home_TW)
 
 
 def _chunks(table: dict[int, int], num_ranks: int) -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
 from kernels.quant import cast_back, per_token_cast
+from kernels.reduce import weighted_reduce
 from kernels.validate import check_index_range
 
 from .autograd import CombineFn, DispatchFn
@@ -39,6 +40,8 @@ class TokenRoute:
     Attributes:
         send_token_S: int64 [S], the home token of each row this rank sends, grouped by
             destination rank in rank order (ascending tokens within a rank).
+        home_TW: int32 [T, W], the sent row of token t bound for rank w, -1 if none: where its
+            returning row lands, so the home sum runs in rank order (deterministic).
         splits: rows sent to and received from each EP rank.
         layout: the expert-major layout of the received routes over the local experts
             (its ``pos_TK`` is indexed by received row, [R, K]); None for a stage of a
@@ -47,9 +50,25 @@ class TokenRoute:
     """
 
     send_token_S: torch.Tensor
+    home_TW: torch.Tensor
     splits: RowSplits
     layout: ExpertLayout | None
     num_tokens: int
+
+
+def home_rows(dest_S: torch.Tensor, send_token_S: torch.Tensor, num_tokens: int, world: int) -> torch.Tensor:
+    """``home_TW``: the sent row of token t bound for rank w (rows in the order sent), -1 if none."""
+    home_TW = torch.full((num_tokens, world), -1, dtype=torch.int32, device=send_token_S.device)
+    home_TW[send_token_S, dest_S] = torch.arange(send_token_S.numel(), dtype=torch.int32, device=send_token_S.device)
+    return home_TW
+
+
+def sum_home(rows_SX: torch.Tensor, home_TW: torch.Tensor) -> torch.Tensor:
+    """Each token's returned rows summed in float32 in rank order, in the rows' dtype: the same
+    bits on every run (no atomics) and as the nvlink backend's home sum."""
+    ones_TW = torch.ones(home_TW.shape, dtype=torch.float32, device=rows_SX.device)
+    out_TX = weighted_reduce(rows_SX.flatten(1), home_TW, ones_TW)
+    return out_TX.view(home_TW.shape[0], *rows_SX.shape[1:])
 
 
 class AllToAllDispatcher:
@@ -71,9 +90,7 @@ class AllToAllDispatcher:
         return self._exchange(rows_TX.index_select(0, route.send_token_S), route.splits.send, route.splits.recv)
 
     def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
-        rows_SX = self._exchange(rows_RX, route.splits.recv, route.splits.send)
-        out_TX = rows_SX.new_zeros((route.num_tokens, *rows_SX.shape[1:]), dtype=torch.float32)
-        return out_TX.index_add_(0, route.send_token_S, rows_SX.float()).to(rows_SX.dtype)
+        return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
 
     def _exchange(self, rows: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         if self.group is None:
@@ -109,7 +126,8 @@ class AllToAllDispatcher:
         send, recv = torch.stack([send_splits, recv_splits]).tolist()  # this backend's one host sync
         splits = RowSplits(send=tuple(send), recv=tuple(recv))
         local_idx_RK = self._exchange(local_idx_SK, splits.send, splits.recv)
-        route = TokenRoute(send_token_S=send_token_S, splits=splits, layout=None, num_tokens=x_TD.shape[0])
+        route = TokenRoute(send_token_S=send_token_S, home_TW=home_rows(dest_S, send_token_S, x_TD.shape[0], self.world),
+                           splits=splits, layout=None, num_tokens=x_TD.shape[0])
         weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
         return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK
 
