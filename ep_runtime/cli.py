@@ -14,7 +14,8 @@ import sys
 
 import dataclasses
 
-from .config import JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig, v4_model_config
+from .config import (PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig,
+                     v4_model_config)
 
 PRESETS = {
     # ~0.5M parameters: trains on 2 CPU processes in about 10 s.
@@ -37,8 +38,8 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
     p.add_argument("--pp", type=int, default=ParallelConfig.pp, help="pipeline stages (default 1: none)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default: 2 * pp)")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default=ParallelConfig.schedule,
-                   help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=ParallelConfig.schedule,
+                   help="pipeline schedule (default 1f1b; overlap: two lanes of micro-batches at once)")
     p.add_argument("--virtual-stages", type=int, help="model chunks per stage with --schedule interleaved (default 2)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")

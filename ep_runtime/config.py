@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("all_to_all", "nvlink", "deepep")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "overlap")
 
 
 def _require(ok: bool, path: str, expected: str, got: object) -> None:
@@ -169,7 +169,7 @@ class ParallelConfig:
 
     pp: int = 1  # pipeline stages (ep_runtime/pipeline.py)
     microbatches: int = 1  # per step and rank, with pp > 1; must divide train.batch_size
-    schedule: str = "1f1b"  # pipeline schedule, one of PIPELINE_SCHEDULES
+    schedule: str = "1f1b"  # pipeline schedule, one of PIPELINE_SCHEDULES (ep_runtime/pipeline.md)
     virtual_stages: int = 1  # model chunks per stage: > 1 with the interleaved schedule
     ep: int | None = None  # None: all ranks of a stage form one EP group
     ranks_per_node: int | None = None  # None: LOCAL_WORLD_SIZE; an EP group spanning nodes dispatches in two stages
@@ -181,6 +181,8 @@ class ParallelConfig:
                  "an int >= 1", self.microbatches)
         _require(self.schedule in PIPELINE_SCHEDULES, "parallel.schedule", f"one of {PIPELINE_SCHEDULES}",
                  self.schedule)
+        _require(self.schedule != "overlap" or self.pp == 1 or self.microbatches % 2 == 0, "parallel.microbatches",
+                 "an even number with the overlap schedule (two lanes)", self.microbatches)
         _require(_is_int(self.virtual_stages) and self.virtual_stages >= 1
                  and (self.virtual_stages > 1) == (self.schedule == "interleaved"), "parallel.virtual_stages",
                  "an int > 1 with the interleaved schedule, 1 with the others", self.virtual_stages)

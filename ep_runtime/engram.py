@@ -40,6 +40,7 @@ from kernels import engram
 from kernels.validate import check_index_range, check_tensor
 
 from .config import EngramConfig
+from .lanes import PerLane, resolve
 
 __all__ = ["CONV_TAPS", "INIT_BLOCK", "Engram", "ShardedLookupFn", "ShardedTable"]
 
@@ -105,9 +106,10 @@ class ShardedTable(nn.Module):
     function of ``(seed, row)``.
     """
 
-    def __init__(self, num_rows: int, dim: int, *, group: dist.ProcessGroup | None, seed: int):
+    def __init__(self, num_rows: int, dim: int, *, group: dist.ProcessGroup | PerLane | None, seed: int):
         super().__init__()
-        self.group = group
+        self.group = group  # or one per lane (``ep_runtime.lanes``): the same ranks, its own group
+        group = resolve(group)
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.num_rows = num_rows
@@ -129,7 +131,7 @@ class ShardedTable(nn.Module):
         """``idx`` int64 of any shape, entries in ``[0, num_rows)`` -> ``[*idx.shape, dim]``."""
         check_tensor("idx", idx, dtype=torch.int64)
         check_index_range("idx", idx, self.num_rows, allow_masked=False)
-        rows_IE = ShardedLookupFn.apply(self.weight_LE, idx.reshape(-1), self.group, self.rank, self.world)
+        rows_IE = ShardedLookupFn.apply(self.weight_LE, idx.reshape(-1), resolve(self.group), self.rank, self.world)
         return rows_IE.view(*idx.shape, self.weight_LE.shape[1])
 
 

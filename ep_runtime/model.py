@@ -23,7 +23,7 @@ from torch import nn
 
 from kernels.validate import check_index_range, check_tensor
 
-from . import mhc
+from . import lanes, mhc
 from .config import ModelConfig
 from .dispatch import Dispatcher
 from .engram import Engram
@@ -99,11 +99,12 @@ class TinyDeepSeek(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.hidden)
         if cfg.engram is not None and ep_group is None:
-            ep_group = getattr(dispatcher, "group", None)
+            ep_group = lanes.attribute(dispatcher, "group")  # one per lane with a PerLane dispatcher
         ep_size = dispatcher.num_experts // dispatcher.num_local_experts
-        if cfg.engram is not None and (dist.get_world_size(ep_group) if ep_group is not None else 1) != ep_size:
+        group_size = dist.get_world_size(lanes.resolve(ep_group)) if ep_group is not None else 1
+        if cfg.engram is not None and group_size != ep_size:
             raise ValueError(f"ep_group: expected the dispatcher's EP group of {ep_size} ranks for the Engram "
-                             f"tables, got {'none' if ep_group is None else dist.get_world_size(ep_group)}")
+                             f"tables, got {'none' if ep_group is None else group_size}")
         num_moe = cfg.num_layers - cfg.dense_layers
         if placement is not None and len(placement) != num_moe:
             raise ValueError(f"placement: expected one per MoE layer ({num_moe}), got {len(placement)}")

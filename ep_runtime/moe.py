@@ -14,6 +14,7 @@ from kernels.routing import expert_counts
 from .config import MoEConfig
 from .dispatch import Dispatcher
 from .experts import GroupedExperts, SwiGLUMLP
+from .lanes import PerLaneAttribute
 from .placement import ExpertPlacement, route_to_replicas
 from .router import Router
 
@@ -30,8 +31,12 @@ class MoELayer(nn.Module):
     from its logical expert's seed. Without one, slot ``e`` is expert ``e``.
 
     After each forward, ``load_E`` holds the number of this rank's routes to every (logical) expert
-    and ``aux_loss`` the balance loss (0 when disabled).
+    and ``aux_loss`` the balance loss (0 when disabled), per lane (``ep_runtime.lanes``; a
+    ``PerLane`` dispatcher gives each lane its own EP group).
     """
+
+    load_E = PerLaneAttribute()
+    aux_loss = PerLaneAttribute()
 
     def __init__(self, cfg: MoEConfig, hidden: int, dispatcher: Dispatcher, *, ep_rank: int, seed: int,
                  placement: ExpertPlacement | None = None):

@@ -22,6 +22,7 @@ reports (``report_failure``), so a rank whose collective broke can name the rank
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -161,6 +162,19 @@ def job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.T
     hosted_by_launcher = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                          is_master=rank == 0 and not hosted_by_launcher, timeout=timeout)
+
+
+def lane_context(ctx: ParallelContext) -> ParallelContext:
+    """``ctx`` with its EP groups (``ep_group``, ``ep_node_group``, ``ep_rail_group``) replaced by
+    new groups of the same ranks: a second lane's (``ep_runtime.lanes``), whose collectives then
+    never match the first lane's. Collective: every rank calls it (each makes every rank's groups,
+    in one order)."""
+    names = ("ep_group", "ep_node_group", "ep_rail_group")
+    mine = [tuple(dist.get_process_group_ranks(g)) if (g := getattr(ctx, n)) is not None else None for n in names]
+    everyone: list = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    made = {ranks: dist.new_group(list(ranks)) for ranks in sorted({r for per in everyone for r in per if r})}
+    return dataclasses.replace(ctx, **{n: made[r] if r else None for n, r in zip(names, mine)})
 
 
 def block_group(size: int) -> dist.ProcessGroup | None:

@@ -14,8 +14,12 @@ its targets and an Engram layer in any stage for its hashes), as a data loader r
 ``pp`` would give it.
 
 Schedules (``schedule_ops``, run by ``PipelineSchedule.step``): ``"1f1b"`` (warmup forwards, steady
-one-forward-one-backward, cooldown backwards), ``"gpipe"`` (every forward, then every backward) and
-``"interleaved"`` (1F1B over ``V`` model chunks per stage), computing the same gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
+one-forward-one-backward, cooldown backwards), ``"gpipe"`` (every forward, then every backward),
+``"interleaved"`` (1F1B over ``V`` model chunks per stage) and ``"overlap"`` (two 1F1B pipelines,
+over the even and the odd micro-batches, run at once by two threads per rank, so that one
+micro-batch's forward, EP all-to-alls included, runs while another's backward computes; each
+lane has its own EP and point-to-point groups and CUDA stream, ``ep_runtime.lanes``), computing
+the same gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
 scaled by ``1 / num_microbatches``; ``train.average_gradients`` then averages over the stage's data
 ranks.
 
@@ -25,6 +29,9 @@ micro-batch, S sequence length (the batch's minus one), D hidden, N mHC streams.
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import mhc
+from . import lanes, mhc
 from .config import PIPELINE_SCHEDULES
 from .model import TinyDeepSeek
 from .moe import MoELayer
@@ -178,6 +185,16 @@ def schedule_ops(schedule: str, *, stage: int, num_stages: int, num_microbatches
     return ops + [op("B", k) for k in range(total - warmup, total)]  # phase 3, cooldown
 
 
+def overlap_lanes(*, stage: int, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """The ``overlap`` schedule: lane ``l`` runs 1F1B over micro-batches ``l, l + 2, ...``; the
+    two lanes run at the same time (``pipeline.md`` draws them)."""
+    if num_microbatches % 2:
+        raise ValueError(f"num_microbatches: expected an even number with the overlap schedule (two lanes), "
+                         f"got {num_microbatches}")
+    ops = schedule_ops("1f1b", stage=stage, num_stages=num_stages, num_microbatches=num_microbatches // 2)
+    return [[(kind, chunk, 2 * i + lane) for kind, chunk, i in ops] for lane in range(2)]
+
+
 class PipelineSchedule:
     """Runs one training step's forwards and backwards for this rank's ``stage``.
 
@@ -199,13 +216,18 @@ class PipelineSchedule:
         if (schedule == "interleaved") != (stage.chunks > 1):
             raise ValueError(f"parallel.virtual_stages: expected > 1 with the interleaved schedule and 1 otherwise, "
                              f"got {stage.chunks} with {schedule!r}")
+        self.lanes = 2 if schedule == "overlap" else 1
+        if self.lanes > 1:
+            overlap_lanes(stage=0, num_stages=1, num_microbatches=num_microbatches)  # checks M
+            _check_lanes(stage, ctx, self.lanes)
         self.stage, self.ctx = stage, ctx
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.timed = timed  # on GPUs: synchronize around receives, so that wait_s is the waiting
         self.per_stage = ctx.world_size // ctx.pp_size
-        self.groups = {"F": None, "B": None}
-        if ctx.distributed and ctx.pp_size > 1:  # every rank creates both (collective)
-            self.groups = {"F": dist.new_group(), "B": dist.new_group()}
+        self.groups = [{"F": None, "B": None} for _ in range(self.lanes)]  # per lane
+        if ctx.distributed and ctx.pp_size > 1:  # every rank creates them all (collective)
+            self.groups = [{"F": dist.new_group(), "B": dist.new_group()} for _ in range(self.lanes)]
+        self._lock = threading.Lock()  # the lanes' shared bookkeeping
 
     def _neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
         """``(rank, chunk)`` of the virtual stage ``step`` (+1 or -1) away, None past either end."""
@@ -231,25 +253,72 @@ class PipelineSchedule:
         divides it by the step's time: the measured bubble; on GPUs only with ``timed``, which
         synchronizes the stream around every receive and is off in training)."""
         micro = split_microbatches(tokens_BS, self.num_microbatches)
-        ops = schedule_ops(self.schedule, stage=self.stage.stage, num_stages=self.stage.num_stages,
-                           num_microbatches=self.num_microbatches, chunks=self.stage.chunks)
+        sizes = dict(stage=self.stage.stage, num_stages=self.stage.num_stages, num_microbatches=self.num_microbatches)
+        if self.lanes > 1:
+            per_lane = overlap_lanes(**sizes)
+        else:
+            per_lane = [schedule_ops(self.schedule, **sizes, chunks=self.stage.chunks)]
         self._shape = self.boundary(tokens_BS)
-        self.wait_s = 0.0
+        self.wait_s, self._waiting, self._idle_since = 0.0, 0, 0.0
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._losses: list[torch.Tensor] = []
+        self._losses: dict[int, torch.Tensor] = {}
         self._load = {moe: torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers}
+        if self.lanes == 1:
+            self._run(per_lane[0], micro)
+        else:
+            self._run_lanes(per_lane, micro)
+        for work, _ in self._sends:
+            work.wait()
+        for moe, load_E in self._load.items():
+            moe.load_E = load_E
+        losses = [self._losses[i] for i in sorted(self._losses)]
+        self._saved, self._sends, self._losses = {}, [], {}
+        return torch.stack(losses).mean() if losses else None
+
+    def _run(self, ops: list[tuple[str, int, int]], micro: list[torch.Tensor]) -> None:
         for kind, chunk, i in ops:
             if kind == "F":
                 self._forward(chunk, i, micro[i])
             else:
                 self._backward(chunk, i)
-        for work, _ in self._sends:
-            work.wait()
-        for moe, load_E in self._load.items():
-            moe.load_E = load_E
-        losses, self._saved, self._sends, self._losses = self._losses, {}, [], []
-        return torch.stack(losses).mean() if losses else None
+
+    def _run_lanes(self, per_lane: list[list[tuple[str, int, int]]], micro: list[torch.Tensor]) -> None:
+        """Each lane's ops in a thread of its own (on GPUs on a stream of its own, under the
+        caller's autocast); returns when all are done, raises the first lane's error."""
+        device = self.ctx.device
+        streams = [torch.cuda.Stream(device) for _ in per_lane] if device.type == "cuda" else [None] * len(per_lane)
+        autocast = dict(device_type=device.type, enabled=torch.is_autocast_enabled(device.type),
+                        dtype=torch.get_autocast_dtype(device.type))
+        for stream in filter(None, streams):
+            stream.wait_stream(torch.cuda.current_stream(device))  # the optimizer's last update
+        done: queue.Queue = queue.Queue()
+        # Lane l + 1 starts once lane l's first op is done: the first stage hands the next its first
+        # micro-batch after one forward, as 1F1B does, not after two run side by side.
+        started = [threading.Event() for _ in per_lane]
+
+        def run(index: int) -> None:
+            try:
+                stream = torch.cuda.stream(streams[index]) if streams[index] else contextlib.nullcontext()
+                with lanes.lane(index), stream, torch.autocast(**autocast):
+                    if index:
+                        started[index - 1].wait()
+                    ops = per_lane[index]
+                    self._run(ops[:1], micro)
+                    started[index].set()
+                    self._run(ops[1:], micro)
+                done.put(None)
+            except BaseException as error:  # handed to the caller's thread
+                started[index].set()
+                done.put(error)
+
+        for index in range(len(per_lane)):  # daemons: a lane stuck on a failed peer must not hold the exit
+            threading.Thread(target=run, args=(index,), name=f"pipeline-lane-{index}", daemon=True).start()
+        for _ in per_lane:
+            if (error := done.get()) is not None:
+                raise error
+        for stream in filter(None, streams):
+            torch.cuda.current_stream(device).wait_stream(stream)
 
     def _recv(self, src: int, kind: str) -> torch.Tensor:
         """The next stream (``kind`` "F") or gradient ("B") from ``src``; the time this rank sat
@@ -258,23 +327,33 @@ class PipelineSchedule:
         synchronize = self.timed and t.is_cuda
         if synchronize:  # this rank's own work is not waiting
             torch.cuda.current_stream().synchronize()
-        begin = time.perf_counter()
-        dist.irecv(t, src, group=self.groups[kind]).wait()
+        self._idle(+1)
+        dist.irecv(t, src, group=self.groups[lanes.current()][kind]).wait()
         if synchronize:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
-        self.wait_s += time.perf_counter() - begin
+        self._idle(-1)
         return t.to(self._shape.dtype)
+
+    def _idle(self, step: int) -> None:
+        """A lane starts (+1) or stops (-1) waiting; the rank is idle while every lane waits."""
+        with self._lock:
+            if step < 0 and self._waiting == self.lanes:
+                self.wait_s += time.perf_counter() - self._idle_since
+            self._waiting += step
+            if step > 0 and self._waiting == self.lanes:
+                self._idle_since = time.perf_counter()
 
     def _forward(self, chunk: int, i: int, tokens_BS: torch.Tensor) -> None:
         prev, nxt = self._neighbour(chunk, -1), self._neighbour(chunk, +1)
         x = self._recv(prev[0], "F").requires_grad_() if prev else None
         out = self.stage(x, tokens_BS, chunk)
-        for moe in self.stage.moe_layers(chunk):
-            self._load[moe] += moe.load_E.to(self._load[moe].device)  # a forward leaves its own routes only
+        with self._lock:
+            for moe in self.stage.moe_layers(chunk):  # a forward leaves its own routes only (per lane)
+                self._load[moe] += moe.load_E.to(self._load[moe].device)
         if nxt:
             self._send(out.detach(), nxt[0], "F")
         else:
-            self._losses.append(out.detach())
+            self._losses[i] = out.detach()
         self._saved[chunk, i] = (x, out)
 
     def _backward(self, chunk: int, i: int) -> None:
@@ -289,4 +368,20 @@ class PipelineSchedule:
 
     def _send(self, t: torch.Tensor, dst: int, kind: str) -> None:
         t = t.to(self._shape.wire_dtype).contiguous()
-        self._sends.append((dist.isend(t, dst, group=self.groups[kind]), t))  # alive until the send is done
+        self._sends.append((dist.isend(t, dst, group=self.groups[lanes.current()][kind]), t))  # alive until done
+
+
+def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> None:
+    """Every MoE layer's dispatcher and Engram table of ``stage`` has a member per lane (each over
+    its own EP group), or there is no EP group."""
+    if ctx.ep_group is None:
+        return
+    model = stage.model
+    shared = [f"blocks.{i}.ffn.dispatcher" for i in stage.layers if isinstance(model.blocks[i].ffn, MoELayer)
+              and lanes.lanes_of(model.blocks[i].ffn.dispatcher) != num_lanes]
+    shared += [f"blocks.{i}.engram.table.group" for i in stage.layers if model.blocks[i].engram is not None
+               and lanes.lanes_of(model.blocks[i].engram.table.group) != num_lanes]
+    if shared:
+        raise ValueError(f"schedule: 'overlap' runs {num_lanes} lanes at once, each needing its own EP groups; "
+                         f"{shared[0]} is one for all lanes (build the model with make_dispatcher(cfg, ctx, "
+                         f"lanes={num_lanes}))")

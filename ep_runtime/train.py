@@ -158,7 +158,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     t = cfg.train
     fault = InjectedFault.from_env()
     torch.manual_seed(t.seed)
-    model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx), ep_rank=ctx.ep_rank, seed=t.seed)
+    lanes = 2 if ctx.pp_size > 1 and cfg.parallel.schedule == "overlap" else 1
+    model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx, lanes=lanes), ep_rank=ctx.ep_rank, seed=t.seed)
     model.to(ctx.device)
     pipe = None
     if ctx.pp_size > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)

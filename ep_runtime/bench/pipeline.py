@@ -10,7 +10,9 @@ training steps (SGD) after ``--warmup``, each started from a barrier. Per stage:
 not compute: waiting on a neighbour, ``PipelineSchedule.wait_s``, or done before the slowest
 stage) against the schedule's formula ``(P - 1) / (M + P - 1)``
 (1F1B and GPipe alike, forward and backward taken as one slot each; ``(P - 1) / (V M + P - 1)``
-interleaved over V virtual stages), and the peak memory: CUDA's
+interleaved over V virtual stages; 1F1B's for ``overlap``, whose second lane starts one forward
+after the first, so the two fill the stages as 1F1B's M micro-batches do, with a stage idle only
+while both lanes wait), and the peak memory: CUDA's
 peak allocation on GPUs, the process's peak resident set on CPU (which only grows: configurations
 run in the order given). Writes ``pipeline.json`` and ``pipeline.png`` under ``--out``.
 """
@@ -59,7 +61,9 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     for schedule in a.schedules:
         for m in a.microbatches:
             torch.manual_seed(0)
-            model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank, seed=1).to(ctx.device)
+            lanes = 2 if schedule == "overlap" else 1
+            model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx, lanes=lanes), ep_rank=ctx.ep_rank,
+                                 seed=1).to(ctx.device)
             stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size,
                                   chunks=a.virtual_stages if schedule == "interleaved" else 1)
             pipe = PipelineSchedule(stage, ctx, num_microbatches=m, schedule=schedule, timed=True)
@@ -123,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--model", default="small", help="model preset of ep-runtime train (default small: 4 blocks, "
                    "enough for 2 stages x 2 virtual stages)")
-    p.add_argument("--schedules", type=lambda s: s.split(","), default=["1f1b", "gpipe", "interleaved"])
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=["1f1b", "gpipe", "interleaved", "overlap"])
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage, interleaved (default 2)")
     p.add_argument("--microbatches", type=lambda s: [int(m) for m in s.split(",")], default=[2, 4, 8])
     p.add_argument("--batch-size", type=int, default=16, help="sequences per data rank per step")

@@ -20,8 +20,8 @@ where it returns) is one kernel each (``kernels.comm.plan_send`` / ``plan_receiv
 and the home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank
 order, float32).
 
-On GPUs a process's heaps go over one process group only (``symmetric.CudaHeap``: torch 2.11's
-symmetric memory breaks on a second), so a process runs nvlink over one EP group.
+On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
+symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
 
 Overflow is never silent: a rank that dispatches more than ``max_tokens_per_rank`` tokens raises
 before anything moves (a shape check, no sync), naming itself and the limit.

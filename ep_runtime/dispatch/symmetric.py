@@ -86,13 +86,13 @@ class CudaHeap:
     The heap is allocated and rendezvoused once (a host-blocking collective) and kept: freeing
     symmetric memory synchronizes the device.
 
-    One process rendezvouses over one group only (a heap may grow there): torch 2.11's symmetric
-    memory hangs, or maps the wrong peers, when a process's rendezvous over one group follows one
-    over another (seen on 4 H200s: a group after a smaller one hangs, pytorch/pytorch#196082; a
-    group of nodes after the whole job gave wrong rows). A second group raises instead. A group
-    of one rank has no peers and needs no rendezvous."""
+    One process rendezvouses over one set of ranks only (a heap may grow there; another group of
+    the same ranks, a second lane's, is fine): torch 2.11's symmetric memory hangs, or maps the
+    wrong peers, when a process's rendezvous over some ranks follows one over others (seen on 4
+    H200s: all four after two hangs, pytorch/pytorch#196082; nodes of two after all four gave wrong
+    rows). Other ranks raise instead. A group of one rank has no peers and needs no rendezvous."""
 
-    _group_of_process: str | None = None  # the group this process's rendezvous went over
+    _ranks_of_process: tuple[int, ...] | None = None  # the ranks this process's rendezvous went over
     _kept: list = []  # every heap, never freed: a second dispatcher's heap hung after the first's was freed
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
@@ -125,13 +125,13 @@ class CudaHeap:
 
     @classmethod
     def _claim_group(cls, group: dist.ProcessGroup) -> None:
-        if cls._group_of_process is None:
-            cls._group_of_process = group.group_name
-        elif cls._group_of_process != group.group_name:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if cls._ranks_of_process is None:
+            cls._ranks_of_process = ranks
+        elif cls._ranks_of_process != ranks:
             raise RuntimeError(
-                f"group: this process's symmetric memory already went over process group "
-                f"{cls._group_of_process!r}; torch's symmetric memory cannot rendezvous over a second one "
-                f"({group.group_name!r}, ranks {dist.get_process_group_ranks(group)}) in the same process "
+                f"group: this process's symmetric memory already went over ranks {list(cls._ranks_of_process)}; "
+                f"torch's symmetric memory cannot rendezvous over other ranks ({list(ranks)}) in the same process "
                 "(pytorch/pytorch#196082): use one nvlink EP group per process, e.g. one process set per EP size")
 
     def barrier(self) -> None:

@@ -4,12 +4,13 @@ data rank's batch, for each schedule; micro-batch counts that do not divide the 
 
 import pytest
 import torch
-from pipeline_workers import FLOOR, model_config, pipeline_matches_single_process, tokens
+from pipeline_workers import FLOOR, model_config, overlap_without_lanes, pipeline_matches_single_process, tokens
 
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import single_process
-from ep_runtime.pipeline import PipelineSchedule, PipelineStage, schedule_ops, split_microbatches, stage_layers
+from ep_runtime.pipeline import (PipelineSchedule, PipelineStage, overlap_lanes, schedule_ops, split_microbatches,
+                                 stage_layers)
 from launch.local import launch_local
 
 # Relative to the loss, and for gradients to each tensor's largest expected magnitude or
@@ -17,7 +18,8 @@ from launch.local import launch_local
 # pipeline sums the same terms in another order (micro-batches, ranks, index_add over experts).
 RTOL = 1e-5
 CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("plain", "interleaved", 4), ("mhc", "1f1b", 4),
-         ("mhc-recompute", "1f1b", 4), ("mhc-engram", "1f1b", 2), ("mhc-engram", "interleaved", 2)]
+         ("mhc-recompute", "1f1b", 4), ("mhc-engram", "1f1b", 2), ("mhc-engram", "interleaved", 2),
+         ("plain", "overlap", 4), ("mhc-engram", "overlap", 4)]
 STEPS = 2
 
 
@@ -129,3 +131,23 @@ def test_interleaving_needs_whole_groups_of_microbatches_and_chunks():
         ParallelConfig(schedule="interleaved")
     with pytest.raises(ValueError, match="parallel.virtual_stages"):
         ParallelConfig(schedule="1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 2)])
+def test_overlap_lanes_are_two_1f1b_pipelines_over_even_and_odd_microbatches(p, m):
+    for s in range(p):
+        even, odd = overlap_lanes(stage=s, num_stages=p, num_microbatches=m)
+        half = schedule_ops("1f1b", stage=s, num_stages=p, num_microbatches=m // 2)
+        assert even == [(kind, c, 2 * i) for kind, c, i in half]
+        assert odd == [(kind, c, 2 * i + 1) for kind, c, i in half]
+
+
+def test_overlap_needs_an_even_microbatch_count_and_a_dispatcher_per_lane():
+    from ep_runtime.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="num_microbatches: expected an even number"):
+        overlap_lanes(stage=0, num_stages=2, num_microbatches=3)
+    with pytest.raises(ValueError, match="parallel.microbatches"):
+        ParallelConfig(pp=2, microbatches=3, schedule="overlap")
+    results = launch_local(overlap_without_lanes, nproc=2)
+    assert all("make_dispatcher(cfg, ctx, lanes=2)" in message for message in results.values()), results

@@ -33,9 +33,9 @@ def tokens(data_rank: int) -> torch.Tensor:
     return torch.randint(0, 32, (BATCH, SEQ + 1), generator=g)
 
 
-def _build(cfg: ModelConfig, ctx) -> TinyDeepSeek:
+def _build(cfg: ModelConfig, ctx, lanes: int = 1) -> TinyDeepSeek:
     torch.manual_seed(0)
-    return TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank, seed=3).to(ctx.device)
+    return TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx, lanes=lanes), ep_rank=ctx.ep_rank, seed=3).to(ctx.device)
 
 
 def _sgd(model: torch.nn.Module) -> None:
@@ -72,7 +72,8 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
     results = {}
     for variant, schedule, num_micro in cases:
         cfg = model_config(variant)
-        stage = PipelineStage(_build(cfg, ctx), stage=ctx.pp_rank, num_stages=ctx.pp_size,
+        stage = PipelineStage(_build(cfg, ctx, lanes=2 if schedule == "overlap" else 1), stage=ctx.pp_rank,
+                              num_stages=ctx.pp_size,
                               chunks=2 if schedule == "interleaved" else 1)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=num_micro, schedule=schedule)
         ref = _build(cfg, single_process(ctx.device))
@@ -104,3 +105,17 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
                                                          "ref_losses": ref_losses, "grad_errors": grad_errors}
     dist.destroy_process_group()
     return results
+
+
+def overlap_without_lanes() -> str:
+    """The overlap schedule's error for a model whose dispatcher all lanes would share (EP over
+    both ranks)."""
+    ctx = init_parallel(ParallelConfig())
+    stage = PipelineStage(_build(model_config("plain"), ctx), stage=0, num_stages=1)
+    try:
+        PipelineSchedule(stage, ctx, num_microbatches=2, schedule="overlap")
+        return "accepted"
+    except ValueError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
