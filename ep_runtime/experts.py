@@ -17,17 +17,18 @@ from kernels.quant import swiglu, swiglu_backward
 
 
 class SwiGLUFn(torch.autograd.Function):
-    """``silu(gate) * up`` on ``[gate | up]`` through the kernel ops, forward and backward."""
+    """``silu(gate) * up`` on ``[gate | up]`` through the kernel ops, forward and backward; with
+    ``rows`` (int32 ``[1]``, on the device) only the first ``rows[0]`` rows are wanted."""
 
     @staticmethod
-    def forward(ctx, x_TI2):
-        ctx.save_for_backward(x_TI2)
-        return swiglu(x_TI2)
+    def forward(ctx, x_TI2, rows=None):
+        ctx.save_for_backward(x_TI2, rows)
+        return swiglu(x_TI2, rows=rows)
 
     @staticmethod
     def backward(ctx, grad_TI):
-        (x_TI2,) = ctx.saved_tensors
-        return swiglu_backward(x_TI2, grad_TI.contiguous())
+        x_TI2, rows = ctx.saved_tensors
+        return swiglu_backward(x_TI2, grad_TI.contiguous(), rows=rows), None
 
 
 class SwiGLUMLP(nn.Module):
@@ -77,7 +78,9 @@ class GroupedExperts(nn.Module):
     def _grouped(self, x_PD, layout):
         offs = layout.offsets_E
         h_PI2 = torch._grouped_mm(x_PD.bfloat16(), self.w13_EDI2.bfloat16(), offs=offs)
-        y_PD = torch._grouped_mm(SwiGLUFn.apply(h_PI2), self.w2_EID.bfloat16(), offs=offs)
+        # The grouped GEMMs read rows up to offs[-1] only; the SwiGLU skips the capacity past them
+        # (a static-capacity layout, e.g. the nvlink backend's, may be several times the rows in use).
+        y_PD = torch._grouped_mm(SwiGLUFn.apply(h_PI2, offs[-1:].int()), self.w2_EID.bfloat16(), offs=offs)
         return y_PD.to(x_PD.dtype)
 
     def _looped(self, x_PD, layout):

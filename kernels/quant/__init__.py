@@ -71,11 +71,11 @@ def cast_back(
     return reference.cast_back(q, sf, block=block, out_dtype=out_dtype)
 
 
-def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu`."""
     if _kernel_for(x_TI2):
-        return swiglu_kernel.swiglu(x_TI2)
-    return reference.swiglu(x_TI2)
+        return swiglu_kernel.swiglu(x_TI2, rows=rows)
+    return reference.swiglu(x_TI2, rows=rows)
 
 
 def swiglu_per_token_cast(
@@ -87,11 +87,11 @@ def swiglu_per_token_cast(
     return reference.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu_backward`."""
     if _kernel_for(x_TI2):
-        return swiglu_kernel.swiglu_backward(x_TI2, grad_TI)
-    return reference.swiglu_backward(x_TI2, grad_TI)
+        return swiglu_kernel.swiglu_backward(x_TI2, grad_TI, rows=rows)
+    return reference.swiglu_backward(x_TI2, grad_TI, rows=rows)
 
 
 def expand_per_token_cast(

@@ -129,16 +129,25 @@ def cast_back(
     return (q.float() * sf_MN).to(out_dtype)
 
 
-def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` computed in float32, where ``x_TI2 = [gate | up]`` along the last dim.
 
     Args:
         x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16; the first half of each row is the gate.
+        rows: int32 ``[1]`` on ``x_TI2``'s device, the rows wanted (a layout's ``offsets_E[-1:]``,
+            read on the device, no host sync): rows at or past ``rows[0]`` of the result are
+            unspecified (the kernel skips them; this reference computes them). None: all rows.
 
     Returns:
         ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``.
     """
+    check_rows(rows, x_TI2)
     return _swiglu_f32(x_TI2).to(x_TI2.dtype)
+
+
+def check_rows(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> None:
+    if rows is not None:
+        check_tensor("rows", rows, dtype=torch.int32, shape=(1,), device=x_TI2.device)
 
 
 def swiglu_per_token_cast(
@@ -160,7 +169,7 @@ def swiglu_per_token_cast(
     return _blockwise_cast(y_TI, (1, group), round_sf=round_sf, pack_sf=pack_sf)
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Gradient of :func:`swiglu` with respect to its input, computed in float32.
 
     ``d gate = grad * up * silu'(gate)`` with ``silu'(g) = s * (1 + g * (1 - s))``, ``s = sigmoid(g)``;
@@ -169,10 +178,12 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
     Args:
         x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16, the forward input ``[gate | up]``.
         grad_TI: ``[T, I]`` float32, bfloat16 or float16, the gradient of the output.
+        rows: as in :func:`swiglu` (rows of the result at or past ``rows[0]`` are unspecified).
 
     Returns:
         ``grad_TI2`` ``[T, 2 * I]`` in ``x_TI2.dtype``, ``[d gate | d up]``.
     """
+    check_rows(rows, x_TI2)
     gate_TI, up_TI = _split_gate_up(x_TI2)
     check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=gate_TI.shape, device=x_TI2.device)
     grad_TI = grad_TI.float()

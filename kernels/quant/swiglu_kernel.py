@@ -16,7 +16,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.reference import E4M3, FLOAT_DTYPES
+from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_rows
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
@@ -62,10 +62,7 @@ def get_swiglu_forward_kernel(
     out_dtype = "float8_e4m3fn" if cast else dtype
 
     @T.macro
-    def load_swiglu(x_TI2, pm, pn, y_frag):
-        gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
-        up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
-        T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
+    def load_swiglu(x_TI2, pm, pn, y_frag, gate_frag, up_frag):
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
         for i, j in T.Parallel(tile_m, tile_n):
@@ -76,23 +73,28 @@ def get_swiglu_forward_kernel(
         x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
         out_TI: T.Tensor[(num_tokens, inter), out_dtype],
         sf_TG: T.Tensor[(num_tokens, T.ceildiv(inter, group)), sf_dtype],
+        rows_1: T.Tensor[(1,), "int32"],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
             y_frag = T.alloc_fragment((tile_m, tile_n), "float32")
-            load_swiglu(x_TI2, pm, pn, y_frag)
-            if cast:
-                amax = T.alloc_fragment((tile_m, tile_g), "float32")
-                inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
-                T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_g, group]), amax, dim=2)
-                for i, g in T.Parallel(tile_m, tile_g):
-                    sf, inv = scale_and_inverse(amax[i, g], round_sf, pack_sf)
-                    sf_TG[pm * tile_m + i, pn * tile_g + g] = sf
-                    inv_frag[i, g] = inv
-                for i, j in T.Parallel(tile_m, tile_n):
-                    out_TI[pm * tile_m + i, pn * tile_n + j] = to_e4m3(y_frag[i, j] * inv_frag[i, j // group])
-            else:
-                for i, j in T.Parallel(tile_m, tile_n):
-                    out_TI[pm * tile_m + i, pn * tile_n + j] = T.cast(y_frag[i, j], out_dtype)
+            gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
+            amax = T.alloc_fragment((tile_m, tile_g), "float32")
+            inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
+            T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
+            if pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
+                load_swiglu(x_TI2, pm, pn, y_frag, gate_frag, up_frag)
+                if cast:
+                    T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_g, group]), amax, dim=2)
+                    for i, g in T.Parallel(tile_m, tile_g):
+                        sf, inv = scale_and_inverse(amax[i, g], round_sf, pack_sf)
+                        sf_TG[pm * tile_m + i, pn * tile_g + g] = sf
+                        inv_frag[i, g] = inv
+                    for i, j in T.Parallel(tile_m, tile_n):
+                        out_TI[pm * tile_m + i, pn * tile_n + j] = to_e4m3(y_frag[i, j] * inv_frag[i, j // group])
+                else:
+                    for i, j in T.Parallel(tile_m, tile_n):
+                        out_TI[pm * tile_m + i, pn * tile_n + j] = T.cast(y_frag[i, j], out_dtype)
 
     return swiglu_forward
 
@@ -115,6 +117,7 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
         x_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
         grad_TI: T.Tensor[(num_tokens, inter), grad_dtype],
         grad_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
+        rows_1: T.Tensor[(1,), "int32"],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
@@ -125,20 +128,21 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
             T.annotate_layout(
                 {gate_frag: layout, up_frag: layout, grad_frag: layout, d_gate_frag: layout, d_up_frag: layout}
             )
-            T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], gate_frag, disable_tma=True)
-            T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], up_frag, disable_tma=True)
-            T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
-            for i, j in T.Parallel(tile_m, tile_n):
-                gate = T.cast(gate_frag[i, j], "float32")
-                up = T.cast(up_frag[i, j], "float32")
-                grad = T.cast(grad_frag[i, j], "float32")
-                sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
-                # (grad * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
-                d_silu = T.ieee_mul(sig, T.ieee_add(T.float32(1), T.ieee_mul(gate, T.ieee_sub(T.float32(1), sig))))
-                d_gate_frag[i, j] = T.cast(T.ieee_mul(T.ieee_mul(grad, up), d_silu), dtype)
-                d_up_frag[i, j] = T.cast(T.ieee_mul(grad, T.ieee_mul(gate, sig)), dtype)
-            T.copy(d_gate_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
-            T.copy(d_up_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
+            if pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
+                T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], gate_frag, disable_tma=True)
+                T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], up_frag, disable_tma=True)
+                T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
+                for i, j in T.Parallel(tile_m, tile_n):
+                    gate = T.cast(gate_frag[i, j], "float32")
+                    up = T.cast(up_frag[i, j], "float32")
+                    grad = T.cast(grad_frag[i, j], "float32")
+                    sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
+                    # (grad * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
+                    d_silu = T.ieee_mul(sig, T.ieee_add(T.float32(1), T.ieee_mul(gate, T.ieee_sub(T.float32(1), sig))))
+                    d_gate_frag[i, j] = T.cast(T.ieee_mul(T.ieee_mul(grad, up), d_silu), dtype)
+                    d_up_frag[i, j] = T.cast(T.ieee_mul(grad, T.ieee_mul(gate, sig)), dtype)
+                T.copy(d_gate_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
+                T.copy(d_up_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
 
     return swiglu_backward
 
@@ -152,16 +156,24 @@ def _check_x(x_TI2: torch.Tensor) -> int:
     return x_TI2.shape[1] // 2
 
 
-def swiglu(x_TI2: torch.Tensor) -> torch.Tensor:
+def _all_rows(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
+    """``rows``, checked, or every row of ``x_TI2``."""
+    check_rows(rows, x_TI2)
+    return rows if rows is not None else torch.full((1,), x_TI2.shape[0], dtype=torch.int32, device=x_TI2.device)
+
+
+def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """TileLang :func:`kernels.quant.reference.swiglu`: ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``
-    (``x_TI2`` on a CUDA device; copied first if not contiguous)."""
+    (``x_TI2`` on a CUDA device; copied first if not contiguous); CTAs past ``rows[0]`` return
+    at once."""
     inter = _check_x(x_TI2)
+    rows = _all_rows(rows, x_TI2)
     t = x_TI2.shape[0]
     y_TI = torch.empty((t, inter), dtype=x_TI2.dtype, device=x_TI2.device)
     if t == 0 or inter == 0:
         return y_TI
     kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS)
-    kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device))  # scales unused
+    kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device), rows)  # scales unused
     return y_TI
 
 
@@ -183,19 +195,20 @@ def swiglu_per_token_cast(
     if t == 0 or inter == 0:
         return q_TI, sf_TG
     kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS)
-    kernel(x_TI2.contiguous(), q_TI, sf_TG)
+    kernel(x_TI2.contiguous(), q_TI, sf_TG, _all_rows(None, x_TI2))
     return q_TI, sf_TG
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """TileLang :func:`kernels.quant.reference.swiglu_backward`: ``grad_TI2`` ``[T, 2 * I]`` in
-    ``x_TI2.dtype``."""
+    ``x_TI2.dtype``; CTAs past ``rows[0]`` return at once."""
     inter = _check_x(x_TI2)
+    rows = _all_rows(rows, x_TI2)
     t = x_TI2.shape[0]
     check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=(t, inter), device=x_TI2.device)
     grad_TI2 = torch.empty_like(x_TI2, memory_format=torch.contiguous_format)
     if t == 0 or inter == 0:
         return grad_TI2
     kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype))
-    kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter))
+    kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter), rows)
     return grad_TI2

@@ -49,6 +49,27 @@ def test_backward_matches_reference(t, inter, dtype, seed):
     assert_within_one_ulp(swiglu_backward(x_TI2, grad_TI), reference.swiglu_backward(x_TI2, grad_TI))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,inter,wanted", [(300, 2048, 0), (300, 2048, 129), (300, 300, 299), (37, 64, 37)])
+def test_rows_past_the_wanted_ones_are_skipped(t, inter, wanted, seed):
+    """``rows``: forward and backward equal the reference on the first ``rows[0]`` rows (a
+    layout's rows in use, read on the device); the capacity rows past them are not computed."""
+    x_TI2, grad_TI = swiglu_input(t, inter, dtype=torch.bfloat16, device="cuda", seed=seed)
+    rows = torch.tensor([wanted], dtype=torch.int32, device="cuda")
+    poison_allocator("cuda")
+    y_TI, grad_TI2 = swiglu(x_TI2, rows=rows), swiglu_backward(x_TI2, grad_TI, rows=rows)
+    assert_within_one_ulp(y_TI[:wanted], reference.swiglu(x_TI2)[:wanted])
+    assert_within_one_ulp(grad_TI2[:wanted], reference.swiglu_backward(x_TI2, grad_TI)[:wanted])
+
+
+def test_rows_must_be_one_int32_on_the_device():
+    x_TI2, _ = swiglu_input(4, 64, dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(TypeError, match="rows: expected dtype torch.int32"):
+        reference.swiglu(x_TI2, rows=torch.tensor([4]))
+    with pytest.raises(ValueError, match="rows"):
+        reference.swiglu_backward(x_TI2, x_TI2[:, :64], rows=torch.tensor([4, 4], dtype=torch.int32))
+
+
 def e4m3_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many e4m3 codes lie between two e4m3 tensors, elementwise (+0 and -0 are 0 apart)."""
     def ordinal(t):
@@ -113,6 +134,8 @@ def test_compiles_for_sm90a():
             *[(64, "bfloat16", group, True, *sf, True) for group in (128, 64) for sf in SF_MODES.values()],
             (64, "float32", 64, True, False, False, True),
         ]:
-            assert "expf" in lowering.kernel_source(get_swiglu_forward_kernel(*spec)), spec
+            source = lowering.kernel_source(get_swiglu_forward_kernel(*spec))
+            assert "expf" in source and "rows_1[0]" in source, spec  # CTAs past the wanted rows skip
         for spec in [(64, "float32", "float32"), (128, "bfloat16", "bfloat16"), (2048, "bfloat16", "bfloat16")]:
-            assert "expf" in lowering.kernel_source(get_swiglu_backward_kernel(*spec)), spec
+            source = lowering.kernel_source(get_swiglu_backward_kernel(*spec))
+            assert "expf" in source and "rows_1[0]" in source, spec
