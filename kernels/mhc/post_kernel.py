@@ -19,7 +19,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, aligned, row_tile
+from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, WARP, aligned, row_threads, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
 from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_width
 from kernels.validate import check_finite, check_tensor
@@ -77,13 +77,14 @@ def get_post_kernel(n: int, d: int, dtype: str, f_dtype: str):
 
 
 def supports(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor) -> bool:
-    """True when the kernel takes these dtypes (``f``/``x`` bfloat16/float16/float32, coefficients
-    float32); float64 stays with the reference."""
+    """True when the kernels take these inputs (``f``/``x`` bfloat16/float16/float32, up to ``WARP``
+    streams, coefficients float32); float64 stays with the reference."""
     return (
         f_TD.dtype in KERNEL_DTYPES
         and x_TND.dtype in KERNEL_DTYPES
         and post_TN.dtype == torch.float32
         and comb_TNN.dtype == torch.float32
+        and x_TND.shape[1] <= WARP
     )
 
 
@@ -119,3 +120,132 @@ def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TN
     kernel = get_post_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(f_TD.dtype))
     kernel(aligned(f_TD), aligned(x_TND), post_TN.contiguous(), comb_TNN.contiguous(), out_TND)
     return out_TND
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
+    """``(g_TND, f_TD, x_TND, post_TN, comb_TNN, grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN)``
+    kernel: the gradients of ``out_j = post_j f + sum_i comb[i, j] x_i`` given ``g = dL/dout``
+    (``x``'s dtype): ``grad_f = sum_j post_j g_j`` and ``grad_x_i = sum_j comb[i, j] g_j`` (float32
+    over ``j`` in order, rounded once), ``grad_post_j = sum_d g_j f`` and ``grad_comb[i, j] = sum_d
+    x_i g_j`` (float32: each thread over its vectors, warp shuffles, then the warps in order).
+
+    One CTA per token (as :func:`kernels.mhc.pre_apply_kernel.get_pre_apply_backward_kernel`):
+    a thread loads its vector of ``g`` for all N streams and of ``f``, then each stream of ``x``
+    in turn, storing ``grad_f`` and ``grad_x`` and keeping the ``N + N^2`` partial sums."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    threads = row_threads(nv)
+    per_thread = -(-nv // threads)
+    warps = threads // WARP
+    sums = n + n * n  # grad_post_j at j, grad_comb[i, j] at n + i * n + j
+
+    @T.prim_func
+    def post_backward_kernel(
+        g_TND: T.Tensor[(num_tokens, n, d), dtype],
+        f_TD: T.Tensor[(num_tokens, d), f_dtype],
+        x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        post_TN: T.Tensor[(num_tokens, n), T.float32],
+        comb_TNN: T.Tensor[(num_tokens, n, n), T.float32],
+        grad_f_TD: T.Tensor[(num_tokens, d), f_dtype],
+        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        grad_post_TN: T.Tensor[(num_tokens, n), T.float32],
+        grad_comb_TNN: T.Tensor[(num_tokens, n, n), T.float32],
+    ):
+        with T.Kernel(num_tokens, threads=threads) as bt:
+            tid = T.get_thread_binding()
+            g_local = T.alloc_local((n * vec,), dtype)
+            f_local = T.alloc_local((vec,), f_dtype)
+            x_local = T.alloc_local((vec,), dtype)
+            grad_f_local = T.alloc_local((vec,), f_dtype)
+            grad_x_local = T.alloc_local((vec,), dtype)
+            acc = T.alloc_local((sums,), T.float32)
+            partial_SW = T.alloc_shared((sums, warps), T.float32)
+            mix = T.alloc_var(T.float32)
+            row = T.Cast(T.int64, bt)
+            for s in T.serial(sums):
+                acc[s] = T.float32(0)
+            for p in T.unroll(per_thread):
+                c = p * threads + tid
+                if c < nv:
+                    for j in T.unroll(n):  # all N loads issue before the first use
+                        for e in T.vectorized(vec):
+                            g_local[j * vec + e] = g_TND[row, j, c * vec + e]
+                    for e in T.vectorized(vec):
+                        f_local[e] = f_TD[row, c * vec + e]
+                    for e in T.serial(vec):
+                        ff = T.cast(f_local[e], T.float32)
+                        mix = T.ieee_mul(post_TN[row, 0], T.cast(g_local[e], T.float32))
+                        acc[0] = T.ieee_add(acc[0], T.ieee_mul(T.cast(g_local[e], T.float32), ff))
+                        for j in T.unroll(1, n):
+                            gj = T.cast(g_local[j * vec + e], T.float32)
+                            mix = T.ieee_add(mix, T.ieee_mul(post_TN[row, j], gj))
+                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(gj, ff))
+                        grad_f_local[e] = T.cast(mix, f_dtype)
+                    for e in T.vectorized(vec):
+                        grad_f_TD[row, c * vec + e] = grad_f_local[e]
+                    for i in T.unroll(n):
+                        for e in T.vectorized(vec):
+                            x_local[e] = x_TND[row, i, c * vec + e]
+                        for e in T.serial(vec):
+                            xf = T.cast(x_local[e], T.float32)
+                            mix = T.ieee_mul(comb_TNN[row, i, 0], T.cast(g_local[e], T.float32))
+                            acc[n + i * n] = T.ieee_add(acc[n + i * n], T.ieee_mul(xf, T.cast(g_local[e], T.float32)))
+                            for j in T.unroll(1, n):
+                                gj = T.cast(g_local[j * vec + e], T.float32)
+                                mix = T.ieee_add(mix, T.ieee_mul(comb_TNN[row, i, j], gj))
+                                acc[n + i * n + j] = T.ieee_add(acc[n + i * n + j], T.ieee_mul(xf, gj))
+                            grad_x_local[e] = T.cast(mix, dtype)
+                        for e in T.vectorized(vec):
+                            grad_x_TND[row, i, c * vec + e] = grad_x_local[e]
+            for s in T.unroll(sums):
+                acc[s] = T.warp_reduce_sum(acc[s])
+            if tid % WARP == 0:
+                for s in T.unroll(sums):
+                    partial_SW[s, tid // WARP] = acc[s]
+            T.sync_threads()
+            for s0 in T.serial(T.ceildiv(sums, threads)):
+                s = s0 * threads + tid
+                if s < sums:
+                    total = T.alloc_var(T.float32)
+                    total = partial_SW[s, 0]
+                    for w in T.unroll(1, warps):
+                        total = T.ieee_add(total, partial_SW[s, w])
+                    if s < n:
+                        grad_post_TN[row, s] = total
+                    else:
+                        grad_comb_TNN[row, (s - n) // n, (s - n) % n] = total
+
+    return post_backward_kernel
+
+
+def post_backward(
+    f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor, g_TND: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TileLang backward of :func:`kernels.mhc.reference.post`: ``(grad_f_TD, grad_x_TND,
+    grad_post_TN, grad_comb_TNN)`` for ``g_TND = dL/dout`` (``[T, N, D]`` in ``x_TND``'s dtype), in
+    the dtypes of ``f``, ``x`` and float32. Same inputs as :func:`post`."""
+    _check_stream("x_TND", x_TND)
+    check_cuda("x_TND", x_TND)
+    t, n, d = x_TND.shape
+    check_tensor("f_TD", f_TD, dtype=STREAM_DTYPES, shape=(t, d), device=x_TND.device)
+    _check_param("post_TN", post_TN, (t, n), x_TND.device)
+    _check_param("comb_TNN", comb_TNN, (t, n, n), x_TND.device)
+    check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=(t, n, d), device=x_TND.device)
+    if not supports(f_TD, x_TND, post_TN, comb_TNN):
+        raise TypeError(
+            "f_TD/x_TND/post_TN/comb_TNN: the kernel takes bfloat16/float16/float32 f and x and float32 "
+            f"coefficients, got {f_TD.dtype}, {x_TND.dtype}, {post_TN.dtype}, {comb_TNN.dtype} "
+            "(use kernels.mhc.reference.post)"
+        )
+    grad_f_TD = torch.empty((t, d), dtype=f_TD.dtype, device=x_TND.device)
+    grad_x_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
+    grad_post_TN = torch.zeros((t, n), dtype=torch.float32, device=x_TND.device)
+    grad_comb_TNN = torch.zeros((t, n, n), dtype=torch.float32, device=x_TND.device)
+    if t == 0 or d == 0:
+        return grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN
+    kernel = get_post_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(f_TD.dtype))
+    kernel(aligned(g_TND), aligned(f_TD), aligned(x_TND), post_TN.contiguous(), comb_TNN.contiguous(), grad_f_TD,
+           grad_x_TND, grad_post_TN, grad_comb_TNN)
+    return grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN

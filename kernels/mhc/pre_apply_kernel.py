@@ -17,6 +17,7 @@ import torch
 from tilelang import language as T
 
 from kernels.mhc.reference import _check_param, _check_stream
+from kernels.validate import check_tensor
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     VECTOR_BYTES,
@@ -26,6 +27,7 @@ from kernels.quant.tiles import (
 )
 
 THREADS = 128  # one vector of the output per thread
+WARP = 32
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
@@ -35,6 +37,12 @@ def row_tile(nv: int) -> tuple[int, int]:
     and ``tile_m * tile_v = THREADS``, so short rows (D = 64) still fill the CTA."""
     tile_v = min(THREADS, 1 << max(0, nv - 1).bit_length())
     return THREADS // tile_v, tile_v
+
+
+def row_threads(nv: int) -> int:
+    """Threads of a one-token CTA (the backward kernels): one per vector of a row, a power of two
+    from one warp to 128."""
+    return min(THREADS, max(WARP, 1 << max(0, nv - 1).bit_length()))
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -82,9 +90,9 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str):
 
 
 def supports(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> bool:
-    """True when the kernel takes these dtypes (streams bfloat16/float16/float32, ``pre`` float32);
-    float64 stays with the reference."""
-    return x_TND.dtype in KERNEL_DTYPES and pre_TN.dtype == torch.float32
+    """True when the kernels take these inputs (up to ``WARP`` streams, bfloat16/float16/float32;
+    ``pre`` float32); float64 stays with the reference."""
+    return x_TND.dtype in KERNEL_DTYPES and pre_TN.dtype == torch.float32 and x_TND.shape[1] <= WARP
 
 
 def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
@@ -113,3 +121,88 @@ def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
     kernel = get_pre_apply_kernel(n, d, tl_dtype(x_TND.dtype))
     kernel(aligned(x_TND), pre_TN.contiguous(), y_TD)
     return y_TD
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_pre_apply_backward_kernel(n: int, d: int, dtype: str, g_dtype: str):
+    """``(x_TND, pre_TN, g_TD, grad_x_TND, grad_pre_TN)`` kernel: the gradients of ``y = sum_i pre_i
+    x_i`` given ``g = dL/dy``: ``grad_x_i = pre_i * g`` (one float32 multiply, rounded to ``x``'s
+    dtype: the reference's bits) and ``grad_pre_i = sum_d g * x_i`` (float32, summed in this
+    kernel's order: each thread over its vectors, warp shuffles, then the warps in order).
+
+    One CTA per token (as the Engram gate kernel): each thread loads its vectors of ``g`` and of
+    every stream, stores ``grad_x`` and keeps N partial dot products; the CTA reduces them."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    threads = row_threads(nv)
+    per_thread = -(-nv // threads)
+    warps = threads // WARP
+
+    @T.prim_func
+    def pre_apply_backward_kernel(
+        x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        pre_TN: T.Tensor[(num_tokens, n), T.float32],
+        g_TD: T.Tensor[(num_tokens, d), g_dtype],
+        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        grad_pre_TN: T.Tensor[(num_tokens, n), T.float32],
+    ):
+        with T.Kernel(num_tokens, threads=threads) as bt:
+            tid = T.get_thread_binding()
+            g_local = T.alloc_local((vec,), g_dtype)
+            x_local = T.alloc_local((vec,), dtype)
+            out_local = T.alloc_local((vec,), dtype)
+            dots = T.alloc_local((n,), T.float32)
+            partial_NW = T.alloc_shared((n, warps), T.float32)
+            row = T.Cast(T.int64, bt)
+            for i in T.serial(n):
+                dots[i] = T.float32(0)
+            for p in T.unroll(per_thread):
+                c = p * threads + tid
+                if c < nv:
+                    for j in T.vectorized(vec):
+                        g_local[j] = g_TD[row, c * vec + j]
+                    for i in T.unroll(n):
+                        for j in T.vectorized(vec):
+                            x_local[j] = x_TND[row, i, c * vec + j]
+                        for j in T.serial(vec):
+                            gf = T.cast(g_local[j], T.float32)
+                            out_local[j] = T.cast(T.ieee_mul(pre_TN[row, i], gf), dtype)
+                            dots[i] = T.ieee_add(dots[i], T.ieee_mul(T.cast(x_local[j], T.float32), gf))
+                        for j in T.vectorized(vec):
+                            grad_x_TND[row, i, c * vec + j] = out_local[j]
+            for i in T.unroll(n):
+                dots[i] = T.warp_reduce_sum(dots[i])
+            if tid % WARP == 0:
+                for i in T.unroll(n):
+                    partial_NW[i, tid // WARP] = dots[i]
+            T.sync_threads()
+            if tid < n:
+                total = T.alloc_var(T.float32)
+                total = partial_NW[tid, 0]
+                for w in T.unroll(1, warps):
+                    total = T.ieee_add(total, partial_NW[tid, w])
+                grad_pre_TN[row, tid] = total
+
+    return pre_apply_backward_kernel
+
+
+def pre_apply_backward(x_TND: torch.Tensor, pre_TN: torch.Tensor, g_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TileLang backward of :func:`kernels.mhc.reference.pre_apply`: ``(grad_x_TND, grad_pre_TN)``
+    for ``g_TD = dL/dy`` (``[T, D]``, bfloat16/float16/float32), in ``x_TND``'s and float32. Same
+    inputs as :func:`pre_apply`."""
+    _check_stream("x_TND", x_TND)
+    check_cuda("x_TND", x_TND)
+    t, n, d = x_TND.shape
+    _check_param("pre_TN", pre_TN, (t, n), x_TND.device)
+    check_tensor("g_TD", g_TD, dtype=KERNEL_DTYPES, shape=(t, d), device=x_TND.device)
+    if not supports(x_TND, pre_TN):
+        raise TypeError(f"x_TND/pre_TN: the kernel takes up to {WARP} bfloat16/float16/float32 streams and float32 "
+                        f"weights, got {n} of {x_TND.dtype} and {pre_TN.dtype} (use kernels.mhc.reference.pre_apply)")
+    grad_x_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
+    grad_pre_TN = torch.zeros((t, n), dtype=torch.float32, device=x_TND.device)
+    if t == 0 or d == 0:
+        return grad_x_TND, grad_pre_TN
+    kernel = get_pre_apply_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(g_TD.dtype))
+    kernel(aligned(x_TND), pre_TN.contiguous(), aligned(g_TD), grad_x_TND, grad_pre_TN)
+    return grad_x_TND, grad_pre_TN

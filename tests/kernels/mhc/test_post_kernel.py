@@ -1,5 +1,5 @@
-"""The post kernel (``x'_j = post_j * f + sum_i comb[i, j] * x_i``) against the reference run on
-the same GPU, the public op's choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
+"""The post kernels (``x'_j = post_j * f + sum_i comb[i, j] * x_i`` and its backward) against the
+reference run on the same GPU, the public op's choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
 
 Tolerance: the float32 products are the same; the kernel sums them in stream order with IEEE adds,
 the reference through a batched matmul (cuBLAS order, possibly FMAs) and one add, and both round
@@ -13,7 +13,7 @@ import torch
 
 from kernels import lowering, mhc
 from kernels.mhc import reference
-from kernels.mhc.post_kernel import get_post_kernel, post
+from kernels.mhc.post_kernel import get_post_backward_kernel, get_post_kernel, post, post_backward
 from kernels.testing import poison_allocator
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -69,19 +69,51 @@ def test_transpose_of_comb(seed):
     assert torch.equal(out_TND, x_TND[:, perm])
 
 
+def reference_grads(f_TD, x_TND, post_TN, comb_TNN, g_TND):
+    leaves = [a.detach().requires_grad_() for a in (f_TD, x_TND, post_TN, comb_TNN)]
+    reference.post(*leaves).backward(g_TND)
+    return [a.grad for a in leaves]
+
+
+def assert_backward_close(grads, f_TD, x_TND, post_TN, comb_TNN, g_TND):
+    """``grad_f = sum_j post_j g_j`` and ``grad_x_i = sum_j comb[i, j] g_j``: N float32 terms in
+    another order, rounded once (``2u`` of the magnitudes, as the forward); ``grad_post_j = sum_d
+    g_j f`` and ``grad_comb[i, j] = sum_d x_i g_j``: float32 sums over D in another order (within
+    ``D * 2**-24`` of the terms' magnitudes)."""
+    want = reference_grads(f_TD, x_TND, post_TN, comb_TNN, g_TND)
+    f, x, p, c, g = (a.double() for a in (f_TD, x_TND, post_TN, comb_TNN, g_TND))
+    d = x_TND.shape[-1]
+    terms = [torch.einsum("tj,tjd->td", p.abs(), g.abs()), torch.einsum("tij,tjd->tid", c.abs(), g.abs()),
+             torch.einsum("tjd,td->tj", g.abs(), f.abs()), torch.einsum("tid,tjd->tij", x.abs(), g.abs())]
+    units = [2 * ULP[f_TD.dtype], 2 * ULP[x_TND.dtype], d * 2.0**-24, d * 2.0**-24]
+    for name, got, ref, term, u in zip(("f", "x", "post", "comb"), grads, want, terms, units):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        bound = u * (ref.double().abs() + term) + 1e-30
+        assert float(((got.double() - ref.double()).abs() - bound).max(initial=0)) <= 0, name
+
+
 @pytest.mark.gpu
-def test_public_op_runs_kernel_without_grad_and_reference_with_grad(seed):
-    f_TD, x_TND, post_TN, comb_TNN = post_inputs(
-        130, 4, 100, dtype=torch.bfloat16, f_dtype=torch.bfloat16, device="cuda", seed=seed
-    )
-    assert torch.equal(mhc.post(f_TD, x_TND, post_TN, comb_TNN), post(f_TD, x_TND, post_TN, comb_TNN))
-    f_TD.requires_grad_(True)
-    out_TND = mhc.post(f_TD, x_TND, post_TN, comb_TNN)
-    assert out_TND.grad_fn is not None
-    out_TND.float().sum().backward()
-    assert f_TD.grad is not None and f_TD.grad.shape == f_TD.shape
-    with torch.no_grad():
-        assert mhc.post(f_TD, x_TND, post_TN, comb_TNN).grad_fn is None
+@pytest.mark.parametrize("dtype,f_dtype", DTYPES)
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+def test_backward_matches_reference(t, d, n, dtype, f_dtype, seed):
+    args = post_inputs(t, n, d, dtype=dtype, f_dtype=f_dtype, device="cuda", seed=seed)
+    g_TND = torch.randn(t, n, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to("cuda")
+    poison_allocator("cuda")
+    assert_backward_close(post_backward(*args, g_TND), *args, g_TND)
+
+
+@pytest.mark.gpu
+def test_public_op_runs_the_kernels_forward_and_backward(seed):
+    args = post_inputs(130, 4, 100, dtype=torch.bfloat16, f_dtype=torch.bfloat16, device="cuda", seed=seed)
+    assert torch.equal(mhc.post(*args), post(*args))
+    leaves = [a.clone().requires_grad_() for a in args]
+    out_TND = mhc.post(*leaves)
+    assert type(out_TND.grad_fn).__name__ == "_PostBackward" and torch.equal(out_TND, post(*args))
+    g_TND = torch.randn_like(out_TND)
+    out_TND.backward(g_TND)
+    assert_backward_close([a.grad for a in leaves], *args, g_TND)
 
 
 def test_wrapper_names_bad_arguments():
@@ -106,3 +138,8 @@ def test_compiles_for_sm90a():
         for d in (4096, 7168, 64):
             source = lowering.kernel_source(get_post_kernel(4, d, "bfloat16", "bfloat16"))
             assert "uint4" in source and "__fadd_rn" in source and "fma" not in source, d
+        for n, d, dtype, f_dtype in [(4, 4096, "bfloat16", "bfloat16"), (4, 7168, "bfloat16", "bfloat16"),
+                                     (4, 64, "bfloat16", "bfloat16"), (1, 100, "float32", "float32"),
+                                     (4, 4096, "bfloat16", "float32")]:
+            source = lowering.kernel_source(get_post_backward_kernel(n, d, dtype, f_dtype))
+            assert "warp_reduce_sum" in source and "__fmul_rn" in source and "fma" not in source, (n, d)

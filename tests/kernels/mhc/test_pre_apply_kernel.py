@@ -1,5 +1,5 @@
-"""The pre-apply kernel (``y = sum_i pre_i * x_i``) against the reference run on the same GPU, the
-public op's choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
+"""The pre-apply kernels (``y = sum_i pre_i * x_i`` and its backward) against the reference run on
+the same GPU, the public op's choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
 
 Tolerance: both compute the same float32 products; the kernel sums them over the streams in order
 with IEEE adds, the reference in whatever order its CUDA reduction takes, then both round once to
@@ -13,7 +13,7 @@ import torch
 
 from kernels import lowering, mhc
 from kernels.mhc import reference
-from kernels.mhc.pre_apply_kernel import get_pre_apply_kernel, pre_apply
+from kernels.mhc.pre_apply_kernel import get_pre_apply_backward_kernel, get_pre_apply_kernel, pre_apply, pre_apply_backward
 from kernels.testing import poison_allocator
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -59,17 +59,46 @@ def test_strided_input_is_copied(seed):
     assert_close_to_reference(pre_apply(x_TND, pre_TN), x_TND, pre_TN)
 
 
+def reference_grads(x_TND, pre_TN, g_TD):
+    x, pre = x_TND.detach().requires_grad_(), pre_TN.detach().requires_grad_()
+    reference.pre_apply(x, pre).backward(g_TD)
+    return x.grad, pre.grad
+
+
+def assert_backward_close(grad_x_TND, grad_pre_TN, x_TND, pre_TN, g_TD):
+    """``grad_x = pre_i * g``: one float32 multiply rounded once, the reference's bits. ``grad_pre
+    = sum_d g * x_i`` in float32, summed in another order: within ``D * 2**-24`` of the sum of
+    the terms' magnitudes (the reassociation bound)."""
+    want_x, want_pre = reference_grads(x_TND, pre_TN, g_TD)
+    assert grad_x_TND.dtype == want_x.dtype and torch.equal(grad_x_TND, want_x)
+    terms_TN = (x_TND.double() * g_TD.double()[:, None, :]).abs().sum(-1)
+    bound = x_TND.shape[-1] * 2.0**-24 * terms_TN + 1e-30
+    assert grad_pre_TN.dtype == torch.float32
+    assert float(((grad_pre_TN.double() - want_pre.double()).abs() - bound).max(initial=0)) <= 0
+
+
 @pytest.mark.gpu
-def test_public_op_runs_kernel_without_grad_and_reference_with_grad(seed):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+def test_backward_matches_reference(t, d, n, dtype, seed):
+    x_TND, pre_TN = pre_apply_inputs(t, n, d, dtype=dtype, device="cuda", seed=seed)
+    g_TD = torch.randn(t, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to("cuda")
+    poison_allocator("cuda")
+    assert_backward_close(*pre_apply_backward(x_TND, pre_TN, g_TD), x_TND, pre_TN, g_TD)
+
+
+@pytest.mark.gpu
+def test_public_op_runs_the_kernels_forward_and_backward(seed):
     x_TND, pre_TN = pre_apply_inputs(130, 4, 100, dtype=torch.bfloat16, device="cuda", seed=seed)
     assert torch.equal(mhc.pre_apply(x_TND, pre_TN), pre_apply(x_TND, pre_TN))
-    x_TND.requires_grad_(True)
-    y_TD = mhc.pre_apply(x_TND, pre_TN)
-    assert y_TD.grad_fn is not None
-    y_TD.float().sum().backward()
-    assert x_TND.grad is not None and x_TND.grad.shape == x_TND.shape
-    with torch.no_grad():
-        assert mhc.pre_apply(x_TND, pre_TN).grad_fn is None
+    x, pre = x_TND.clone().requires_grad_(), pre_TN.clone().requires_grad_()
+    y_TD = mhc.pre_apply(x, pre)
+    assert type(y_TD.grad_fn).__name__ == "_PreApplyBackward" and torch.equal(y_TD, pre_apply(x_TND, pre_TN))
+    g_TD = torch.randn_like(y_TD)
+    y_TD.backward(g_TD)
+    assert_backward_close(x.grad, pre.grad, x_TND, pre_TN, g_TD)
 
 
 def test_wrapper_names_bad_arguments():
@@ -92,3 +121,6 @@ def test_compiles_for_sm90a():
         for d in (4096, 7168, 64):
             source = lowering.kernel_source(get_pre_apply_kernel(4, d, "bfloat16"))
             assert "uint4" in source and "__fadd_rn" in source and "fma" not in source, d
+        for n, d, dtype in [(4, 4096, "bfloat16"), (4, 7168, "bfloat16"), (4, 64, "bfloat16"), (1, 100, "float32")]:
+            source = lowering.kernel_source(get_pre_apply_backward_kernel(n, d, dtype, dtype))
+            assert "warp_reduce_sum" in source and "__fmul_rn" in source and "fma" not in source, (n, d)
