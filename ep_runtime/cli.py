@@ -25,6 +25,13 @@ PRESETS = {
                                  moe=MoEConfig(num_experts=16, expert_hidden=256, router=RouterConfig(topk=4))),
     # DeepSeek-V4 style: mHC streams around every sublayer, Engram memory, a dense first block.
     "v4": v4_model_config,
+    # DeepSeek-V3's layer widths (hidden 7168, experts of 2048, top-8 in 8 groups keeping 4, one
+    # shared expert) with 32 of its 256 experts, so that a pipeline stage of two blocks fits one GPU
+    # (ep-runtime bench pipeline on two H200s).
+    "v3-layer": lambda: ModelConfig(
+        hidden=7168, num_layers=4, num_heads=56, max_seq_len=4096,
+        moe=MoEConfig(num_experts=32, expert_hidden=2048, num_shared_experts=1, alignment=128,
+                      router=RouterConfig(topk=8, num_groups=8, topk_groups=4, routed_scaling_factor=2.5))),
 }
 
 
