@@ -68,7 +68,8 @@ def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
               "--warmup", "1", "--steps", "2")
     report = json.loads((tmp_path / "pipeline.json").read_text())
     rows = {(r["schedule"], r["microbatches"], r["stage"]): r for r in report["rows"]}
-    assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe", "interleaved") for m in (2, 4) for st in (0, 1)]
+    assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe", "interleaved", "overlap") for m in (2, 4)
+                            for st in (0, 1)]
     for (schedule, m, _), r in rows.items():
         chunks = 2 if schedule == "interleaved" else 1
         assert r["bubble_formula"] == 1 / (chunks * m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0

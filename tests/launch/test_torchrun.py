@@ -6,7 +6,7 @@ import sys
 
 import pytest
 from cluster import end_session, free_port, job_env, start
-from conftest import STEPS, read_losses
+from conftest import STEPS, read_losses, train_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,3 +54,16 @@ def test_withheld_rank_times_out_and_is_named(tmp_path):
     both = "\n".join(logs)
     assert "Timed out" in both
     assert "rank 1 never reported within 4 s (withheld, hung or dead)" in both
+
+
+def test_pipeline_with_the_overlap_schedule_trains_like_the_local_launcher(tmp_path):
+    """``--pp 2 --ep 2 --schedule overlap`` (two lanes of one micro-batch each, so the gradient
+    sums are order-free) under torchrun gives the local launcher's losses."""
+    args = ["--pp", "2", "--ep", "2", "--schedule", "overlap", "--microbatches", "2", "--steps", "4", "--timeout", "60"]
+    local = train_cli(*args, "--out", str(tmp_path / "local"), "--name", "job")
+    assert local.returncode == 0, local.stderr[-3000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "ep_runtime.train", *args, "--out", str(tmp_path / "torchrun"), "--name", "job"]
+    done = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_losses(tmp_path / "torchrun" / "job") == read_losses(tmp_path / "local" / "job")
