@@ -2,7 +2,8 @@
 # The next device call on nvidia-h200-x2 (written in session 3 without device time left): checks
 # what session 3 wrote on the CPU, then measures the open bars. Each step has its own time limit,
 # so one that hangs does not take the rest with it. bash bench/scripts/verify_x2.sh COMMIT
-#   1. GPU tests of the new kernels: SwiGLU with a device row count, mHC pre-apply/post backward.
+#   1. GPU tests of the new kernels: SwiGLU with a device row count, mHC pre-apply/post and Engram
+#      gate backward.
 #   2. Two-GPU suites after the rank-ordered home sum and the lanes: conformance, EP equivalence,
 #      nvlink steady state (no host sync, CUDA graph), the pipeline with the overlap schedule.
 #   3. The MoE layer EP 1 -> 2 with both backends in one call (issue #9's layer bar).
@@ -12,7 +13,7 @@ set -u
 commit=${1:?commit}
 source bench/scripts/lib.sh
 LIMIT=150 run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/kernels/quant/test_swiglu_kernel.py \
-  tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py
+  tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py tests/kernels/engram/test_gate_kernel.py
 tail -3 "$out/pytest-kernels.log"
 LIMIT=240 run pytest-2gpu python3 -m pytest -q -p no:cacheprovider tests/runtime/test_dispatch_conformance.py \
   tests/runtime/test_ep_equivalence.py tests/runtime/test_nvlink_gpu.py -k "2-"

@@ -1,9 +1,9 @@
 """Engram: hashed n-gram memory ops (see :mod:`kernels.engram.reference`, the specification).
 
-``gate`` runs its TileLang kernel (forward only, no backward yet) when
-:func:`kernels.select.use_tilelang` says so for the input's device, no gradient is needed (grad mode
-off, or no input requires grad) and the kernel takes the dtypes (bfloat16/float16/float32, ``wh`` and
-``we`` of one dtype); otherwise the reference with its autograd runs. The choice is made from the
+``gate`` runs its TileLang kernels, forward and (under autograd) backward, when
+:func:`kernels.select.use_tilelang` says so for the input's device and the kernels take the dtypes
+(bfloat16/float16/float32, ``wh`` and ``we`` of one dtype); otherwise the reference with its
+autograd runs. The choice is made from the
 arguments up front, never by catching a kernel's error. The other ops are the reference's.
 """
 
@@ -36,9 +36,22 @@ def gate(
     tensors = (x_TND, k_TND, v_TD, wh_ND, we_ND)
     if (
         all(isinstance(t, torch.Tensor) for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and use_tilelang(x_TND.device)
         and gate_kernel.supports(*tensors)
     ):
-        return gate_kernel.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)
+        return _Gate.apply(*tensors, float(clamp), float(eps), bool(add_residual))
     return reference.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)
+
+
+class _Gate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, add_residual):
+        ctx.save_for_backward(x_TND, k_TND, v_TD, wh_ND, we_ND)
+        ctx.options = dict(clamp=clamp, eps=eps, add_residual=add_residual)
+        return gate_kernel.gate(x_TND, k_TND, v_TD, wh_ND, we_ND, **ctx.options)
+
+    @staticmethod
+    def backward(ctx, g_TND):
+        x_TND = ctx.saved_tensors[0]
+        grads = gate_kernel.gate_backward(*ctx.saved_tensors, g_TND.to(x_TND.dtype), **ctx.options)
+        return (*grads, None, None, None)

@@ -31,6 +31,7 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
+from kernels.validate import check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
 WARP = 32
@@ -39,6 +40,27 @@ WARP = 32
 def gate_threads(nv: int) -> int:
     """Threads of a row's CTA: one per vector, a power of two from one warp to 128."""
     return min(128, max(WARP, 1 << max(0, nv - 1).bit_length()))
+
+
+def gate_scalars(d: int, eps: float, clamp: float):
+    """A macro ``(stats, out)``: from a row's ``stats = (sum x^2, sum k^2, raw = sum x*w*k)`` it
+    writes ``out = (rstd_x, rstd_k, gate)`` as the forward defines them: ``rstd = 1 / sqrt(sum / D +
+    eps)``, ``dot = raw * rstd_x * rstd_k / sqrt(D)``, ``gate = sigmoid(sign(dot) * sqrt(max(|dot|,
+    clamp)))``; IEEE operations."""
+    sqrt_d = math.sqrt(d)
+
+    @T.macro
+    def macro(stats, out):
+        rstd_x = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[0], T.float32(d)), T.float32(eps))))
+        rstd_k = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[1], T.float32(d)), T.float32(eps))))
+        dot = T.ieee_fdiv(T.ieee_mul(T.ieee_mul(stats[2], rstd_x), rstd_k), T.float32(sqrt_d))
+        root = T.ieee_fsqrt(T.max(T.abs(dot), T.float32(clamp)))
+        z = T.if_then_else(dot > 0, root, T.if_then_else(dot < 0, -root, T.float32(0)))
+        out[0] = rstd_x
+        out[1] = rstd_k
+        out[2] = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-z)))
+
+    return macro
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -54,7 +76,7 @@ def get_gate_kernel(
     threads = gate_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
-    sqrt_d = math.sqrt(d)
+    scalars = gate_scalars(d, eps, clamp)
 
     @T.prim_func
     def gate_kernel(
@@ -76,7 +98,7 @@ def get_gate_kernel(
             sums = T.alloc_local((3,), T.float32)  # sum x^2, sum k^2, sum x*w*k
             partial_3W = T.alloc_shared((3, warps), T.float32)
             stats = T.alloc_local((3,), T.float32)
-            gate = T.alloc_local((1,), T.float32)
+            row_scalars = T.alloc_local((3,), T.float32)  # rstd_x, rstd_k, gate
             row = T.Cast(T.int64, bt)
             for s in T.serial(3):
                 sums[s] = T.float32(0)
@@ -108,19 +130,14 @@ def get_gate_kernel(
                 stats[s] = partial_3W[s, 0]
                 for w in T.unroll(1, warps):
                     stats[s] = T.ieee_add(stats[s], partial_3W[s, w])
-            rstd_x = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[0], T.float32(d)), T.float32(eps))))
-            rstd_k = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[1], T.float32(d)), T.float32(eps))))
-            dot = T.ieee_fdiv(T.ieee_mul(T.ieee_mul(stats[2], rstd_x), rstd_k), T.float32(sqrt_d))
-            root = T.ieee_fsqrt(T.max(T.abs(dot), T.float32(clamp)))
-            z = T.if_then_else(dot > 0, root, T.if_then_else(dot < 0, -root, T.float32(0)))
-            gate[0] = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-z)))
+            scalars(stats, row_scalars)
             for p in T.unroll(per_thread):
                 c = p * threads + tid
                 if c < nv:
                     for j in T.vectorized(vec):
                         v_local[j] = v_TD[row, c * vec + j]
                     for j in T.serial(vec):
-                        gv = T.ieee_mul(gate[0], T.cast(v_local[j], T.float32))
+                        gv = T.ieee_mul(row_scalars[2], T.cast(v_local[j], T.float32))
                         if add_residual:
                             out_local[j] = T.cast(T.ieee_add(T.cast(x_local[p * vec + j], T.float32), gv), dtype)
                         else:
@@ -129,6 +146,194 @@ def get_gate_kernel(
                         out_TND[row, h, c * vec + j] = out_local[j]
 
     return gate_kernel
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_gate_backward_kernel(
+    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool
+):
+    """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, grad_x_TND, grad_k_TND, grad_v_TD, draw_TN)``
+    kernel: the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas) but
+    those of ``wh``/``we``, which need a sum over tokens (``get_gate_weight_grad_kernel``, from
+    ``draw_TN = dL/draw``, written here).
+
+    One CTA per token, the streams in turn: a first pass over a stream's row reduces ``sum x^2``,
+    ``sum k^2``, ``raw = sum x*w*k`` and ``dL/dgate = sum g*v`` (as the forward, warp shuffles
+    then the warps in order), every thread derives the row's scalars, and a second pass (a re-read
+    of the row the first brought into L2) stores ``grad_x`` and ``grad_k`` and adds ``g * gate`` to
+    the thread's ``grad_v`` registers, stored after the last stream."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    threads = gate_threads(nv)
+    per_thread = -(-nv // threads)
+    warps = threads // WARP
+    scalars = gate_scalars(d, eps, clamp)
+
+    @T.macro
+    def load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl):
+        for j in T.vectorized(vec):
+            xl[j] = x_TND[row, h, c * vec + j]
+        for j in T.vectorized(vec):
+            kl[j] = k_TND[row, h, c * vec + j]
+        for j in T.vectorized(vec):
+            whl[j] = wh_ND[h, c * vec + j]
+        for j in T.vectorized(vec):
+            wel[j] = we_ND[h, c * vec + j]
+        for j in T.vectorized(vec):
+            gl[j] = g_TND[row, h, c * vec + j]
+
+    @T.prim_func
+    def gate_backward_kernel(
+        x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        v_TD: T.Tensor[(num_tokens, d), v_dtype],
+        wh_ND: T.Tensor[(n, d), w_dtype],
+        we_ND: T.Tensor[(n, d), w_dtype],
+        g_TND: T.Tensor[(num_tokens, n, d), dtype],
+        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
+        draw_TN: T.Tensor[(num_tokens, n), T.float32],
+    ):
+        with T.Kernel(num_tokens, threads=threads) as bt:
+            tid = T.get_thread_binding()
+            xl = T.alloc_local((vec,), dtype)
+            kl = T.alloc_local((vec,), k_dtype)
+            whl = T.alloc_local((vec,), w_dtype)
+            wel = T.alloc_local((vec,), w_dtype)
+            gl = T.alloc_local((vec,), dtype)
+            vl = T.alloc_local((vec,), v_dtype)
+            out_x = T.alloc_local((vec,), dtype)
+            out_k = T.alloc_local((vec,), k_dtype)
+            out_v = T.alloc_local((vec,), v_dtype)
+            grad_v = T.alloc_local((per_thread * vec,), T.float32)
+            sums = T.alloc_local((4,), T.float32)  # sum x^2, sum k^2, raw, dL/dgate
+            stats = T.alloc_local((4,), T.float32)
+            row_scalars = T.alloc_local((3,), T.float32)  # rstd_x, rstd_k, gate
+            coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
+            partial_4W = T.alloc_shared((4, warps), T.float32)
+            row = T.Cast(T.int64, bt)
+            for e in T.serial(per_thread * vec):
+                grad_v[e] = T.float32(0)
+            for h in T.serial(n):
+                for s in T.serial(4):
+                    sums[s] = T.float32(0)
+                for p in T.unroll(per_thread):
+                    c = p * threads + tid
+                    if c < nv:
+                        load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl)
+                        for j in T.vectorized(vec):
+                            vl[j] = v_TD[row, c * vec + j]
+                        for j in T.serial(vec):
+                            xf = T.cast(xl[j], T.float32)
+                            kf = T.cast(kl[j], T.float32)
+                            w = T.ieee_mul(T.cast(whl[j], T.float32), T.cast(wel[j], T.float32))
+                            sums[0] = T.ieee_add(sums[0], T.ieee_mul(xf, xf))
+                            sums[1] = T.ieee_add(sums[1], T.ieee_mul(kf, kf))
+                            sums[2] = T.ieee_add(sums[2], T.ieee_mul(T.ieee_mul(xf, w), kf))
+                            sums[3] = T.ieee_add(sums[3], T.ieee_mul(T.cast(gl[j], T.float32), T.cast(vl[j], T.float32)))
+                for s in T.unroll(4):
+                    sums[s] = T.warp_reduce_sum(sums[s])
+                if tid % WARP == 0:
+                    for s in T.unroll(4):
+                        partial_4W[s, tid // WARP] = sums[s]
+                T.sync_threads()
+                for s in T.unroll(4):
+                    stats[s] = partial_4W[s, 0]
+                    for w in T.unroll(1, warps):
+                        stats[s] = T.ieee_add(stats[s], partial_4W[s, w])
+                T.sync_threads()  # every thread has read the partials before the next stream writes them
+                scalars(stats, row_scalars)
+                rstd_x, rstd_k, gate, raw = row_scalars[0], row_scalars[1], row_scalars[2], stats[2]
+                scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
+                live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
+                slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(stats[3], gate), T.ieee_sub(T.float32(1), gate)), T.float32(0.5))
+                root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
+                coefs[0] = gate
+                coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
+                coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
+                coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
+                if tid == 0:
+                    draw_TN[row, h] = coefs[1]
+                for p in T.unroll(per_thread):
+                    c = p * threads + tid
+                    if c < nv:
+                        load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl)
+                        for j in T.serial(vec):
+                            xf = T.cast(xl[j], T.float32)
+                            kf = T.cast(kl[j], T.float32)
+                            gf = T.cast(gl[j], T.float32)
+                            w = T.ieee_mul(T.cast(whl[j], T.float32), T.cast(wel[j], T.float32))
+                            dx = T.ieee_mul(coefs[1], T.ieee_sub(T.ieee_mul(w, kf), T.ieee_mul(xf, coefs[2])))
+                            if add_residual:
+                                dx = T.ieee_add(dx, gf)
+                            out_x[j] = T.cast(dx, dtype)
+                            out_k[j] = T.cast(
+                                T.ieee_mul(coefs[1], T.ieee_sub(T.ieee_mul(w, xf), T.ieee_mul(kf, coefs[3]))), k_dtype
+                            )
+                            grad_v[p * vec + j] = T.ieee_add(grad_v[p * vec + j], T.ieee_mul(gf, coefs[0]))
+                        for j in T.vectorized(vec):
+                            grad_x_TND[row, h, c * vec + j] = out_x[j]
+                        for j in T.vectorized(vec):
+                            grad_k_TND[row, h, c * vec + j] = out_k[j]
+            for p in T.unroll(per_thread):
+                c = p * threads + tid
+                if c < nv:
+                    for j in T.serial(vec):
+                        out_v[j] = T.cast(grad_v[p * vec + j], v_dtype)
+                    for j in T.vectorized(vec):
+                        grad_v_TD[row, c * vec + j] = out_v[j]
+
+    return gate_backward_kernel
+
+
+WEIGHT_GRAD_SPLITS = 32  # token ranges summed apart (more CTAs), then added up by torch
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_gate_weight_grad_kernel(n: int, d: int, dtype: str, k_dtype: str, splits: int):
+    """``(x_TND, k_TND, draw_TN, partial_SND)`` kernel: ``partial[s, h] = sum over the tokens of
+    range s of draw[t, h] * x[t, h] * k[t, h]`` (float32, ``(draw * x) * k`` as the reference),
+    range ``s`` being tokens ``[s * L, (s + 1) * L)``, ``L = ceil(T / splits)``. A thread owns one
+    vector of a row and walks the tokens of its range (coalesced across the CTA's threads)."""
+    num_tokens = T.dynamic("num_tokens")
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    threads = gate_threads(nv)
+
+    @T.prim_func
+    def gate_weight_grad_kernel(
+        x_TND: T.Tensor[(num_tokens, n, d), dtype],
+        k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        draw_TN: T.Tensor[(num_tokens, n), T.float32],
+        partial_SND: T.Tensor[(splits, n, d), T.float32],
+    ):
+        with T.Kernel(T.ceildiv(nv, threads), n, splits, threads=threads) as (bv, h, s):
+            tid = T.get_thread_binding()
+            xl = T.alloc_local((vec,), dtype)
+            kl = T.alloc_local((vec,), k_dtype)
+            acc = T.alloc_local((vec,), T.float32)
+            per_split = T.ceildiv(num_tokens, splits)
+            c = bv * threads + tid
+            for j in T.serial(vec):
+                acc[j] = T.float32(0)
+            if c < nv:
+                for i in T.serial(per_split):
+                    t = s * per_split + i
+                    if t < num_tokens:
+                        row = T.Cast(T.int64, t)
+                        for j in T.vectorized(vec):
+                            xl[j] = x_TND[row, h, c * vec + j]
+                        for j in T.vectorized(vec):
+                            kl[j] = k_TND[row, h, c * vec + j]
+                        for j in T.serial(vec):
+                            term = T.ieee_mul(T.ieee_mul(draw_TN[row, h], T.cast(xl[j], T.float32)), T.cast(kl[j], T.float32))
+                            acc[j] = T.ieee_add(acc[j], term)
+                for j in T.vectorized(vec):
+                    partial_SND[s, h, c * vec + j] = acc[j]
+
+    return gate_weight_grad_kernel
 
 
 def supports(x_TND, k_TND, v_TD, wh_ND, we_ND) -> bool:
@@ -184,3 +389,45 @@ def gate(
     )
     kernel(_aligned(x_TND), _aligned(k_TND), _aligned(v_TD), _aligned(wh_ND), _aligned(we_ND), out_TND)
     return out_TND
+
+
+def gate_backward(
+    x_TND: torch.Tensor,
+    k_TND: torch.Tensor,
+    v_TD: torch.Tensor,
+    wh_ND: torch.Tensor,
+    we_ND: torch.Tensor,
+    g_TND: torch.Tensor,
+    *,
+    clamp: float = 1e-6,
+    eps: float = 1e-6,
+    add_residual: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
+    grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype).
+    Same inputs as :func:`gate`; the gate's row statistics are recomputed, not saved."""
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
+    check_cuda("x_TND", x_TND)
+    check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
+    if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
+        raise TypeError(
+            "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
+            f"of one dtype, got {x_TND.dtype}, {k_TND.dtype}, {v_TD.dtype}, {wh_ND.dtype}, {we_ND.dtype} "
+            "(use kernels.engram.reference.gate)"
+        )
+    t, n, d = x_TND.shape
+    grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(k_TND, memory_format=torch.contiguous_format)
+    grad_v = torch.zeros_like(v_TD, memory_format=torch.contiguous_format)
+    draw_TN = torch.zeros((t, n), dtype=torch.float32, device=x_TND.device)
+    if t * n * d == 0:
+        zeros = torch.zeros_like(wh_ND, memory_format=torch.contiguous_format)
+        return grad_x, grad_k, grad_v, zeros, zeros.clone()
+    dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
+    args = [_aligned(a) for a in (x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND)]
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual))(
+        *args, grad_x, grad_k, grad_v, draw_TN)
+    partial_SND = torch.empty((WEIGHT_GRAD_SPLITS, n, d), dtype=torch.float32, device=x_TND.device)
+    get_gate_weight_grad_kernel(n, d, dtypes[0], dtypes[1], WEIGHT_GRAD_SPLITS)(args[0], args[1], draw_TN, partial_SND)
+    grad_w_ND = partial_SND.sum(0)
+    return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)

@@ -1,4 +1,5 @@
-"""The Engram gate kernel (forward) against the reference run on the same GPU, the public op's
+"""The Engram gate kernels (forward; backward, checked against the reference's autograd) against
+the reference run on the same GPU, the public op's
 choice between them, and an sm_90a compile of the DeepSeek-V4 shapes.
 
 Tolerance: the kernel sums ``x^2``, ``k^2`` and ``x*w*k`` over D in another order than PyTorch's
@@ -14,7 +15,13 @@ import torch
 
 from kernels import engram, lowering
 from kernels.engram import reference
-from kernels.engram.gate_kernel import gate, get_gate_kernel
+from kernels.engram.gate_kernel import (
+    gate,
+    gate_backward,
+    get_gate_backward_kernel,
+    get_gate_kernel,
+    get_gate_weight_grad_kernel,
+)
 from kernels.testing import poison_allocator
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -60,17 +67,51 @@ def test_matches_reference(t, d, n, dtypes, add_residual, seed):
     assert_close_to_reference(gate(*args, add_residual=add_residual), args, add_residual)
 
 
+def reference_grads(args, g_TND, add_residual):
+    leaves = [a.detach().requires_grad_() for a in args]
+    reference.gate(*leaves, add_residual=add_residual).backward(g_TND)
+    return [a.grad for a in leaves]
+
+
+def assert_backward_close(grads, args, g_TND, add_residual):
+    """Each gradient within ``2 u |ref| + 1e-3 * max |ref|`` of the reference's autograd (``u`` of
+    its dtype): the row statistics and the sums over D (and over tokens for ``wh``/``we``) are
+    reassociated, which the forward's bound already allows ``1e-4`` for through the gate; the
+    backward's slope ``gate (1 - gate) / 2 sqrt(c / |raw|)`` amplifies it a little more."""
+    for name, got, ref in zip(("x", "k", "v", "wh", "we"), grads, reference_grads(args, g_TND, add_residual)):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        if ref.numel() == 0:
+            continue
+        scale = float(ref.double().abs().max())
+        bound = 2 * ULP[ref.dtype] * ref.double().abs() + 1e-3 * scale + 1e-30
+        excess = float(((got.double() - ref.double()).abs() - bound).max())
+        assert excess <= 0, (name, excess, scale)
+
+
 @pytest.mark.gpu
-def test_public_op_runs_kernel_without_grad_and_reference_with_grad(seed):
+@pytest.mark.parametrize("add_residual", [True, False])
+@pytest.mark.parametrize("dtypes", DTYPES)
+@pytest.mark.parametrize("n", STREAMS)
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+def test_backward_matches_reference(t, d, n, dtypes, add_residual, seed):
+    args = gate_inputs(t, n, d, dtypes=DTYPES[dtypes], device="cuda", seed=seed)
+    g_TND = torch.randn(t, n, d, generator=torch.Generator().manual_seed(seed + 1)).to(args[0].dtype).to("cuda")
+    poison_allocator("cuda")
+    grads = gate_backward(*args, g_TND, add_residual=add_residual)
+    assert_backward_close(grads, args, g_TND, add_residual)
+
+
+@pytest.mark.gpu
+def test_public_op_runs_the_kernels_forward_and_backward(seed):
     args = gate_inputs(130, 4, 100, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
     assert torch.equal(engram.gate(*args), gate(*args))
-    args[3].requires_grad_(True)
-    out_TND = engram.gate(*args)
-    assert out_TND.grad_fn is not None
-    out_TND.float().sum().backward()
-    assert args[3].grad is not None
-    with torch.no_grad():
-        assert engram.gate(*args).grad_fn is None
+    leaves = [a.clone().requires_grad_() for a in args]
+    out_TND = engram.gate(*leaves)
+    assert type(out_TND.grad_fn).__name__ == "_GateBackward" and torch.equal(out_TND, gate(*args))
+    g_TND = torch.randn_like(out_TND)
+    out_TND.backward(g_TND)
+    assert_backward_close([a.grad for a in leaves], args, g_TND, True)
 
 
 def test_wrapper_names_bad_arguments():
@@ -96,3 +137,8 @@ def test_compiles_for_sm90a():
             kernel = get_gate_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
             source = lowering.kernel_source(kernel)
             assert "uint4" in source and "__fadd_rn" in source and source.count("expf(") == 1, d
+            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
+            source = lowering.kernel_source(backward)
+            assert "uint4" in source and "warp_reduce_sum" in source and "draw_TN" in source, d
+            source = lowering.kernel_source(get_gate_weight_grad_kernel(4, d, "bfloat16", "bfloat16", 32))
+            assert "uint4" in source and "partial_SND" in source, d
