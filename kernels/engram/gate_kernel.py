@@ -361,7 +361,8 @@ def gate(
     eps: float = 1e-6,
     add_residual: bool = True,
 ) -> torch.Tensor:
-    """TileLang :func:`kernels.engram.reference.gate` (forward only; no autograd).
+    """TileLang :func:`kernels.engram.reference.gate`, the forward (no autograd here: ``kernels.engram.gate``
+    pairs it with :func:`gate_backward`).
 
     Args:
         x_TND: ``[T, N, D]`` bfloat16/float16/float32 on a CUDA device.

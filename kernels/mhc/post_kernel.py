@@ -89,7 +89,8 @@ def supports(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, com
 
 
 def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor) -> torch.Tensor:
-    """TileLang :func:`kernels.mhc.reference.post` (forward only; no autograd).
+    """TileLang :func:`kernels.mhc.reference.post`, the forward (no autograd here: ``kernels.mhc.post`` pairs
+    it with :func:`post_backward`).
 
     Args:
         f_TD: ``[T, D]`` the sublayer's output, bfloat16/float16/float32.

@@ -96,7 +96,8 @@ def supports(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> bool:
 
 
 def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
-    """TileLang :func:`kernels.mhc.reference.pre_apply` (forward only; no autograd).
+    """TileLang :func:`kernels.mhc.reference.pre_apply`, the forward (no autograd here: ``kernels.mhc.pre_apply``
+    pairs it with :func:`pre_apply_backward`).
 
     Args:
         x_TND: ``[T, N, D]`` bfloat16/float16/float32 streams on a CUDA device (copied first if not
