@@ -13,7 +13,8 @@ set -u
 commit=${1:?commit}
 source bench/scripts/lib.sh
 LIMIT=150 run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/kernels/quant/test_swiglu_kernel.py \
-  tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py tests/kernels/engram/test_gate_kernel.py
+  tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py tests/kernels/mhc/test_split_sinkhorn_kernel.py \
+  tests/kernels/engram/test_gate_kernel.py tests/runtime/test_mhc_layer.py
 tail -3 "$out/pytest-kernels.log"
 LIMIT=240 run pytest-2gpu python3 -m pytest -q -p no:cacheprovider tests/runtime/test_dispatch_conformance.py \
   tests/runtime/test_ep_equivalence.py tests/runtime/test_nvlink_gpu.py -k "2-"

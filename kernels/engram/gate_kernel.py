@@ -63,6 +63,44 @@ def gate_scalars(d: int, eps: float, clamp: float):
     return macro
 
 
+def row_reduction(count: int, warps: int):
+    """A macro ``(sums, partial, stats, tid)``: every thread gets in ``stats[s]`` (``s < count``)
+    the CTA's total of ``sums[s]``: warp shuffles, one value per warp through ``partial``
+    (``[count, warps]`` shared), summed in warp order."""
+
+    @T.macro
+    def reduce(sums, partial, stats, tid):
+        for s in T.unroll(count):
+            sums[s] = T.warp_reduce_sum(sums[s])
+        if tid % WARP == 0:
+            for s in T.unroll(count):
+                partial[s, tid // WARP] = sums[s]
+        T.sync_threads()
+        for s in T.unroll(count):
+            stats[s] = partial[s, 0]
+            for w in T.unroll(1, warps):
+                stats[s] = T.ieee_add(stats[s], partial[s, w])
+
+    return reduce
+
+
+def gate_sums(vec: int):
+    """A macro ``(x, x_off, k, wh, we, sums)`` adding a vector's ``x^2``, ``k^2`` and ``x*w*k``
+    (``w = wh * we``) to ``sums[0:3]``, ``x`` read from ``x[x_off:]``."""
+
+    @T.macro
+    def add(x, x_off, k, wh, we, sums):
+        for j in T.serial(vec):
+            xf = T.cast(x[x_off + j], T.float32)
+            kf = T.cast(k[j], T.float32)
+            w = T.ieee_mul(T.cast(wh[j], T.float32), T.cast(we[j], T.float32))
+            sums[0] = T.ieee_add(sums[0], T.ieee_mul(xf, xf))
+            sums[1] = T.ieee_add(sums[1], T.ieee_mul(kf, kf))
+            sums[2] = T.ieee_add(sums[2], T.ieee_mul(T.ieee_mul(xf, w), kf))
+
+    return add
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool
@@ -76,7 +114,7 @@ def get_gate_kernel(
     threads = gate_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
-    scalars = gate_scalars(d, eps, clamp)
+    scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(3, warps), gate_sums(vec)
 
     @T.prim_func
     def gate_kernel(
@@ -113,23 +151,8 @@ def get_gate_kernel(
                         wh_local[j] = wh_ND[h, c * vec + j]
                     for j in T.vectorized(vec):
                         we_local[j] = we_ND[h, c * vec + j]
-                    for j in T.serial(vec):
-                        xf = T.cast(x_local[p * vec + j], T.float32)
-                        kf = T.cast(k_local[j], T.float32)
-                        w = T.ieee_mul(T.cast(wh_local[j], T.float32), T.cast(we_local[j], T.float32))
-                        sums[0] = T.ieee_add(sums[0], T.ieee_mul(xf, xf))
-                        sums[1] = T.ieee_add(sums[1], T.ieee_mul(kf, kf))
-                        sums[2] = T.ieee_add(sums[2], T.ieee_mul(T.ieee_mul(xf, w), kf))
-            for s in T.unroll(3):
-                sums[s] = T.warp_reduce_sum(sums[s])
-            if tid % WARP == 0:
-                for s in T.unroll(3):
-                    partial_3W[s, tid // WARP] = sums[s]
-            T.sync_threads()
-            for s in T.unroll(3):
-                stats[s] = partial_3W[s, 0]
-                for w in T.unroll(1, warps):
-                    stats[s] = T.ieee_add(stats[s], partial_3W[s, w])
+                    add_sums(x_local, p * vec, k_local, wh_local, we_local, sums)
+            reduce(sums, partial_3W, stats, tid)
             scalars(stats, row_scalars)
             for p in T.unroll(per_thread):
                 c = p * threads + tid
@@ -168,7 +191,7 @@ def get_gate_backward_kernel(
     threads = gate_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
-    scalars = gate_scalars(d, eps, clamp)
+    scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(4, warps), gate_sums(vec)
 
     @T.macro
     def load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl):
@@ -225,24 +248,10 @@ def get_gate_backward_kernel(
                         load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl)
                         for j in T.vectorized(vec):
                             vl[j] = v_TD[row, c * vec + j]
+                        add_sums(xl, 0, kl, whl, wel, sums)
                         for j in T.serial(vec):
-                            xf = T.cast(xl[j], T.float32)
-                            kf = T.cast(kl[j], T.float32)
-                            w = T.ieee_mul(T.cast(whl[j], T.float32), T.cast(wel[j], T.float32))
-                            sums[0] = T.ieee_add(sums[0], T.ieee_mul(xf, xf))
-                            sums[1] = T.ieee_add(sums[1], T.ieee_mul(kf, kf))
-                            sums[2] = T.ieee_add(sums[2], T.ieee_mul(T.ieee_mul(xf, w), kf))
                             sums[3] = T.ieee_add(sums[3], T.ieee_mul(T.cast(gl[j], T.float32), T.cast(vl[j], T.float32)))
-                for s in T.unroll(4):
-                    sums[s] = T.warp_reduce_sum(sums[s])
-                if tid % WARP == 0:
-                    for s in T.unroll(4):
-                        partial_4W[s, tid // WARP] = sums[s]
-                T.sync_threads()
-                for s in T.unroll(4):
-                    stats[s] = partial_4W[s, 0]
-                    for w in T.unroll(1, warps):
-                        stats[s] = T.ieee_add(stats[s], partial_4W[s, w])
+                reduce(sums, partial_4W, stats, tid)
                 T.sync_threads()  # every thread has read the partials before the next stream writes them
                 scalars(stats, row_scalars)
                 rstd_x, rstd_k, gate, raw = row_scalars[0], row_scalars[1], row_scalars[2], stats[2]

@@ -1,27 +1,27 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
-``pre_apply`` and ``post`` run their TileLang kernels, forward and (under autograd) backward, when
-:func:`kernels.select.use_tilelang` says so for the input's device and the kernels take the dtypes
-(streams bfloat16/float16/float32, coefficients float32); otherwise the reference with its
-autograd runs. The choice is made from the arguments up front, never by catching a kernel's error.
-The other ops are the reference's.
+``split_sinkhorn``, ``pre_apply`` and ``post`` run their TileLang kernels, forward and (under
+autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
+kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
+reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
+``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
+is made from the arguments up front, never by catching a kernel's error. The other ops are the
+reference's.
 
 Shape suffixes as in :mod:`kernels.mhc.reference`.
 """
 
 import torch
 
-from kernels.mhc import post_kernel, pre_apply_kernel, reference
+from kernels.mhc import post_kernel, pre_apply_kernel, reference, split_sinkhorn_kernel
 from kernels.mhc.reference import (
     expand,
     head,
     norm_fn,
-    pre,
     pre_fused,
     replay,
     round_to_tf32,
     sinkhorn,
-    split_sinkhorn,
 )
 from kernels.select import use_tilelang
 
@@ -80,3 +80,68 @@ def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TN
     if _kernel_for(x_TND, f_TD, post_TN, comb_TNN) and post_kernel.supports(f_TD, x_TND, post_TN, comb_TNN):
         return _Post.apply(f_TD, x_TND, post_TN, comb_TNN)
     return reference.post(f_TD, x_TND, post_TN, comb_TNN)
+
+
+class _SplitSinkhorn(torch.autograd.Function):
+    """The kernels' split + Sinkhorn; arguments as the reference's autograd op (``n`` implied)."""
+
+    @staticmethod
+    def forward(ctx, mixes_TM, scale_3, base_M, n, pre_eps, post_mult, sinkhorn_eps, iters):
+        ctx.save_for_backward(mixes_TM, scale_3, base_M)  # the rest is recomputed in backward
+        ctx.n, ctx.options = n, dict(post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters)
+        return split_sinkhorn_kernel.split_sinkhorn(mixes_TM, scale_3, base_M, pre_eps=pre_eps, **ctx.options)
+
+    @staticmethod
+    def backward(ctx, g_pre_TN, g_post_TN, g_comb_TNN):
+        mixes_TM, scale_3, base_M = ctx.saved_tensors
+        t, n = mixes_TM.shape[0], ctx.n
+        zeros = mixes_TM.new_zeros
+        da_TM = split_sinkhorn_kernel.split_sinkhorn_backward(
+            mixes_TM, scale_3, base_M, zeros(t, n) if g_pre_TN is None else g_pre_TN,
+            zeros(t, n) if g_post_TN is None else g_post_TN, zeros(t, n, n) if g_comb_TNN is None else g_comb_TNN,
+            **ctx.options)
+        return (*reference.split_sinkhorn_grads(da_TM, mixes_TM, scale_3, base_M), None, None, None, None, None)
+
+
+def split_sinkhorn(
+    mixes_TM: torch.Tensor,
+    scale_3: torch.Tensor,
+    base_M: torch.Tensor,
+    *,
+    pre_eps: float = 1e-6,
+    post_mult: float = 2.0,
+    sinkhorn_eps: float = 1e-6,
+    iters: int = 20,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.mhc.reference.split_sinkhorn`."""
+    options = dict(pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters)
+    if not (_kernel_for(mixes_TM, scale_3, base_M) and split_sinkhorn_kernel.supports(mixes_TM, scale_3, base_M)):
+        return reference.split_sinkhorn(mixes_TM, scale_3, base_M, **options)
+    n = reference.check_split_args(mixes_TM, scale_3, base_M, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, iters=iters)
+    return _SplitSinkhorn.apply(mixes_TM, scale_3, base_M, n, float(pre_eps), float(post_mult), float(sinkhorn_eps),
+                                int(iters))
+
+
+def pre(
+    x_TND: torch.Tensor,
+    fn_MK: torch.Tensor,
+    scale_3: torch.Tensor,
+    base_M: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
+    pre_eps: float = 1e-6,
+    post_mult: float = 2.0,
+    sinkhorn_eps: float = 1e-6,
+    iters: int = 20,
+    tf32: bool = False,
+    recompute: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.mhc.reference.pre`; its split+Sinkhorn and pre-apply run the kernels
+    where they take the inputs (streams bfloat16/float16/float32, float32 parameters)."""
+    options = dict(norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters,
+                   tf32=tf32, recompute=recompute)
+    kernels = (_kernel_for(x_TND, fn_MK, scale_3, base_M) and split_sinkhorn_kernel.supports(fn_MK, scale_3, base_M)
+               and pre_apply_kernel.supports(x_TND, fn_MK))  # pre_TN comes out float32, as fn
+    if not kernels:
+        return reference.pre(x_TND, fn_MK, scale_3, base_M, **options)
+    return reference.compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, **options)

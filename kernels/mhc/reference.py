@@ -246,18 +246,7 @@ class _SplitSinkhorn(torch.autograd.Function):
             ],
             dim=1,
         )
-        dam_M = (da_TM * m_TM).sum(0)
-        grad_scale_3 = torch.stack([dam_M[:n].sum(), dam_M[n : 2 * n].sum(), dam_M[2 * n :].sum()])
-        return (
-            (da_TM * scale_M).to(mixes_TM.dtype),
-            grad_scale_3.to(scale_3.dtype),
-            da_TM.sum(0).to(base_M.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return (*split_sinkhorn_grads(da_TM, mixes_TM, scale_3, base_M), None, None, None, None, None)
 
 
 class _PreApply(torch.autograd.Function):
@@ -474,15 +463,32 @@ def split_sinkhorn(
     Returns:
         ``(pre_TN, post_TN, comb_TNN)`` in the compute dtype.
     """
+    n = check_split_args(mixes_TM, scale_3, base_M, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, iters=iters)
+    return _SplitSinkhorn.apply(mixes_TM, scale_3, base_M, n, float(pre_eps), float(post_mult), float(sinkhorn_eps),
+                                iters)
+
+
+def check_split_args(mixes_TM, scale_3, base_M, *, pre_eps: float, sinkhorn_eps: float, iters: int) -> int:
+    """Raises on bad :func:`split_sinkhorn` arguments; returns ``N``."""
     check_tensor("mixes_TM", mixes_TM, dtype=PARAM_DTYPES, ndim=2)
     n = _n_from_mixes(mixes_TM.shape[1])
     check_finite("mixes_TM", mixes_TM)
     _check_param("scale_3", scale_3, (3,), mixes_TM.device)
     _check_param("base_M", base_M, (mixes_TM.shape[1],), mixes_TM.device)
     _check_sinkhorn_args(iters, sinkhorn_eps)
-    return _SplitSinkhorn.apply(
-        mixes_TM, scale_3, base_M, n, _check_eps("pre_eps", pre_eps), float(post_mult), float(sinkhorn_eps), iters
-    )
+    _check_eps("pre_eps", pre_eps)
+    return n
+
+
+def split_sinkhorn_grads(da_TM: torch.Tensor, mixes_TM: torch.Tensor, scale_3: torch.Tensor, base_M: torch.Tensor):
+    """``(grad_mixes, grad_scale, grad_base)`` from ``da``, the gradient of ``a = mixes * scale_M +
+    base`` (in the compute dtype), each in its input's dtype."""
+    n = _n_from_mixes(mixes_TM.shape[1])
+    m_TM = mixes_TM.to(da_TM.dtype)
+    dam_M = (da_TM * m_TM).sum(0)
+    grad_scale_3 = torch.stack([dam_M[:n].sum(), dam_M[n : 2 * n].sum(), dam_M[2 * n :].sum()])
+    return ((da_TM * _scale_M(scale_3.to(da_TM.dtype), n)).to(mixes_TM.dtype), grad_scale_3.to(scale_3.dtype),
+            da_TM.sum(0).to(base_M.dtype))
 
 
 def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
@@ -522,7 +528,7 @@ def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TN
     return _Post.apply(f_TD, x_TND, post_TN, comb_TNN)
 
 
-def _check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters) -> None:
+def check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters) -> None:
     _check_stream("x_TND", x_TND)
     n = x_TND.shape[1]
     m = n * (n + 2)
@@ -534,12 +540,25 @@ def _check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_e
     _check_sinkhorn_args(iters, sinkhorn_eps)
 
 
-def _pre_ops(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, post_mult, sinkhorn_eps, iters, tf32):
+def _pre_ops(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, post_mult, sinkhorn_eps, iters,
+             tf32):
     mixes_TM = _NormFn.apply(x_TND, fn_MK, norm_eps, tf32)
-    pre_TN, post_TN, comb_TNN = _SplitSinkhorn.apply(
-        mixes_TM, scale_3, base_M, x_TND.shape[1], pre_eps, post_mult, sinkhorn_eps, iters
-    )
-    return _PreApply.apply(x_TND, pre_TN), post_TN, comb_TNN
+    pre_TN, post_TN, comb_TNN = split_op(mixes_TM, scale_3, base_M, x_TND.shape[1], pre_eps, post_mult, sinkhorn_eps,
+                                         iters)
+    return apply_op(x_TND, pre_TN), post_TN, comb_TNN
+
+
+def compose_pre(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, *, norm_eps, pre_eps, post_mult, sinkhorn_eps,
+                iters, tf32, recompute):
+    """:func:`pre` over the given autograd ops: ``split_op(mixes, scale, base, n, pre_eps,
+    post_mult, sinkhorn_eps, iters)`` and ``apply_op(x, pre)`` (``kernels.mhc`` passes its
+    kernels'); arguments checked here, once."""
+    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
+    args = (split_op, apply_op, x_TND, fn_MK, scale_3, base_M, float(norm_eps), float(pre_eps), float(post_mult),
+            float(sinkhorn_eps), iters, bool(tf32))  # fmt: skip
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(_pre_ops, *args, use_reentrant=False)
+    return _pre_ops(*args)
 
 
 def pre(
@@ -574,12 +593,9 @@ def pre(
         ``(y_TD, post_TN, comb_TNN)``: the sublayer input in ``x_TND``'s dtype, and the coefficients
         that :func:`post` takes, in the compute dtype.
     """
-    _check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
-    args = (x_TND, fn_MK, scale_3, base_M, float(norm_eps), float(pre_eps), float(post_mult),
-            float(sinkhorn_eps), iters, bool(tf32))  # fmt: skip
-    if recompute and torch.is_grad_enabled():
-        return checkpoint(_pre_ops, *args, use_reentrant=False)
-    return _pre_ops(*args)
+    return compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, norm_eps=norm_eps,
+                       pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters, tf32=tf32,
+                       recompute=recompute)
 
 
 def pre_fused(
@@ -600,7 +616,7 @@ def pre_fused(
     Raises ``ValueError`` when autograd would need a gradient (grad mode on and an input requires
     grad); use :func:`pre` for training. Arguments and results as :func:`pre`.
     """
-    _check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
+    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
     if torch.is_grad_enabled():
         for name, t in (("x_TND", x_TND), ("fn_MK", fn_MK), ("scale_3", scale_3), ("base_M", base_M)):
             if t.requires_grad:
