@@ -42,6 +42,7 @@ from torch import nn
 
 from . import lanes, mhc
 from .config import PIPELINE_SCHEDULES
+from .dispatch import HierarchicalDispatcher, NVLinkDispatcher
 from .model import TinyDeepSeek
 from .moe import MoELayer
 from .parallel import ParallelContext
@@ -385,3 +386,11 @@ def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> 
         raise ValueError(f"schedule: 'overlap' runs {num_lanes} lanes at once, each needing its own EP groups; "
                          f"{shared[0]} is one for all lanes (build the model with make_dispatcher(cfg, ctx, "
                          f"lanes={num_lanes}))")
+    # The nvlink heaps on GPUs are rendezvoused on first use, from whichever lane gets there first:
+    # two ranks could pair one lane's rendezvous with the other's (torch's counter is per process).
+    heaps = [m for moe in stage.moe_layers(0) for m in moe.dispatcher.members
+             if isinstance(m, (NVLinkDispatcher, HierarchicalDispatcher))]
+    if heaps and ctx.device.type == "cuda":
+        raise ValueError("schedule: 'overlap' with the nvlink dispatcher on GPUs is not supported yet (its symmetric "
+                         "heaps are allocated on first use, and two lanes' rendezvous could pair up differently "
+                         "on different ranks); use model.moe.dispatcher='all_to_all' with it")
