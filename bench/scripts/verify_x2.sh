@@ -4,8 +4,8 @@
 # so one that hangs does not take the rest with it. bash bench/scripts/verify_x2.sh COMMIT
 #   1. GPU tests of the new kernels: SwiGLU with a device row count, mHC pre-apply/post and Engram
 #      gate backward.
-#   2. Two-GPU suites after the rank-ordered home sum and the lanes: conformance, EP equivalence,
-#      nvlink steady state (no host sync, CUDA graph), the pipeline with the overlap schedule.
+#   2. Two-GPU suites after the rank-ordered home sum: conformance, EP equivalence, nvlink steady
+#      state (no host sync, CUDA graph); the overlap schedule runs in step 4.
 #   3. The MoE layer EP 1 -> 2 with both backends in one call (issue #9's layer bar).
 #   4. bench pipeline on the two GPUs, 1F1B vs overlap (issue #8's bar), and bench kernels --shapes v4
 #      (issue #7's bars) on GPU 0.
@@ -17,7 +17,7 @@ LIMIT=150 run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovide
   tests/kernels/engram/test_gate_kernel.py tests/runtime/test_mhc_layer.py
 tail -3 "$out/pytest-kernels.log"
 LIMIT=240 run pytest-2gpu python3 -m pytest -q -p no:cacheprovider tests/runtime/test_dispatch_conformance.py \
-  tests/runtime/test_ep_equivalence.py tests/runtime/test_nvlink_gpu.py -k "2-"
+  tests/runtime/test_ep_equivalence.py tests/runtime/test_nvlink_gpu.py -k "2- or nvlink"
 tail -3 "$out/pytest-2gpu.log"
 save_cache
 for d in all_to_all nvlink; do
