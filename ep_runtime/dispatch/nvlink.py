@@ -40,9 +40,9 @@ import torch.distributed as dist
 from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows
 from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import cast_back, per_token_cast
-from kernels.reduce import weighted_reduce
 from kernels.validate import check_positive
 
+from .all_to_all import sum_home
 from .autograd import CombineFn, DispatchFn
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 from .symmetric import SymmetricHeap, aligned, make_heap
@@ -121,8 +121,7 @@ class NVLinkDispatcher:
         (region,) = self._regions((self.num_recv_rows, rows_RX.shape[1], rows_RX.dtype))
         put_rows(rows_RX.contiguous(), route.back_RW, region)
         self.heap.barrier()
-        ones_TW = torch.ones(route.home_TW.shape, dtype=torch.float32, device=rows_RX.device)
-        return weighted_reduce(region.views[self.rank], route.home_TW, ones_TW)
+        return sum_home(region.views[self.rank], route.home_TW)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)

@@ -31,15 +31,10 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
+from kernels.rows import WARP, row_reduction, row_threads
 from kernels.validate import check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
-WARP = 32
-
-
-def gate_threads(nv: int) -> int:
-    """Threads of a row's CTA: one per vector, a power of two from one warp to 128."""
-    return min(128, max(WARP, 1 << max(0, nv - 1).bit_length()))
 
 
 def gate_scalars(d: int, eps: float, clamp: float):
@@ -61,27 +56,6 @@ def gate_scalars(d: int, eps: float, clamp: float):
         out[2] = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-z)))
 
     return macro
-
-
-def row_reduction(count: int, warps: int):
-    """A macro ``(sums, partial, stats, tid)``: every thread gets in ``stats[s]`` (``s < count``)
-    the CTA's total of ``sums[s]``: warp shuffles, one value per warp through ``partial``
-    (``[count, warps]`` shared), summed in warp order."""
-
-    @T.macro
-    def reduce(sums, partial, stats, tid):
-        for s in T.unroll(count):
-            sums[s] = T.warp_reduce_sum(sums[s])
-        if tid % WARP == 0:
-            for s in T.unroll(count):
-                partial[s, tid // WARP] = sums[s]
-        T.sync_threads()
-        for s in T.unroll(count):
-            stats[s] = partial[s, 0]
-            for w in T.unroll(1, warps):
-                stats[s] = T.ieee_add(stats[s], partial[s, w])
-
-    return reduce
 
 
 def gate_sums(vec: int):
@@ -111,7 +85,7 @@ def get_gate_kernel(
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    threads = gate_threads(nv)
+    threads = row_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(3, warps), gate_sums(vec)
@@ -188,7 +162,7 @@ def get_gate_backward_kernel(
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    threads = gate_threads(nv)
+    threads = row_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(4, warps), gate_sums(vec)
@@ -309,7 +283,7 @@ def get_gate_weight_grad_kernel(n: int, d: int, dtype: str, k_dtype: str, splits
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    threads = gate_threads(nv)
+    threads = row_threads(nv)
 
     @T.prim_func
     def gate_weight_grad_kernel(

@@ -19,9 +19,10 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, WARP, aligned, row_threads, row_tile
+from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, aligned, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
 from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_width
+from kernels.rows import WARP, row_reduction, row_threads
 from kernels.validate import check_finite, check_tensor
 
 
@@ -141,6 +142,7 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
     per_thread = -(-nv // threads)
     warps = threads // WARP
     sums = n + n * n  # grad_post_j at j, grad_comb[i, j] at n + i * n + j
+    reduce = row_reduction(sums, warps)
 
     @T.prim_func
     def post_backward_kernel(
@@ -163,6 +165,7 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
             grad_x_local = T.alloc_local((vec,), dtype)
             acc = T.alloc_local((sums,), T.float32)
             partial_SW = T.alloc_shared((sums, warps), T.float32)
+            totals = T.alloc_local((sums,), T.float32)
             mix = T.alloc_var(T.float32)
             row = T.Cast(T.int64, bt)
             for s in T.serial(sums):
@@ -200,23 +203,13 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
                             grad_x_local[e] = T.cast(mix, dtype)
                         for e in T.vectorized(vec):
                             grad_x_TND[row, i, c * vec + e] = grad_x_local[e]
-            for s in T.unroll(sums):
-                acc[s] = T.warp_reduce_sum(acc[s])
-            if tid % WARP == 0:
-                for s in T.unroll(sums):
-                    partial_SW[s, tid // WARP] = acc[s]
-            T.sync_threads()
-            for s0 in T.serial(T.ceildiv(sums, threads)):
-                s = s0 * threads + tid
-                if s < sums:
-                    total = T.alloc_var(T.float32)
-                    total = partial_SW[s, 0]
-                    for w in T.unroll(1, warps):
-                        total = T.ieee_add(total, partial_SW[s, w])
-                    if s < n:
-                        grad_post_TN[row, s] = total
-                    else:
-                        grad_comb_TNN[row, (s - n) // n, (s - n) % n] = total
+            reduce(acc, partial_SW, totals, tid)
+            if tid == 0:
+                for j in T.unroll(n):
+                    grad_post_TN[row, j] = totals[j]
+                for i in T.unroll(n):
+                    for j in T.unroll(n):
+                        grad_comb_TNN[row, i, j] = totals[n + i * n + j]
 
     return post_backward_kernel
 

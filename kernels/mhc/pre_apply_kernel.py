@@ -17,7 +17,6 @@ import torch
 from tilelang import language as T
 
 from kernels.mhc.reference import _check_param, _check_stream
-from kernels.validate import check_tensor
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     VECTOR_BYTES,
@@ -25,9 +24,10 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
+from kernels.rows import WARP, row_reduction, row_threads
+from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
-WARP = 32
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
@@ -37,12 +37,6 @@ def row_tile(nv: int) -> tuple[int, int]:
     and ``tile_m * tile_v = THREADS``, so short rows (D = 64) still fill the CTA."""
     tile_v = min(THREADS, 1 << max(0, nv - 1).bit_length())
     return THREADS // tile_v, tile_v
-
-
-def row_threads(nv: int) -> int:
-    """Threads of a one-token CTA (the backward kernels): one per vector of a row, a power of two
-    from one warp to 128."""
-    return min(THREADS, max(WARP, 1 << max(0, nv - 1).bit_length()))
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -139,6 +133,7 @@ def get_pre_apply_backward_kernel(n: int, d: int, dtype: str, g_dtype: str):
     threads = row_threads(nv)
     per_thread = -(-nv // threads)
     warps = threads // WARP
+    reduce = row_reduction(n, warps)
 
     @T.prim_func
     def pre_apply_backward_kernel(
@@ -155,6 +150,7 @@ def get_pre_apply_backward_kernel(n: int, d: int, dtype: str, g_dtype: str):
             out_local = T.alloc_local((vec,), dtype)
             dots = T.alloc_local((n,), T.float32)
             partial_NW = T.alloc_shared((n, warps), T.float32)
+            totals = T.alloc_local((n,), T.float32)
             row = T.Cast(T.int64, bt)
             for i in T.serial(n):
                 dots[i] = T.float32(0)
@@ -172,18 +168,10 @@ def get_pre_apply_backward_kernel(n: int, d: int, dtype: str, g_dtype: str):
                             dots[i] = T.ieee_add(dots[i], T.ieee_mul(T.cast(x_local[j], T.float32), gf))
                         for j in T.vectorized(vec):
                             grad_x_TND[row, i, c * vec + j] = out_local[j]
-            for i in T.unroll(n):
-                dots[i] = T.warp_reduce_sum(dots[i])
-            if tid % WARP == 0:
+            reduce(dots, partial_NW, totals, tid)
+            if tid == 0:
                 for i in T.unroll(n):
-                    partial_NW[i, tid // WARP] = dots[i]
-            T.sync_threads()
-            if tid < n:
-                total = T.alloc_var(T.float32)
-                total = partial_NW[tid, 0]
-                for w in T.unroll(1, warps):
-                    total = T.ieee_add(total, partial_NW[tid, w])
-                grad_pre_TN[row, tid] = total
+                    grad_pre_TN[row, i] = totals[i]
 
     return pre_apply_backward_kernel
 

@@ -1,0 +1,36 @@
+"""TileLang pieces for kernels that give one CTA to one row (a token, or a token's stream): how
+many threads a row gets, and the CTA-wide sum of per-thread partials.
+
+Used by the Engram gate kernels and the mHC backward kernels.
+"""
+
+from tilelang import language as T
+
+WARP = 32
+
+
+def row_threads(nv: int) -> int:
+    """Threads of a one-row CTA for rows of ``nv`` vectors: one per vector, a power of two from one
+    warp to 128."""
+    return min(128, max(WARP, 1 << max(0, nv - 1).bit_length()))
+
+
+def row_reduction(count: int, warps: int):
+    """A macro ``(sums, partial, stats, tid)``: every thread gets in ``stats[s]`` (``s < count``)
+    the CTA's total of ``sums[s]``: warp shuffles, one value per warp through ``partial``
+    (``[count, warps]`` shared), summed in warp order."""
+
+    @T.macro
+    def reduce(sums, partial, stats, tid):
+        for s in T.unroll(count):
+            sums[s] = T.warp_reduce_sum(sums[s])
+        if tid % WARP == 0:
+            for s in T.unroll(count):
+                partial[s, tid // WARP] = sums[s]
+        T.sync_threads()
+        for s in T.unroll(count):
+            stats[s] = partial[s, 0]
+            for w in T.unroll(1, warps):
+                stats[s] = T.ieee_add(stats[s], partial[s, w])
+
+    return reduce
