@@ -182,9 +182,9 @@ def block_group(size: int) -> dist.ProcessGroup | None:
     of ``size`` that run side by side (EP groups smaller than the job, for benchmarks). Every rank
     calls this; None for ``size == 1`` and for ranks past the last whole block (they wait).
 
-    Blocks rather than one group of ``[0, size)`` with the others idle: every rank then makes the
-    same symmetric-memory rendezvous in the same order (torch <= 2.11 hangs a rendezvous whose
-    ranks made different numbers of earlier ones; pytorch/pytorch#196082)."""
+    Blocks rather than one group of ``[0, size)`` with the others idle: the whole machine is busy,
+    as in an EP x DP job, and every rank makes the same symmetric-memory calls (still one set of
+    ranks per process: ``dispatch.symmetric.CudaHeap``)."""
     if size == 1:
         return None
     me, mine = dist.get_rank(), None
