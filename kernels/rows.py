@@ -4,7 +4,11 @@ many threads a row gets, and the CTA-wide sum of per-thread partials.
 Used by the Engram gate kernels and the mHC backward kernels.
 """
 
+from typing import NamedTuple
+
 from tilelang import language as T
+
+from kernels.quant.tiles import vector_width
 
 WARP = 32
 
@@ -13,6 +17,25 @@ def row_threads(nv: int) -> int:
     """Threads of a one-row CTA for rows of ``nv`` vectors: one per vector, a power of two from one
     warp to 128."""
     return min(128, max(WARP, 1 << max(0, nv - 1).bit_length()))
+
+
+class RowGeometry(NamedTuple):
+    """How a row of ``D`` elements spreads over its CTA: ``vec`` elements a vector (16 bytes, or
+    fewer when D is not a multiple), ``nv`` vectors, ``threads``, ``per_thread`` vectors each,
+    ``warps``."""
+
+    vec: int
+    nv: int
+    threads: int
+    per_thread: int
+    warps: int
+
+
+def row_geometry(d: int, dtype: str) -> RowGeometry:
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    threads = row_threads(nv)
+    return RowGeometry(vec, nv, threads, -(-nv // threads), threads // WARP)
 
 
 def row_reduction(count: int, warps: int):

@@ -29,9 +29,8 @@ from kernels.quant.tiles import (
     VECTOR_BYTES,
     check_cuda,
     tl_dtype,
-    vector_width,
 )
-from kernels.rows import WARP, row_reduction, row_threads
+from kernels.rows import row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
@@ -83,11 +82,7 @@ def get_gate_kernel(
     elements (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own dtypes; the
     token count is dynamic)."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(d, T.dtype(dtype).bytes)
-    nv = d // vec
-    threads = row_threads(nv)
-    per_thread = -(-nv // threads)
-    warps = threads // WARP
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(3, warps), gate_sums(vec)
 
     @T.prim_func
@@ -160,11 +155,7 @@ def get_gate_backward_kernel(
     of the row the first brought into L2) stores ``grad_x`` and ``grad_k`` and adds ``g * gate`` to
     the thread's ``grad_v`` registers, stored after the last stream."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(d, T.dtype(dtype).bytes)
-    nv = d // vec
-    threads = row_threads(nv)
-    per_thread = -(-nv // threads)
-    warps = threads // WARP
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(4, warps), gate_sums(vec)
 
     @T.macro
@@ -281,9 +272,7 @@ def get_gate_weight_grad_kernel(n: int, d: int, dtype: str, k_dtype: str, splits
     range ``s`` being tokens ``[s * L, (s + 1) * L)``, ``L = ceil(T / splits)``. A thread owns one
     vector of a row and walks the tokens of its range (coalesced across the CTA's threads)."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(d, T.dtype(dtype).bytes)
-    nv = d // vec
-    threads = row_threads(nv)
+    vec, nv, threads, _, _ = row_geometry(d, dtype)
 
     @T.prim_func
     def gate_weight_grad_kernel(

@@ -22,7 +22,7 @@ from tilelang import language as T
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, aligned, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
 from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_width
-from kernels.rows import WARP, row_reduction, row_threads
+from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_finite, check_tensor
 
 
@@ -136,11 +136,7 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
     a thread loads its vector of ``g`` for all N streams and of ``f``, then each stream of ``x``
     in turn, storing ``grad_f`` and ``grad_x`` and keeping the ``N + N^2`` partial sums."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(d, T.dtype(dtype).bytes)
-    nv = d // vec
-    threads = row_threads(nv)
-    per_thread = -(-nv // threads)
-    warps = threads // WARP
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     sums = n + n * n  # grad_post_j at j, grad_comb[i, j] at n + i * n + j
     reduce = row_reduction(sums, warps)
 

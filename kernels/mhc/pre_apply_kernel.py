@@ -24,7 +24,7 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
-from kernels.rows import WARP, row_reduction, row_threads
+from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
@@ -128,11 +128,7 @@ def get_pre_apply_backward_kernel(n: int, d: int, dtype: str, g_dtype: str):
     One CTA per token (as the Engram gate kernel): each thread loads its vectors of ``g`` and of
     every stream, stores ``grad_x`` and keeps N partial dot products; the CTA reduces them."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(d, T.dtype(dtype).bytes)
-    nv = d // vec
-    threads = row_threads(nv)
-    per_thread = -(-nv // threads)
-    warps = threads // WARP
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     reduce = row_reduction(n, warps)
 
     @T.prim_func
