@@ -229,6 +229,8 @@ class PipelineSchedule:
         if ctx.distributed and ctx.pp_size > 1:  # every rank creates them all (collective)
             self.groups = [{"F": dist.new_group(), "B": dist.new_group()} for _ in range(self.lanes)]
         self._lock = threading.Lock()  # the lanes' shared bookkeeping
+        on_gpu = ctx.device.type == "cuda" and self.lanes > 1
+        self._streams = [torch.cuda.Stream(ctx.device) if on_gpu else None for _ in range(self.lanes)]  # per lane
 
     def _neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
         """``(rank, chunk)`` of the virtual stage ``step`` (+1 or -1) away, None past either end."""
@@ -287,8 +289,7 @@ class PipelineSchedule:
     def _run_lanes(self, per_lane: list[list[tuple[str, int, int]]], micro: list[torch.Tensor]) -> None:
         """Each lane's ops in a thread of its own (on GPUs on a stream of its own, under the
         caller's autocast); returns when all are done, raises the first lane's error."""
-        device = self.ctx.device
-        streams = [torch.cuda.Stream(device) for _ in per_lane] if device.type == "cuda" else [None] * len(per_lane)
+        device, streams = self.ctx.device, self._streams
         autocast = dict(device_type=device.type, enabled=torch.is_autocast_enabled(device.type),
                         dtype=torch.get_autocast_dtype(device.type))
         for stream in filter(None, streams):
