@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
-from kernels.permute import expand, unexpand
-from kernels.reduce import weighted_reduce
+from kernels.permute import expand
+from kernels.reduce import weighted_reduce, weighted_reduce_backward
 
 from .protocol import Route
 
@@ -74,10 +74,7 @@ class CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         y_PD, weights_RK = ctx.saved_tensors
-        route, layout = ctx.route, ctx.route.layout
-        grad_RD = ctx.transport.scatter(grad_TD.contiguous(), route)
-        grad_weights_RK = torch.einsum("rkd,rd->rk", unexpand(y_PD, layout).float(), grad_RD.float())
-        src_P = layout.src_P.long()
-        row_weight_P = torch.where(src_P >= 0, weights_RK.flatten()[src_P.clamp(min=0)], 0.0)
-        grad_PD = (expand(grad_RD, layout).float() * row_weight_P[:, None]).to(y_PD.dtype)
+        grad_RD = ctx.transport.scatter(grad_TD.contiguous(), ctx.route)
+        # Over the routed rows only: a static receive capacity costs nothing here.
+        grad_PD, grad_weights_RK = weighted_reduce_backward(grad_RD, y_PD, weights_RK, ctx.route.layout)
         return grad_PD, grad_weights_RK, None, None

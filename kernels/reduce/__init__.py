@@ -1,11 +1,14 @@
-"""Weighted reduction of expert outputs per token (see :mod:`kernels.reduce.reference`).
+"""Weighted reduction of expert outputs per token, and its backward (see
+:mod:`kernels.reduce.reference`).
 
-``weighted_reduce`` runs its TileLang kernel (bit-exact, also fused with FP8 dequantization) where
-:func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the reference otherwise.
+``weighted_reduce`` runs its TileLang kernel (bit-exact, also fused with FP8 dequantization) and
+``weighted_reduce_backward`` its kernel (both gradients in one pass over the routed rows only)
+where :func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the reference otherwise.
 """
 
 import torch
 
+from kernels.permute.reference import ExpertLayout
 from kernels.reduce import reference
 from kernels.reduce.weighted_reduce_kernel import weighted_reduce as weighted_reduce_kernel
 from kernels.select import use_tilelang
@@ -25,4 +28,15 @@ def weighted_reduce(
     return impl(y_PD, pos_TK, weights_TK, sf_PG=sf_PG, group=group, out_dtype=out_dtype)
 
 
-__all__ = ["weighted_reduce"]
+def weighted_reduce_backward(
+    grad_TD: torch.Tensor, y_PD: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.reduce.reference.weighted_reduce_backward`."""
+    if not (isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device)):
+        return reference.weighted_reduce_backward(grad_TD, y_PD, weights_TK, layout)
+    from kernels.reduce.weighted_reduce_backward_kernel import weighted_reduce_backward as kernel
+
+    return kernel(grad_TD, y_PD, weights_TK, layout)
+
+
+__all__ = ["weighted_reduce", "weighted_reduce_backward"]

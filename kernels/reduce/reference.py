@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES, cast_back
 from kernels.validate import check_dtype, check_index_range, check_positive, check_tensor
 
@@ -55,6 +56,50 @@ def weighted_reduce(
         rows = pos_TK[has_route_T, route]
         out_TD[has_route_T] += weights_TK[has_route_T, route, None] * y_PD[rows].float()
     return out_TD.to(out_dtype)
+
+
+def weighted_reduce_backward(
+    grad_TD: torch.Tensor, y_PD: torch.Tensor, weights_TK: torch.Tensor, layout: ExpertLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``weighted_reduce(y_PD, layout.pos_TK, weights_TK)`` given ``grad_TD``.
+
+    Each route (t, k) with a row ``p = pos_TK[t, k]`` gets ``grad_PD[p] = grad[t] * weights[t, k]``
+    (one float32 product per element, rounded to ``y_PD``'s dtype) and ``grad_weights[t, k] =
+    sum_d y[p, d] * grad[t, d]`` (float32; summed in no particular order). Padding rows of the
+    layout get zeros; rows past its last segment (``offsets_E[-1]``, the unused part of a static
+    capacity) are unspecified (zeros here, unwritten by the kernel: a capacity costs nothing).
+
+    Args:
+        grad_TD: ``[T, D]`` float32, bfloat16 or float16, ``y_PD``'s dtype.
+        y_PD: ``[P, D]`` the rows the forward reduced, ``P = layout.num_rows``.
+        weights_TK: ``[T, K]`` float32 router weights (ignored where ``pos_TK`` is -1).
+        layout: the :class:`ExpertLayout` that ``y_PD`` follows (``pos_TK`` and ``src_P`` inverse).
+
+    Returns:
+        ``(grad_PD [P, D] y's dtype, grad_weights_TK [T, K] float32, 0 for masked routes)``.
+    """
+    check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout)
+    pos_TK = layout.pos_TK.long()
+    routed_TK = pos_TK >= 0
+    rows_N = pos_TK[routed_TK]  # N: routes with a row
+    grad_ND = grad_TD.float()[routed_TK.nonzero()[:, 0]]
+    grad_weights_TK = torch.zeros(pos_TK.shape, dtype=torch.float32, device=y_PD.device)
+    grad_weights_TK[routed_TK] = (y_PD[rows_N].float() * grad_ND).sum(1)
+    grad_PD = torch.zeros_like(y_PD)
+    grad_PD[rows_N] = (grad_ND * weights_TK[routed_TK][:, None]).to(y_PD.dtype)
+    return grad_PD, grad_weights_TK
+
+
+def check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout, *, values: bool = True) -> None:
+    """Validates :func:`weighted_reduce_backward`'s arguments (shared with its kernel, which skips
+    the ``values`` check: a host sync)."""
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
+    check_tensor("y_PD", y_PD, dtype=FLOAT_DTYPES, shape=(layout.num_rows, None), device=layout.pos_TK.device)
+    check_tensor("grad_TD", grad_TD, dtype=y_PD.dtype, shape=(layout.pos_TK.shape[0], y_PD.shape[1]), device=y_PD.device)
+    check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=layout.pos_TK.shape, device=y_PD.device)
+    if values:
+        check_index_range("layout.pos_TK", layout.pos_TK, layout.num_rows)
 
 
 def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, *, values: bool = True) -> torch.dtype:
