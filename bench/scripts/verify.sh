@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Device-call steps (session 4), run in the order given, each with its own time limit so that one
+# that hangs does not take the rest with it:  bash bench/scripts/verify.sh COMMIT STEP...
+#   kernels      GPU tests of the kernels written without a GPU: weighted_reduce_backward, SwiGLU
+#                with a device row count, mHC pre-apply/post/split-Sinkhorn and Engram gate
+#                backward, the mHC layer (GPU 0).
+#   suites       the two-GPU suites: dispatch conformance, EP equivalence, nvlink steady state.
+#   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, weak and strong.
+#   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
+#   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
+set -u
+commit=${1:?commit}; shift
+source bench/scripts/lib.sh
+gpus=$(nvidia-smi -L | wc -l)
+for step in "$@"; do
+  case $step in
+    kernels)
+      LIMIT=170 run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+        tests/kernels/reduce/test_weighted_reduce_backward.py tests/kernels/quant/test_swiglu_kernel.py \
+        tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py \
+        tests/kernels/mhc/test_split_sinkhorn_kernel.py tests/kernels/engram/test_gate_kernel.py tests/runtime/test_mhc_layer.py
+      tail -3 "$out/pytest-kernels.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-kernels.log" ;;
+    suites)
+      LIMIT=200 run pytest-2gpu python3 -m pytest -q -p no:cacheprovider tests/runtime/test_dispatch_conformance.py \
+        tests/runtime/test_ep_equivalence.py tests/runtime/test_nvlink_gpu.py -k "2- or nvlink"
+      tail -3 "$out/pytest-2gpu.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-2gpu.log" ;;
+    scaling-all_to_all)
+      LIMIT=120 run ep-scaling-all_to_all torchrun --standalone --nproc-per-node "$gpus" -m ep_runtime.bench.ep_scaling \
+        --shape deepseek-v3 --dispatcher all_to_all --warmup 2 --iters 6 --out "$out" --commit "$commit"
+      grep "EP " "$out/ep-scaling-all_to_all.log" | tail -8 | cut -c1-250 ;;
+    scaling-nvlink)
+      LIMIT=220 run ep-scaling-nvlink python3 -m ep_runtime.bench.ep_scaling --launcher local \
+        --shape deepseek-v3 --dispatcher nvlink --warmup 2 --iters 6 --out "$out" --commit "$commit"
+      grep "EP " "$out/ep-scaling-nvlink.log" | tail -8 | cut -c1-250
+      grep -m3 -A8 "Error\|Traceback" "$out/ep-scaling-nvlink.log" | head -20 ;;
+    pipeline)
+      LIMIT=200 run bench-pipeline torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.pipeline --pp 2 \
+        --model v3-layer --batch-size 16 --seq-len 256 --schedules 1f1b,overlap --microbatches 8 --out "$out" --commit "$commit"
+      tail -8 "$out/bench-pipeline.log" ;;
+    kernels-v4)
+      LIMIT=150 run bench-kernels-v4 python3 -m ep_runtime.cli bench kernels --shapes v4 --out "$out/kernels-v4.json" --commit "$commit"
+      tail -12 "$out/bench-kernels-v4.log" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  save_cache > /dev/null
+done
