@@ -3,7 +3,7 @@
 # that hangs does not take the rest with it:  bash bench/scripts/verify.sh COMMIT STEP...
 #   kernels      GPU tests of the kernels written without a GPU: weighted_reduce_backward, SwiGLU
 #                with a device row count, mHC pre-apply/post/split-Sinkhorn and Engram gate
-#                backward, the mHC layer (GPU 0).
+#                backward, the mHC layer (GPU 0); $KERNEL_TESTS picks other test files.
 #   suites       the two-GPU suites: dispatch conformance, EP equivalence, nvlink steady state.
 #   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, weak and strong.
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
@@ -15,10 +15,10 @@ gpus=$(nvidia-smi -L | wc -l)
 for step in "$@"; do
   case $step in
     kernels)
-      LIMIT=170 run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+      LIMIT=${KERNELS_LIMIT:-170} run pytest-kernels python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider ${KERNEL_TESTS:-\
         tests/kernels/reduce/test_weighted_reduce_backward.py tests/kernels/quant/test_swiglu_kernel.py \
         tests/kernels/mhc/test_pre_apply_kernel.py tests/kernels/mhc/test_post_kernel.py \
-        tests/kernels/mhc/test_split_sinkhorn_kernel.py tests/kernels/engram/test_gate_kernel.py tests/runtime/test_mhc_layer.py
+        tests/kernels/mhc/test_split_sinkhorn_kernel.py tests/kernels/engram/test_gate_kernel.py tests/runtime/test_mhc_layer.py}
       tail -3 "$out/pytest-kernels.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-kernels.log" ;;
     suites)
       LIMIT=200 run pytest-2gpu python3 -m pytest -q -p no:cacheprovider tests/runtime/test_dispatch_conformance.py \
