@@ -5,7 +5,7 @@
 #                with a device row count, mHC pre-apply/post/split-Sinkhorn and Engram gate
 #                backward, the mHC layer (GPU 0); $KERNEL_TESTS picks other test files.
 #   suites       the two-GPU suites: dispatch conformance, EP equivalence, nvlink steady state.
-#   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, weak and strong.
+#   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, $MODES (default weak,strong).
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
 #   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
 set -u
@@ -26,11 +26,11 @@ for step in "$@"; do
       tail -3 "$out/pytest-2gpu.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-2gpu.log" ;;
     scaling-all_to_all)
       LIMIT=120 run ep-scaling-all_to_all torchrun --standalone --nproc-per-node "$gpus" -m ep_runtime.bench.ep_scaling \
-        --shape deepseek-v3 --dispatcher all_to_all --warmup 2 --iters 6 --out "$out" --commit "$commit"
+        --shape deepseek-v3 --dispatcher all_to_all --modes "${MODES:-weak,strong}" --warmup 2 --iters 6 --out "$out" --commit "$commit"
       grep "EP " "$out/ep-scaling-all_to_all.log" | tail -8 | cut -c1-250 ;;
     scaling-nvlink)
       LIMIT=220 run ep-scaling-nvlink python3 -m ep_runtime.bench.ep_scaling --launcher local \
-        --shape deepseek-v3 --dispatcher nvlink --warmup 2 --iters 6 --out "$out" --commit "$commit"
+        --shape deepseek-v3 --dispatcher nvlink --modes "${MODES:-weak,strong}" --warmup 2 --iters 6 --out "$out" --commit "$commit"
       grep "EP " "$out/ep-scaling-nvlink.log" | tail -8 | cut -c1-250
       grep -m3 -A8 "Error\|Traceback" "$out/ep-scaling-nvlink.log" | head -20 ;;
     pipeline)

@@ -101,7 +101,7 @@ class Case:
     args: tuple
     bytes: int
     bytes_note: str
-    exact: bool = True  # outputs must match bit for bit; else float closeness (rtol 1e-5)
+    exact: bool = True  # outputs must match bit for bit; else float closeness (see check)
     peers: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
     # peers doing only part of the op's work: timed and shown, left out of the "fastest peer" ratio
     partial_peers: tuple[str, ...] = ()
@@ -596,7 +596,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def check(got: Any, want: Any, exact: bool) -> dict:
     """``{"ok", "exact", "max_abs_err"}``: bit-exact comparison of every output tensor; with
-    ``exact=False``, floating outputs may differ by rtol 1e-5 (integer outputs still exactly)."""
+    ``exact=False``, floating outputs may differ by rtol 1e-5, or one unit in the last place of a
+    16-bit output (a sum reassociated, then rounded once); integer outputs still exactly."""
     got_t, want_t = _leaves(got), _leaves(want)
     if len(got_t) != len(want_t):
         return {"ok": False, "exact": False, "error": f"{len(got_t)} outputs, reference has {len(want_t)}"}
@@ -610,7 +611,8 @@ def check(got: Any, want: Any, exact: bool) -> dict:
         all_exact = False
         if g.is_floating_point() and g.element_size() > 1:
             worst = max(worst, float((g.double() - w.double()).abs().max()))
-            ok = ok and not exact and torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6)
+            rtol = max(1e-5, torch.finfo(g.dtype).eps)
+            ok = ok and not exact and torch.allclose(g.double(), w.double(), rtol=rtol, atol=1e-6)
         else:
             ok = False
     return {"ok": ok, "exact": all_exact, "max_abs_err": worst}
@@ -822,13 +824,14 @@ def slug(name: str) -> str:
 
 
 def summarize_bars(results: list[dict]) -> dict:
-    """The issue's bars over the large shape (all shapes for the peer ratio)."""
+    """The issues' bars: copy bandwidth at the large shape (the mHC/Engram ops at the v4 shapes),
+    the peer ratio at every shape."""
     bars: dict[str, Any] = {"memory_bound_ge_90pct_of_copy": {}, "ratio_vs_fastest_peer_ge_1": {}, "fusion": {}}
     for r in results:
         key = f"{r['shape']}/{r['op']}"
         if "time_us" not in r:
             continue
-        if r["memory_bound"] and r["shape"] == "large":
+        if r["memory_bound"] and (r["shape"] == "large" or (r["op"] in MHC_OPS and r["shape"].startswith("v4"))):
             bars["memory_bound_ge_90pct_of_copy"][key] = r["pct_of_copy"] >= 90
         if "ratio_vs_fastest_peer" in r:
             bars["ratio_vs_fastest_peer_ge_1"][key] = r["ratio_vs_fastest_peer"] >= 1.0

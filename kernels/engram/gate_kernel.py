@@ -345,7 +345,7 @@ def gate(
     Returns:
         ``out_TND`` ``[T, N, D]`` in ``x_TND``'s dtype.
     """
-    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
     check_cuda("x_TND", x_TND)
     if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
         raise TypeError(
@@ -379,7 +379,7 @@ def gate_backward(
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype).
     Same inputs as :func:`gate`; the gate's row statistics are recomputed, not saved."""
-    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps)
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
     if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):

@@ -444,8 +444,9 @@ def short_conv(
     return F.silu(y_BCS).transpose(1, 2).reshape(b, s, n, d).to(x_BSND.dtype)
 
 
-def check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps) -> None:
-    """Validates :func:`gate`'s arguments (shared with its kernel)."""
+def check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, *, values: bool = True) -> None:
+    """Validates :func:`gate`'s arguments (shared with its kernel, which skips the ``values``
+    check: NaN/Inf in the tensors, a read of all of them and a host sync)."""
     check_tensor("x_TND", x_TND, dtype=FLOAT_DTYPES, ndim=3)
     t, n, d = x_TND.shape
     dev = x_TND.device
@@ -454,7 +455,8 @@ def check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps) -> None:
     check_tensor("wh_ND", wh_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
     check_tensor("we_ND", we_ND, dtype=FLOAT_DTYPES, shape=(n, d), device=dev)
     for name, tensor in (("x_TND", x_TND), ("k_TND", k_TND), ("v_TD", v_TD), ("wh_ND", wh_ND), ("we_ND", we_ND)):
-        check_finite(name, tensor)
+        if values:
+            check_finite(name, tensor)
     if isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf:
         raise ValueError(f"clamp: expected a finite float > 0, got {clamp!r}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:

@@ -5,8 +5,9 @@ autograd) backward, when :func:`kernels.select.use_tilelang` says so for the inp
 kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
 reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
 ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
-is made from the arguments up front, never by catching a kernel's error. The other ops are the
-reference's.
+is made from the arguments up front, never by catching a kernel's error. The kernels check
+shapes, dtypes and devices, not values: a NaN/Inf check reads the whole tensor and syncs with the
+host on every call (the references do check). The other ops are the reference's.
 
 Shape suffixes as in :mod:`kernels.mhc.reference`.
 """

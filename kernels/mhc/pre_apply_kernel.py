@@ -101,10 +101,10 @@ def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:
     Returns:
         ``y_TD`` ``[T, D]`` in ``x_TND``'s dtype, accumulated in float32.
     """
-    _check_stream("x_TND", x_TND)
+    _check_stream("x_TND", x_TND, values=False)
     check_cuda("x_TND", x_TND)
     t, n, d = x_TND.shape
-    _check_param("pre_TN", pre_TN, (t, n), x_TND.device)
+    _check_param("pre_TN", pre_TN, (t, n), x_TND.device, values=False)
     if not supports(x_TND, pre_TN):
         raise TypeError(
             f"x_TND/pre_TN: the kernel takes bfloat16/float16/float32 streams and float32 weights, got "
@@ -176,10 +176,10 @@ def pre_apply_backward(x_TND: torch.Tensor, pre_TN: torch.Tensor, g_TD: torch.Te
     """TileLang backward of :func:`kernels.mhc.reference.pre_apply`: ``(grad_x_TND, grad_pre_TN)``
     for ``g_TD = dL/dy`` (``[T, D]``, bfloat16/float16/float32), in ``x_TND``'s and float32. Same
     inputs as :func:`pre_apply`."""
-    _check_stream("x_TND", x_TND)
+    _check_stream("x_TND", x_TND, values=False)
     check_cuda("x_TND", x_TND)
     t, n, d = x_TND.shape
-    _check_param("pre_TN", pre_TN, (t, n), x_TND.device)
+    _check_param("pre_TN", pre_TN, (t, n), x_TND.device, values=False)
     check_tensor("g_TD", g_TD, dtype=KERNEL_DTYPES, shape=(t, d), device=x_TND.device)
     if not supports(x_TND, pre_TN):
         raise TypeError(f"x_TND/pre_TN: the kernel takes up to {WARP} bfloat16/float16/float32 streams and float32 "
