@@ -546,9 +546,10 @@ def plot(report: dict, png_path: Path) -> Path | None:
     for ax in (ax_tput, ax_eff):
         eps = sorted({r["ep"] for r in report["rows"]})
         ax.set_xticks(eps, [str(e) for e in eps])
+        ax.set_xticks([], minor=True)  # a log axis labels its minor ticks too (3x10^0, 6x10^0)
         ax.legend(fontsize=7)
     spec = report["spec"]
-    fig.suptitle(f"ep-scaling, {report['device']}: hidden {spec['hidden']}, {spec['num_experts']} experts, "
+    fig.suptitle(f"ep-scaling ({spec['dispatcher']}), {report['device']}: hidden {spec['hidden']}, {spec['num_experts']} experts, "
                  f"top-{spec['topk']}, {spec['tokens_per_rank']} tokens/rank, "
                  f"{'FP8' if spec['fp8_dispatch'] else 'no FP8'} dispatch", fontsize=9)
     fig.tight_layout()
