@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device-call steps (session 4), run in the order given, each with its own time limit so that one
 # that hangs does not take the rest with it:  bash bench/scripts/verify.sh COMMIT STEP...
+# At most 8 files come back from a call ($OUT): pick steps whose logs and results fit, the kernel
+# cache (tl-cache.tar.gz) among them.
 #   kernels      GPU tests of the kernels written without a GPU: weighted_reduce_backward, SwiGLU
 #                with a device row count, mHC pre-apply/post/split-Sinkhorn and Engram gate
 #                backward, the mHC layer (GPU 0); $KERNEL_TESTS picks other test files.
