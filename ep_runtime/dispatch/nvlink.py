@@ -8,7 +8,10 @@ for that rank, a prefix sum on the device), writes it there once per destination
 (``kernels.comm.put_rows``: one read, up to W stores), writes its per-destination counts, and
 one barrier on the stream makes everything visible. Sizes are static (``T_max``, the worst case
 of a layout over ``W * T_max`` rows), so nothing waits on the host and a CUDA graph can capture
-the steady state. Calls alternate between two halves of the heap: a rank may write call n + 1's
+the steady state. The experts' work stops at the rows in use (``offsets_E[-1]``: expand, the
+SwiGLU, combine's backward), so a generous ``T_max`` costs memory, not time, there; the passes over
+the ``W * T_max`` received rows (the FP8 cast back, the weighted reduces, ``plan_receive``) still
+cost in proportion to it. Calls alternate between two halves of the heap: a rank may write call n + 1's
 rows while a peer still reads call n's, never call n - 1's (every rank read those before it
 entered call n's barrier).
 
