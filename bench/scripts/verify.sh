@@ -10,6 +10,7 @@
 #   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, $MODES (default weak,strong).
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
 #   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
+#   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0).
 set -u
 commit=${1:?commit}; shift
 source bench/scripts/lib.sh
@@ -42,6 +43,9 @@ for step in "$@"; do
     kernels-v4)
       LIMIT=150 run bench-kernels-v4 python3 -m ep_runtime.cli bench kernels --shapes v4 --out "$out/kernels-v4.json" --commit "$commit"
       tail -12 "$out/bench-kernels-v4.log" ;;
+    mhc-overhead)
+      LIMIT=150 run bench-mhc-overhead python3 -m ep_runtime.cli bench mhc-overhead --out "$out" --commit "$commit"
+      tail -4 "$out/bench-mhc-overhead.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   save_cache > /dev/null

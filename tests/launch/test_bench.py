@@ -1,5 +1,6 @@
-"""``ep-runtime bench ep-scaling`` end to end on 2 CPU workers (local launcher): EP 1 and 2, weak
-and strong scaling, JSON and plot written."""
+"""The benchmarks end to end on CPU: ``ep-scaling`` on 2 workers (local launcher, EP 1 and 2, weak
+and strong scaling, both backends), ``dispatch``, ``pipeline`` and ``mhc-overhead``; JSON (and
+plots) written."""
 
 import json
 import subprocess
@@ -75,3 +76,14 @@ def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
         assert r["bubble_formula"] == 1 / (chunks * m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0
         assert r["peak_memory_mb"] > 0
     assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+
+
+def test_mhc_overhead_bench_reports_the_mhc_share_of_the_moe_layer(tmp_path):
+    run_bench(tmp_path, "mhc-overhead", "--hidden", "64,128", "--tokens", "32", "--warmup", "0", "--iters", "2")
+    report = json.loads((tmp_path / "mhc_overhead.json").read_text())
+    assert [r["hidden"] for r in report["rows"]] == [64, 128]
+    for r in report["rows"]:
+        assert r["tokens"] == 32 and r["streams"] == 4
+        assert r["moe_ms"] > 0 and r["mhc_ms"] > 0 and r["mhc_around_moe_ms"] > 0
+        assert r["mhc_fraction_of_moe"] == r["mhc_ms"] / r["moe_ms"]
+        assert r["added_fraction_of_moe"] == r["mhc_around_moe_ms"] / r["moe_ms"] - 1
