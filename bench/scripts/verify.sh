@@ -11,6 +11,8 @@
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
 #   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
 #   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0).
+#   dispatch-profile  bench dispatch on two GPUs with --profile: where nvlink dispatch + combine
+#                spend their GPU time (issue #9's bandwidth bars), 4096 and 128 tokens per rank.
 set -u
 commit=${1:?commit}; shift
 source bench/scripts/lib.sh
@@ -46,6 +48,10 @@ for step in "$@"; do
     mhc-overhead)
       LIMIT=150 run bench-mhc-overhead python3 -m ep_runtime.cli bench mhc-overhead --out "$out" --commit "$commit"
       tail -4 "$out/bench-mhc-overhead.log" ;;
+    dispatch-profile)
+      LIMIT=200 run bench-dispatch torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --profile \
+        --out "$out" --commit "$commit"
+      grep -A40 "profile of" "$out/bench-dispatch.log" | cut -c1-180 | head -90 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   save_cache > /dev/null
