@@ -27,7 +27,7 @@ from tilelang import language as T
 from kernels.engram.reference import check_gate_args
 from kernels.quant.tiles import (
     PASS_CONFIGS,
-    VECTOR_BYTES,
+    aligned,
     check_cuda,
     tl_dtype,
 )
@@ -319,13 +319,6 @@ def supports(x_TND, k_TND, v_TD, wh_ND, we_ND) -> bool:
     return all(t.dtype in KERNEL_DTYPES for t in tensors) and wh_ND.dtype == we_ND.dtype
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when contiguous and 16-byte aligned (vector accesses need both), else a copy."""
-    if t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def gate(
     x_TND: torch.Tensor,
     k_TND: torch.Tensor,
@@ -364,7 +357,7 @@ def gate(
     kernel = get_gate_kernel(
         n, d, *(tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)), float(clamp), float(eps), bool(add_residual)
     )
-    kernel(_aligned(x_TND), _aligned(k_TND), _aligned(v_TD), _aligned(wh_ND), _aligned(we_ND), out_TND)
+    kernel(aligned(x_TND), aligned(k_TND), aligned(v_TD), aligned(wh_ND), aligned(we_ND), out_TND)
     return out_TND
 
 
@@ -401,7 +394,7 @@ def gate_backward(
         zeros = torch.zeros_like(wh_ND, memory_format=torch.contiguous_format)
         return grad_x, grad_k, grad_v, zeros, zeros.clone()
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
-    args = [_aligned(a) for a in (x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND)]
+    args = [aligned(a) for a in (x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND)]
     get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual))(
         *args, grad_x, grad_k, grad_v, draw_TN)
     partial_SND = torch.empty((WEIGHT_GRAD_SPLITS, n, d), dtype=torch.float32, device=x_TND.device)

@@ -118,7 +118,8 @@ def split_sinkhorn(
     options = dict(pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters)
     if not (_kernel_for(mixes_TM, scale_3, base_M) and split_sinkhorn_kernel.supports(mixes_TM, scale_3, base_M)):
         return reference.split_sinkhorn(mixes_TM, scale_3, base_M, **options)
-    n = reference.check_split_args(mixes_TM, scale_3, base_M, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, iters=iters)
+    n = reference.check_split_args(mixes_TM, scale_3, base_M, pre_eps=pre_eps, sinkhorn_eps=sinkhorn_eps, iters=iters,
+                                   values=False)
     return _SplitSinkhorn.apply(mixes_TM, scale_3, base_M, n, float(pre_eps), float(post_mult), float(sinkhorn_eps),
                                 int(iters))
 
@@ -145,4 +146,5 @@ def pre(
                and pre_apply_kernel.supports(x_TND, fn_MK))  # pre_TN comes out float32, as fn
     if not kernels:
         return reference.pre(x_TND, fn_MK, scale_3, base_M, **options)
-    return reference.compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, **options)
+    return reference.compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, **options,
+                                 values=False)

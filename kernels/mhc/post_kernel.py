@@ -19,9 +19,9 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, aligned, row_tile
+from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_width
+from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 

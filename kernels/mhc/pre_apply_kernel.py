@@ -19,7 +19,7 @@ from tilelang import language as T
 from kernels.mhc.reference import _check_param, _check_stream
 from kernels.quant.tiles import (
     PASS_CONFIGS,
-    VECTOR_BYTES,
+    aligned,
     check_cuda,
     tl_dtype,
     vector_width,
@@ -37,13 +37,6 @@ def row_tile(nv: int) -> tuple[int, int]:
     and ``tile_m * tile_v = THREADS``, so short rows (D = 64) still fill the CTA."""
     tile_v = min(THREADS, 1 << max(0, nv - 1).bit_length())
     return THREADS // tile_v, tile_v
-
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when contiguous and 16-byte aligned (vector accesses need both), else a copy."""
-    if t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)

@@ -348,7 +348,8 @@ def _check_param(name: str, t: torch.Tensor, shape: Sequence[int | None], device
         check_finite(name, t)
 
 
-def _check_fn(name: str, fn: torch.Tensor, rows: int, x_TND: torch.Tensor, rows_text: str) -> None:
+def _check_fn(name: str, fn: torch.Tensor, rows: int, x_TND: torch.Tensor, rows_text: str, *,
+              values: bool = True) -> None:
     check_tensor(name, fn, dtype=PARAM_DTYPES, ndim=2, device=x_TND.device)
     _, n, d = x_TND.shape
     if tuple(fn.shape) != (rows, n * d):
@@ -356,7 +357,8 @@ def _check_fn(name: str, fn: torch.Tensor, rows: int, x_TND: torch.Tensor, rows_
             f"{name}: expected shape ({rows_text}, N*D) = ({rows}, {n * d}) for x_TND of shape "
             f"{tuple(x_TND.shape)} (N={n} streams), got {tuple(fn.shape)}"
         )
-    check_finite(name, fn)
+    if values:
+        check_finite(name, fn)
 
 
 def _check_eps(name: str, value: float) -> float:
@@ -473,13 +475,15 @@ def split_sinkhorn(
                                 iters)
 
 
-def check_split_args(mixes_TM, scale_3, base_M, *, pre_eps: float, sinkhorn_eps: float, iters: int) -> int:
+def check_split_args(mixes_TM, scale_3, base_M, *, pre_eps: float, sinkhorn_eps: float, iters: int,
+                     values: bool = True) -> int:
     """Raises on bad :func:`split_sinkhorn` arguments; returns ``N``."""
     check_tensor("mixes_TM", mixes_TM, dtype=PARAM_DTYPES, ndim=2)
     n = _n_from_mixes(mixes_TM.shape[1])
-    check_finite("mixes_TM", mixes_TM)
-    _check_param("scale_3", scale_3, (3,), mixes_TM.device)
-    _check_param("base_M", base_M, (mixes_TM.shape[1],), mixes_TM.device)
+    if values:
+        check_finite("mixes_TM", mixes_TM)
+    _check_param("scale_3", scale_3, (3,), mixes_TM.device, values=values)
+    _check_param("base_M", base_M, (mixes_TM.shape[1],), mixes_TM.device, values=values)
     _check_sinkhorn_args(iters, sinkhorn_eps)
     _check_eps("pre_eps", pre_eps)
     return n
@@ -533,13 +537,13 @@ def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TN
     return _Post.apply(f_TD, x_TND, post_TN, comb_TNN)
 
 
-def check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters) -> None:
-    _check_stream("x_TND", x_TND)
+def check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters, *, values=True) -> None:
+    _check_stream("x_TND", x_TND, values=values)
     n = x_TND.shape[1]
     m = n * (n + 2)
-    _check_fn("fn_MK", fn_MK, m, x_TND, "N*(N+2)")
-    _check_param("scale_3", scale_3, (3,), x_TND.device)
-    _check_param("base_M", base_M, (m,), x_TND.device)
+    _check_fn("fn_MK", fn_MK, m, x_TND, "N*(N+2)", values=values)
+    _check_param("scale_3", scale_3, (3,), x_TND.device, values=values)
+    _check_param("base_M", base_M, (m,), x_TND.device, values=values)
     _check_eps("norm_eps", norm_eps)
     _check_eps("pre_eps", pre_eps)
     _check_sinkhorn_args(iters, sinkhorn_eps)
@@ -554,11 +558,11 @@ def _pre_ops(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, norm_eps, pre_ep
 
 
 def compose_pre(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, *, norm_eps, pre_eps, post_mult, sinkhorn_eps,
-                iters, tf32, recompute):
+                iters, tf32, recompute, values=True):
     """:func:`pre` over the given autograd ops: ``split_op(mixes, scale, base, n, pre_eps,
     post_mult, sinkhorn_eps, iters)`` and ``apply_op(x, pre)`` (``kernels.mhc`` passes its
-    kernels'); arguments checked here, once."""
-    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
+    kernels', with ``values=False``); arguments checked here, once."""
+    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters, values=values)
     args = (split_op, apply_op, x_TND, fn_MK, scale_3, base_M, float(norm_eps), float(pre_eps), float(post_mult),
             float(sinkhorn_eps), iters, bool(tf32))  # fmt: skip
     if recompute and torch.is_grad_enabled():

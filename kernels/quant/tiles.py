@@ -38,6 +38,13 @@ def check_cuda(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous and 16-byte aligned (vector accesses need both), else a copy."""
+    if t.is_contiguous() and t.data_ptr() % VECTOR_BYTES == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 

@@ -24,7 +24,7 @@ import torch
 from tilelang import language as T
 
 from kernels.reduce.reference import check_weighted_reduce_args
-from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, check_cuda, tl_dtype, unpack_scale
+from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, aligned, check_cuda, tl_dtype, unpack_scale
 
 MAX_THREADS = 256
 
@@ -124,5 +124,5 @@ def weighted_reduce(
     kernel = get_weighted_reduce_kernel(
         d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8
     )
-    kernel(y_PD.contiguous(), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
+    kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD

@@ -83,7 +83,7 @@ def test_mhc_overhead_bench_reports_the_mhc_share_of_the_moe_layer(tmp_path):
     report = json.loads((tmp_path / "mhc_overhead.json").read_text())
     assert [r["hidden"] for r in report["rows"]] == [64, 128]
     for r in report["rows"]:
-        assert r["tokens"] == 32 and r["streams"] == 4
+        assert r["tokens"] == 32 and r["streams"] == 4 and r["stream_dtype"] == "float32"
         assert r["moe_ms"] > 0 and r["mhc_ms"] > 0 and r["mhc_around_moe_ms"] > 0
         assert r["mhc_fraction_of_moe"] == r["mhc_ms"] / r["moe_ms"]
         assert r["added_fraction_of_moe"] == r["mhc_around_moe_ms"] / r["moe_ms"] - 1

@@ -60,6 +60,21 @@ def test_kernel_matches_reference(t, k, e, d, alignment, dtype, capacity, seed):
 
 
 @pytest.mark.gpu
+def test_inputs_off_a_vector_boundary():
+    """Contiguous views that start 2 bytes past a 16-byte boundary (the kernel's vector loads need
+    the boundary: the wrapper copies them)."""
+    grad_TD, y_PD, weights_TK, layout = make_inputs(37, 6, 12, 256, 16, torch.bfloat16, True, 0, "cuda")
+    want_PD, want_TK = reference.weighted_reduce_backward(grad_TD, y_PD, weights_TK, layout)
+    grad_off = torch.cat([grad_TD.new_zeros(1), grad_TD.flatten()])[1:].view_as(grad_TD)
+    y_off = torch.cat([y_PD.new_zeros(1), y_PD.flatten()])[1:].view_as(y_PD)
+    assert grad_off.data_ptr() % 16 and y_off.data_ptr() % 16
+    got_PD, got_TK = weighted_reduce_backward(grad_off, y_off, weights_TK, layout)
+    end = int(layout.offsets_E[-1])
+    assert torch.equal(got_PD[:end], want_PD[:end])
+    torch.testing.assert_close(got_TK, want_TK, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
 def test_rows_past_the_segments_are_not_written():
     """A static capacity costs no stores: the kernel leaves its unused rows as they were."""
     grad_TD, y_PD, weights_TK, layout = make_inputs(64, 8, 16, 256, 128, torch.bfloat16, True, 0, "cuda")
