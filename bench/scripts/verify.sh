@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device-call steps (session 4), run in the order given, each with its own time limit so that one
+# Device-call steps (sessions 4-5), run in the order given, each with its own time limit so that one
 # that hangs does not take the rest with it:  bash bench/scripts/verify.sh COMMIT STEP...
 # At most 8 files come back from a call ($OUT): pick steps whose logs and results fit, the kernel
 # cache (tl-cache.tar.gz) among them.
@@ -10,7 +10,10 @@
 #   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, $MODES (default weak,strong).
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
 #   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
-#   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0).
+#   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0),
+#                bfloat16 streams, then float32 streams under autocast (as training runs them).
+#   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
+#                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops).
 #   dispatch-profile  bench dispatch on two GPUs with --profile: where nvlink dispatch + combine
 #                spend their GPU time (issue #9's bandwidth bars), 4096 and 128 tokens per rank.
 set -u
@@ -47,7 +50,13 @@ for step in "$@"; do
       tail -12 "$out/bench-kernels-v4.log" ;;
     mhc-overhead)
       LIMIT=150 run bench-mhc-overhead python3 -m ep_runtime.cli bench mhc-overhead --out "$out" --commit "$commit"
-      tail -4 "$out/bench-mhc-overhead.log" ;;
+      tail -4 "$out/bench-mhc-overhead.log"
+      LIMIT=150 run bench-mhc-overhead-fp32 python3 -m ep_runtime.cli bench mhc-overhead --stream-dtype float32 \
+        --out "$out/fp32" --commit "$commit"
+      tail -4 "$out/bench-mhc-overhead-fp32.log" ;;
+    sweep)
+      LIMIT=300 run sweep python3 bench/scripts/sweep.py --out "$out/sweep.json" ${SWEEP_OPS:+--ops $SWEEP_OPS}
+      grep -v INFO "$out/sweep.log" | tail -60 ;;
     dispatch-profile)
       LIMIT=200 run bench-dispatch torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --profile \
         --out "$out" --commit "$commit"

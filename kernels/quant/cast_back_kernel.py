@@ -27,15 +27,17 @@ from kernels.validate import check_dtype, check_tensor
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool, out_dtype: str):
-    """``(q_MN, sf_BG, out_MN)`` kernel: ``out = q.float() * sf`` per ``block_m x block_n`` block."""
+def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool, out_dtype: str,
+                         tile: tuple[int, int, int] | None = None):
+    """``(q_MN, sf_BG, out_MN)`` kernel: ``out = q.float() * sf`` per ``block_m x block_n`` block
+    (``tile`` as in :func:`kernels.quant.blockwise_cast_kernel.get_blockwise_cast_kernel`)."""
     num_rows = T.dynamic("num_rows")
     # Vectors sized by the output (8 values for bfloat16: 8-byte e4m3 loads, 16-byte stores), so a
     # warp's store covers one contiguous 512 bytes. v2's 16 e4m3 values a thread made each 16-byte
     # store cover every other 16 bytes of a 1 KiB run (lane stride 32 bytes): twice the sectors,
     # each half written, on the 2/3 of the traffic that is stores: 219 us vs 134 (NOTES.md).
     vec = vector_width(num_cols, T.dtype(out_dtype).bytes)
-    tile_m, tile_n, threads = blockwise_tile(num_cols, (block_m, block_n), vec)
+    tile_m, tile_n, threads = tile or blockwise_tile(num_cols, (block_m, block_n), vec)
     tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
     sf_dtype = "uint8" if packed else "float32"
 

@@ -1,0 +1,118 @@
+"""Kernel variants side by side on one GPU (a tuning record, not a product benchmark): each variant
+is checked against the op's reference on fresh inputs, then timed with ``ep-runtime bench
+kernels``' timer next to the op as shipped, its tile-kernels peer and the copy ceiling, all in one
+process. Variants are kernel factory options (tiles, prefetching), so the winner becomes a default
+and the rest go.
+
+    python3 bench/scripts/sweep.py --out $OUT/sweep.json [--ops per_token_cast,cast_back,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+
+from ep_runtime.bench import kernels as bench
+
+TOKEN_TILES = [(4, 1024, 128), (8, 1024, 128), (16, 1024, 128), (8, 1024, 256), (16, 1024, 256), (32, 1024, 256)]
+CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 128, 128), (128, 256, 256), (128, 256, 512)]
+BLOCK_TILES = [(128, 128, 256), (128, 128, 128), (128, 128, 512)]
+
+
+def _cast_variant(x, block, tile):
+    from kernels.quant.blockwise_cast_kernel import get_blockwise_cast_kernel
+
+    (m, n), (bm, bn) = x.shape, block
+    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile)
+
+    def call():
+        q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
+        sf = torch.empty((-(-m // bm), -(-n // bn)), dtype=torch.float32, device=x.device)
+        kernel(x, q, sf)
+        return q, sf
+
+    return call
+
+
+def _cast_back_variant(q, sf, tile):
+    from kernels.quant.cast_back_kernel import get_cast_back_kernel
+
+    kernel = get_cast_back_kernel(q.shape[1], 1, 128, False, "bfloat16", tile)
+
+    def call():
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        kernel(q, sf, out)
+        return out
+
+    return call
+
+
+def _gate_variant(inp, prefetch_v):
+    from kernels.engram.gate_kernel import get_gate_kernel
+
+    x, k, v, wh, we = inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND
+    t, n, d = x.shape
+    kernel = get_gate_kernel(n, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True, prefetch_v)
+
+    def call():
+        out = torch.empty_like(x)
+        kernel(x, k, v, wh, we, out)
+        return out
+
+    return call
+
+
+def variants(op: str, inp) -> dict[str, object]:
+    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
+    if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
+        block, tiles = {"per_token_cast": ((1, 128), TOKEN_TILES), "per_block_cast": ((128, 128), BLOCK_TILES),
+                        "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
+        return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
+    if op == "cast_back":
+        return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in TOKEN_TILES}
+    if op == "engram_gate":
+        return {f"prefetch_v={p}": _gate_variant(inp, p) for p in (True, False)}
+    raise SystemExit(f"sweep: no variants for {op}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back,engram_gate")
+    p.add_argument("--out", required=True)
+    p.add_argument("--iters", type=int, default=100)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    seed = int(time.time()) % 100_000
+    timer = bench.Timer(device, a.iters, 10, 0.3, flush_bytes=512 << 20)
+    copy = bench.copy_bandwidth(timer, 1 << 30)
+    print(f"{bench.device_name(device)}  copy {copy['gbps']:.0f} GB/s  seed {seed}", flush=True)
+    rows = []
+    for op in a.ops.split(","):
+        shapes = ["v4-d4096", "v4-d7168"] if op in bench.MHC_OPS else ["large"]
+        for shape_name in shapes:
+            shape = bench.SHAPES[shape_name]
+            inp = (bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs)(shape, device, seed)
+            (case,), _ = bench.build_cases(inp, [op], with_peers=True)
+            shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=None, impl="tilelang")
+            peer_us = {name: r.get("time_us", r.get("error")) for name, r in shipped.pop("peers", {}).items()}
+            found = {"shipped": shipped}
+            for label, thunk in variants(op, inp).items():
+                found[label] = bench.run_case(dataclasses.replace(case, ours=thunk), timer, copy["gbps"],
+                                              with_peers=False, compile_budget=None, impl="tilelang")
+            for label, r in found.items():
+                line = (f"{shape_name:9s} {op:18s} {label:24s} " + (f"{r['time_us']:8.1f} us {r['pct_of_copy']:5.1f}% "
+                        f"{r['check']}" if "time_us" in r else f"ERROR {r.get('error', '')[:150]}"))
+                print(line, flush=True)
+                rows.append({"shape": shape_name, "op": op, "variant": label, **r})
+            print(f"{shape_name:9s} {op:18s} peers {peer_us}", flush=True)
+            rows.append({"shape": shape_name, "op": op, "variant": "peers", "peer_time_us": peer_us})
+    with open(a.out, "w") as f:
+        json.dump({"device": bench.device_name(device), "copy": copy, "seed": seed, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
