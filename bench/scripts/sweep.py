@@ -1,7 +1,7 @@
 """Kernel variants side by side on one GPU (a tuning record, not a product benchmark): each variant
 is checked against the op's reference on fresh inputs, then timed with ``ep-runtime bench
 kernels``' timer next to the op as shipped, its tile-kernels peer and the copy ceiling, all in one
-process. Variants are kernel factory options (tiles, prefetching), so the winner becomes a default
+process. Variants are kernel factory options (tiles), so the winner becomes a default
 and the rest go.
 
     python3 bench/scripts/sweep.py --out $OUT/sweep.json [--ops per_token_cast,cast_back,...]
@@ -51,21 +51,6 @@ def _cast_back_variant(q, sf, tile):
     return call
 
 
-def _gate_variant(inp, prefetch_v):
-    from kernels.engram.gate_kernel import get_gate_kernel
-
-    x, k, v, wh, we = inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND
-    t, n, d = x.shape
-    kernel = get_gate_kernel(n, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True, prefetch_v)
-
-    def call():
-        out = torch.empty_like(x)
-        kernel(x, k, v, wh, we, out)
-        return out
-
-    return call
-
-
 def variants(op: str, inp) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
@@ -74,14 +59,12 @@ def variants(op: str, inp) -> dict[str, object]:
         return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in TOKEN_TILES}
-    if op == "engram_gate":
-        return {f"prefetch_v={p}": _gate_variant(inp, p) for p in (True, False)}
     raise SystemExit(f"sweep: no variants for {op}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back,engram_gate")
+    p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back")
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=100)
     a = p.parse_args()

@@ -77,14 +77,12 @@ def gate_sums(vec: int):
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_kernel(
-    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool,
-    prefetch_v: bool = True,
+    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, out_TND)`` kernel for ``N = n`` streams of ``D = d``
     elements (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own dtypes; the
-    token count is dynamic). ``prefetch_v`` loads the thread's ``v`` before the row reduction, so
-    its latency hides behind the reduction's instead of following it (``False``: after, the
-    session-4 kernel, kept for the A/B timing)."""
+    token count is dynamic). A thread loads its ``v`` before the row reduction, so that latency
+    hides behind the reduction's (286 vs 290 us at T = 8192, N = 4, D = 4096 on an H100)."""
     num_tokens = T.dynamic("num_tokens")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(3, warps), gate_sums(vec)
@@ -107,7 +105,7 @@ def get_gate_kernel(
             k_local = T.alloc_local((vec,), k_dtype)
             wh_local = T.alloc_local((vec,), w_dtype)
             we_local = T.alloc_local((vec,), w_dtype)
-            v_local = T.alloc_local((per_thread * vec if prefetch_v else vec,), v_dtype)
+            v_local = T.alloc_local((per_thread * vec,), v_dtype)
             out_local = T.alloc_local((vec,), dtype)
             sums = T.alloc_local((3,), T.float32)  # sum x^2, sum k^2, sum x*w*k
             partial_3W = T.alloc_shared((3, warps), T.float32)
@@ -128,20 +126,15 @@ def get_gate_kernel(
                     for j in T.vectorized(vec):
                         we_local[j] = we_ND[h, c * vec + j]
                     add_sums(x_local, p * vec, k_local, wh_local, we_local, sums)
-                    if prefetch_v:
-                        for j in T.vectorized(vec):
-                            v_local[p * vec + j] = v_TD[row, c * vec + j]
+                    for j in T.vectorized(vec):
+                        v_local[p * vec + j] = v_TD[row, c * vec + j]
             reduce(sums, partial_3W, stats, tid)
             scalars(stats, row_scalars)
             for p in T.unroll(per_thread):
                 c = p * threads + tid
                 if c < nv:
-                    v_off = p * vec if prefetch_v else 0
-                    if not prefetch_v:
-                        for j in T.vectorized(vec):
-                            v_local[j] = v_TD[row, c * vec + j]
                     for j in T.serial(vec):
-                        gv = T.ieee_mul(row_scalars[2], T.cast(v_local[v_off + j], T.float32))
+                        gv = T.ieee_mul(row_scalars[2], T.cast(v_local[p * vec + j], T.float32))
                         if add_residual:
                             out_local[j] = T.cast(T.ieee_add(T.cast(x_local[p * vec + j], T.float32), gv), dtype)
                         else:

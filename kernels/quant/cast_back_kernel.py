@@ -62,6 +62,19 @@ def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool
     return cast_back
 
 
+# Rows from which a per-token cast_back takes 4x the cast's tile rows (16 vectors a thread in
+# flight): 128.5 us vs 133.2 at 16384 x 7168 on an H100 (bench/results/h100/2026-11-24-s5). Fewer
+# rows keep the small tile, which gives more CTAs than SMs.
+DEEP_TILE_ROWS = 4096
+
+
+def _tile(m: int, n: int, block: tuple[int, int], out_dtype: torch.dtype) -> tuple[int, int, int] | None:
+    if block[0] != 1 or m < DEEP_TILE_ROWS:
+        return None
+    tile_m, tile_n, threads = blockwise_tile(n, block, vector_width(n, out_dtype.itemsize))
+    return 4 * tile_m, tile_n, threads
+
+
 def cast_back(
     q: torch.Tensor, sf: torch.Tensor, *, block: tuple[int, int], out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
@@ -87,6 +100,7 @@ def cast_back(
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return out
-    kernel = get_cast_back_kernel(n, block_m, block_n, sf.dtype == torch.uint8, tl_dtype(out_dtype))
+    kernel = get_cast_back_kernel(n, block_m, block_n, sf.dtype == torch.uint8, tl_dtype(out_dtype),
+                                  _tile(m, n, block, out_dtype))
     kernel(q.contiguous(), sf.contiguous(), out)
     return out
