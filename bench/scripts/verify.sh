@@ -14,6 +14,7 @@
 #                bfloat16 streams, then float32 streams under autocast (as training runs them).
 #   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
 #                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops).
+#   profile-mhc  the mHC sublayer's GPU time by kernel, T = 8192, N = 4, D = 4096 (GPU 0).
 #   dispatch-profile  bench dispatch on two GPUs with --profile: where nvlink dispatch + combine
 #                spend their GPU time (issue #9's bandwidth bars), 4096 and 128 tokens per rank.
 set -u
@@ -61,6 +62,9 @@ for step in "$@"; do
       LIMIT=200 run bench-dispatch torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --profile \
         --out "$out" --commit "$commit"
       grep -A40 "profile of" "$out/bench-dispatch.log" | cut -c1-180 | head -90 ;;
+    profile-mhc)
+      LIMIT=120 run profile-mhc python3 bench/scripts/profile_mhc.py
+      grep -v INFO "$out/profile-mhc.log" | head -40 | cut -c1-200 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   save_cache > /dev/null

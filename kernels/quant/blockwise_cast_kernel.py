@@ -33,13 +33,13 @@ from kernels.validate import check_tensor
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtype: str, round_sf: bool, pack_sf: bool,
-                              tile: tuple[int, int, int] | None = None):
+                              tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_MN, q_MN, sf_BG)`` kernel for ``num_cols`` columns and scales over ``block_m x block_n``
     (``(1, g)`` per-token, ``(b, b)`` per-block, ``(b, 1)`` per-channel; powers of two).
     ``tile`` overrides :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)``
-    (for tuning sweeps; whole scale blocks)."""
+    and ``vec`` the consecutive elements a thread holds (for tuning sweeps; whole scale blocks)."""
     num_rows = T.dynamic("num_rows")
-    vec = vector_width(num_cols, T.dtype(in_dtype).bytes)
+    vec = vec or vector_width(num_cols, T.dtype(in_dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(num_cols, (block_m, block_n), vec)
     tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
     sf_dtype = "uint8" if pack_sf else "float32"
