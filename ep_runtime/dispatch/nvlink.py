@@ -18,8 +18,9 @@ entered call n's barrier).
 Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``) and its
 routes and router weights; the receiver builds its experts' layout from the routes in the blocks'
 first ``count`` rows. The bookkeeping on both sides (slots, counts, what each received row is and
-where it returns) is one kernel each (``kernels.comm.plan_send`` / ``plan_receive``). Combine reduces each received row over its local experts
-(``weighted_reduce``), puts it back into block ``me`` of its home rank at the row it came from,
+where it returns) is two launches on the sending side and one on the receiving side
+(``kernels.comm.plan_send`` / ``plan_receive``). Combine reduces each received row over its local
+experts (``weighted_reduce``), puts it back into block ``me`` of its home rank at the row it came from,
 and the home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank
 order, float32).
 

@@ -2,11 +2,13 @@
 :func:`kernels.comm.reference.plan_receive`: the bookkeeping around a dispatch's stores, one launch
 each instead of a few dozen small ones (what bounds a small batch's latency).
 
-``plan_send`` is one CTA of ``SEND_THREADS`` threads, each owning a contiguous run of tokens: it
-counts its tokens per destination rank, a Hillis-Steele scan over the threads turns the counts
-into each run's first slot per rank, and a second walk writes the slots (and copies the ids and
-weight bits a token carries). The data is small (``T * K`` ids), so one CTA suffices and the result
-is deterministic. ``plan_receive`` is a thread per received row.
+``plan_send`` is two launches with a thread per token. The first, in CTAs of ``SEND_THREADS``
+tokens, scans (Hillis-Steele, every rank at once) which ranks the CTA's tokens go to: each token's
+slot among its CTA's, and the CTA's count per rank; it also copies the ids and weight bits a token
+carries. The second adds to each slot the counts of the CTAs before it. Slots follow token order,
+so the result is deterministic. (Session 4's single CTA, each thread walking a run of tokens with
+strided loads, took 207 us of a 616 us dispatch at 4096 tokens on an H200.) ``plan_receive`` is a
+thread per received row.
 
 Values are not checked on the host (no host sync): an expert id outside ``[0, W * E_local)`` goes
 nowhere, as -1 does (so does the reference).
@@ -22,14 +24,27 @@ from kernels.validate import check_tensor
 
 from .reference import ReceivePlan, SendPlan
 
-SEND_THREADS = 1024
+SEND_THREADS = 256
 RECEIVE_THREADS = 256
 PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
+@T.macro
+def _destinations(idx_TK, token, num_tokens, goes_W, world: int, topk: int, e_local):
+    """``goes_W[w] = 1`` when ``token`` has a route to an expert of rank ``w`` (0 past the end)."""
+    for w in T.unroll(world):
+        goes_W[w] = 0
+    if token < num_tokens:
+        for k in T.unroll(topk):
+            if idx_TK[token, k] >= 0 and idx_TK[token, k] < world * e_local:
+                goes_W[idx_TK[token, k] // e_local] = 1
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_plan_send_kernel(world: int, topk: int):
-    """``(idx_TK, weight_bits_TK, dest_TW, home_TW, count_W, meta_TM, e_local, rank, t_max)``."""
+    """Pass 1, ``(idx_TK, weight_bits_TK, dest_TW, meta_TM, block_BW, e_local)``: per CTA of
+    ``SEND_THREADS`` tokens, each token's slot among the CTA's tokens per rank (into ``dest_TW``,
+    -1 where it does not go), the CTA's count per rank (``block_BW``), and the metadata rows."""
     num_tokens = T.dynamic("num_tokens")
     strides = [1 << i for i in range((SEND_THREADS - 1).bit_length())]
 
@@ -38,69 +53,81 @@ def get_plan_send_kernel(world: int, topk: int):
         idx_TK: T.Tensor[(num_tokens, topk), T.int32],
         weight_bits_TK: T.Tensor[(num_tokens, topk), T.int32],
         dest_TW: T.Tensor[(num_tokens, world), T.int32],
-        home_TW: T.Tensor[(num_tokens, world), T.int32],
-        count_W: T.Tensor[(world,), T.int32],
         meta_TM: T.Tensor[(num_tokens, 2 * topk), T.int32],
+        block_BW: T.Tensor[(T.ceildiv(num_tokens, SEND_THREADS), world), T.int32],
         e_local: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, SEND_THREADS), threads=SEND_THREADS) as b:
+            tid = T.get_thread_binding()
+            token = b * SEND_THREADS + tid
+            goes_W = T.alloc_local((world,), T.int32)
+            partial_W = T.alloc_local((world,), T.int32)
+            scan_XW = T.alloc_shared((SEND_THREADS, world), T.int32)  # X: threads
+            _destinations(idx_TK, token, num_tokens, goes_W, world, topk, e_local)
+            for w in T.unroll(world):
+                scan_XW[tid, w] = goes_W[w]
+            T.sync_threads()
+            for stride in strides:  # inclusive scan over the threads, every rank at once
+                for w in T.unroll(world):
+                    partial_W[w] = scan_XW[tid, w]
+                    if tid >= stride:
+                        partial_W[w] = partial_W[w] + scan_XW[tid - stride, w]
+                T.sync_threads()
+                for w in T.unroll(world):
+                    scan_XW[tid, w] = partial_W[w]
+                T.sync_threads()
+            if tid < world:
+                block_BW[b, tid] = scan_XW[SEND_THREADS - 1, tid]
+            if token < num_tokens:
+                for k in T.unroll(topk):
+                    meta_TM[token, k] = idx_TK[token, k]
+                    meta_TM[token, topk + k] = weight_bits_TK[token, k]
+                for w in T.unroll(world):
+                    dest_TW[token, w] = T.if_then_else(goes_W[w] == 1, scan_XW[tid, w] - 1, -1)
+
+    return plan_send_kernel
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_plan_place_kernel(world: int):
+    """Pass 2, ``(dest_TW, home_TW, block_BW, count_W, rank, t_max)``: a CTA's base slot per rank
+    is the sum of the earlier CTAs' counts; slots become rows of the receivers' buffers."""
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def plan_place_kernel(
+        dest_TW: T.Tensor[(num_tokens, world), T.int32],
+        home_TW: T.Tensor[(num_tokens, world), T.int32],
+        block_BW: T.Tensor[(T.ceildiv(num_tokens, SEND_THREADS), world), T.int32],
+        count_W: T.Tensor[(world,), T.int32],
         rank: T.int32,
         t_max: T.int32,
     ):
-        with T.Kernel(1, threads=SEND_THREADS):
+        with T.Kernel(T.ceildiv(num_tokens, SEND_THREADS), threads=SEND_THREADS) as b:
             tid = T.get_thread_binding()
-            run = T.ceildiv(num_tokens, SEND_THREADS)
-            slot_W = T.alloc_local((world,), T.int32)
-            goes_W = T.alloc_local((world,), T.int32)
-            scan_XW = T.alloc_shared((SEND_THREADS * world,), T.int32)  # X: threads
-            partial = T.alloc_var(T.int32)
-            token = T.alloc_var(T.int32)
-            for w in T.unroll(world):
-                slot_W[w] = 0
-            # Pass 1: this thread's tokens per destination rank.
-            for j in T.serial(run):
-                token = tid * run + j
-                if token < num_tokens:
-                    for w in T.unroll(world):
-                        goes_W[w] = 0
-                    for k in T.unroll(topk):
-                        if idx_TK[token, k] >= 0 and idx_TK[token, k] < world * e_local:
-                            goes_W[idx_TK[token, k] // e_local] = 1
-                    for w in T.unroll(world):
-                        slot_W[w] = slot_W[w] + goes_W[w]
-            for w in T.unroll(world):
-                scan_XW[tid * world + w] = slot_W[w]
-            T.sync_threads()
-            for w in T.unroll(world):
-                for stride in strides:  # inclusive scan over the threads
-                    partial = scan_XW[tid * world + w]
-                    if tid >= stride:
-                        partial = partial + scan_XW[(tid - stride) * world + w]
-                    T.sync_threads()
-                    scan_XW[tid * world + w] = partial
-                    T.sync_threads()
+            token = b * SEND_THREADS + tid
+            base_W = T.alloc_shared((world,), T.int32)
+            total = T.alloc_var(T.int32)
+            slot = T.alloc_var(T.int32)
             if tid < world:
-                count_W[tid] = scan_XW[(SEND_THREADS - 1) * world + tid]
-            for w in T.unroll(world):  # the run's first slot per rank
-                slot_W[w] = scan_XW[tid * world + w] - slot_W[w]
-            # Pass 2: slots, and what travels with each token.
-            for j in T.serial(run):
-                token = tid * run + j
-                if token < num_tokens:
-                    for w in T.unroll(world):
-                        goes_W[w] = 0
-                    for k in T.unroll(topk):
-                        meta_TM[token, k] = idx_TK[token, k]
-                        meta_TM[token, topk + k] = weight_bits_TK[token, k]
-                        if idx_TK[token, k] >= 0 and idx_TK[token, k] < world * e_local:
-                            goes_W[idx_TK[token, k] // e_local] = 1
-                    for w in T.unroll(world):
-                        dest_TW[token, w] = -1
-                        home_TW[token, w] = -1
-                        if goes_W[w] == 1:
-                            dest_TW[token, w] = rank * t_max + slot_W[w]
-                            home_TW[token, w] = w * t_max + slot_W[w]
-                            slot_W[w] = slot_W[w] + 1
+                total = 0
+                for i in T.serial(T.ceildiv(num_tokens, SEND_THREADS)):
+                    if i == b:
+                        base_W[tid] = total
+                    total = total + block_BW[i, tid]
+                if b == 0:
+                    count_W[tid] = total
+            T.sync_threads()
+            if token < num_tokens:
+                for w in T.unroll(world):
+                    slot = dest_TW[token, w]
+                    dest_TW[token, w] = -1
+                    home_TW[token, w] = -1
+                    if slot >= 0:
+                        dest_TW[token, w] = rank * t_max + base_W[w] + slot
+                        home_TW[token, w] = w * t_max + base_W[w] + slot
 
-    return plan_send_kernel
+    return plan_place_kernel
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -152,9 +179,10 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     if num_tokens == 0:
         plan.count_W.zero_()
         return plan
+    block_BW = new((-(-num_tokens // SEND_THREADS), world))
     get_plan_send_kernel(world, topk)(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32),
-                                      plan.dest_TW, plan.home_TW, plan.count_W, plan.meta_TM, num_local_experts,
-                                      rank, max_tokens)
+                                      plan.dest_TW, plan.meta_TM, block_BW, num_local_experts)
+    get_plan_place_kernel(world)(plan.dest_TW, plan.home_TW, block_BW, plan.count_W, rank, max_tokens)
     return plan
 
 

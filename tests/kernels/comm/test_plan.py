@@ -6,7 +6,13 @@ import torch
 
 from kernels import lowering
 from kernels.comm import reference
-from kernels.comm.plan_kernel import get_plan_receive_kernel, get_plan_send_kernel, plan_receive, plan_send
+from kernels.comm.plan_kernel import (
+    get_plan_place_kernel,
+    get_plan_receive_kernel,
+    get_plan_send_kernel,
+    plan_receive,
+    plan_send,
+)
 
 
 def routes(t: int, k: int, world: int, e_local: int, seed: int, device="cpu"):
@@ -73,4 +79,5 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2)):
             assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k))
+            assert "plan_place_kernel" in lowering.kernel_source(get_plan_place_kernel(world))
             assert "plan_receive_kernel" in lowering.kernel_source(get_plan_receive_kernel(world, k))
