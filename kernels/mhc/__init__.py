@@ -1,5 +1,6 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
+``norm_fn`` (forward; its backward is the reference's formula from the saved ``rstd``),
 ``split_sinkhorn``, ``pre_apply`` and ``post`` run their TileLang kernels, forward and (under
 autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
 kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
@@ -14,11 +15,10 @@ Shape suffixes as in :mod:`kernels.mhc.reference`.
 
 import torch
 
-from kernels.mhc import post_kernel, pre_apply_kernel, reference, split_sinkhorn_kernel
+from kernels.mhc import norm_fn_kernel, post_kernel, pre_apply_kernel, reference, split_sinkhorn_kernel
 from kernels.mhc.reference import (
     expand,
     head,
-    norm_fn,
     pre_fused,
     replay,
     round_to_tf32,
@@ -45,6 +45,29 @@ def _kernel_for(*tensors: object) -> bool:
     """True when all arguments are tensors (anything else goes to the reference, which names the
     error) on a device that runs TileLang kernels."""
     return all(isinstance(t, torch.Tensor) for t in tensors) and use_tilelang(tensors[0].device)
+
+
+class _NormFn(torch.autograd.Function):
+    """The kernel's norm + projection forward; the reference's backward (from the saved ``rstd``)."""
+
+    @staticmethod
+    def forward(ctx, x_TND, fn_MK, eps, tf32):
+        mixes_TM, rstd_T = norm_fn_kernel.norm_fn(x_TND, fn_MK, eps=eps, tf32=tf32)
+        ctx.save_for_backward(x_TND, fn_MK, mixes_TM, rstd_T)
+        ctx.tf32 = tf32
+        return mixes_TM
+
+    @staticmethod
+    def backward(ctx, g_TM):
+        return (*reference.norm_fn_backward(*ctx.saved_tensors, g_TM, ctx.tf32), None, None)
+
+
+def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float = 1e-6, tf32: bool = False) -> torch.Tensor:
+    """See :func:`kernels.mhc.reference.norm_fn`; the forward runs the kernel where it takes the
+    inputs (streams bfloat16/float16/float32, ``fn`` float32)."""
+    if not (_kernel_for(x_TND, fn_MK) and norm_fn_kernel.supports(x_TND, fn_MK)):
+        return reference.norm_fn(x_TND, fn_MK, eps=eps, tf32=tf32)
+    return _NormFn.apply(x_TND, fn_MK, reference.check_eps("eps", eps), bool(tf32))
 
 
 class _PreApply(torch.autograd.Function):
@@ -143,8 +166,8 @@ def pre(
     options = dict(norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters,
                    tf32=tf32, recompute=recompute)
     kernels = (_kernel_for(x_TND, fn_MK, scale_3, base_M) and split_sinkhorn_kernel.supports(fn_MK, scale_3, base_M)
-               and pre_apply_kernel.supports(x_TND, fn_MK))  # pre_TN comes out float32, as fn
+               and pre_apply_kernel.supports(x_TND, fn_MK) and norm_fn_kernel.supports(x_TND, fn_MK))
     if not kernels:
         return reference.pre(x_TND, fn_MK, scale_3, base_M, **options)
-    return reference.compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, **options,
-                                 values=False)
+    return reference.compose_pre(_NormFn.apply, _SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M,
+                                 **options, values=False)

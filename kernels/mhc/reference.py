@@ -179,19 +179,24 @@ class _NormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TM):
-        # mixes = (flat @ w.T) * rstd, rstd = (sum(flat^2)/K + eps)^-1/2, d rstd/d flat = -rstd^3 flat / K:
-        #   d flat = (g * rstd) @ w - sum_m(g * mixes) * rstd^2 / K * flat;   d w = (g * rstd).T @ flat.
-        # TF32 rounding of fn is treated as the identity (straight-through).
-        x_TND, fn_MK, mixes_TM, rstd_T = ctx.saved_tensors
-        cdt = mixes_TM.dtype
-        flat_TK = _flatten(x_TND).to(cdt)
-        w_MK = (round_to_tf32(fn_MK.float()) if ctx.tf32 else fn_MK).to(cdt)
-        g_TM = g_TM.to(cdt)
-        gproj_TM = g_TM * rstd_T[:, None]
-        coef_T = (g_TM * mixes_TM).sum(-1) * rstd_T.square() / flat_TK.shape[1]
-        grad_flat_TK = gproj_TM @ w_MK - coef_T[:, None] * flat_TK
-        grad_fn_MK = gproj_TM.T @ flat_TK
-        return grad_flat_TK.view_as(x_TND).to(x_TND.dtype), grad_fn_MK.to(fn_MK.dtype), None, None
+        return (*norm_fn_backward(*ctx.saved_tensors, g_TM, ctx.tf32), None, None)
+
+
+def norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_fn)`` of :func:`norm_fn` from its forward's ``mixes`` and ``rstd`` (also the
+    backward of ``kernels.mhc``'s norm_fn kernel)."""
+    # mixes = (flat @ w.T) * rstd, rstd = (sum(flat^2)/K + eps)^-1/2, d rstd/d flat = -rstd^3 flat / K:
+    #   d flat = (g * rstd) @ w - sum_m(g * mixes) * rstd^2 / K * flat;   d w = (g * rstd).T @ flat.
+    # TF32 rounding of fn is treated as the identity (straight-through).
+    cdt = mixes_TM.dtype
+    flat_TK = _flatten(x_TND).to(cdt)
+    w_MK = (round_to_tf32(fn_MK.float()) if tf32 else fn_MK).to(cdt)
+    g_TM = g_TM.to(cdt)
+    gproj_TM = g_TM * rstd_T[:, None]
+    coef_T = (g_TM * mixes_TM).sum(-1) * rstd_T.square() / flat_TK.shape[1]
+    grad_flat_TK = gproj_TM @ w_MK - coef_T[:, None] * flat_TK
+    grad_fn_MK = gproj_TM.T @ flat_TK
+    return grad_flat_TK.view_as(x_TND).to(x_TND.dtype), grad_fn_MK.to(fn_MK.dtype)
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -361,7 +366,7 @@ def _check_fn(name: str, fn: torch.Tensor, rows: int, x_TND: torch.Tensor, rows_
         check_finite(name, fn)
 
 
-def _check_eps(name: str, value: float) -> float:
+def check_eps(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
         raise ValueError(f"{name}: expected a finite float >= 0, got {value!r}")
     return float(value)
@@ -378,7 +383,7 @@ def _n_from_mixes(m: int) -> int:
 
 def _check_sinkhorn_args(iters: int, eps: float) -> None:
     check_positive("iters", iters)
-    _check_eps("sinkhorn_eps", eps)
+    check_eps("sinkhorn_eps", eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +424,7 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float = 1e-6, tf32
     _check_stream("x_TND", x_TND)
     check_tensor("fn_MK", fn_MK, dtype=PARAM_DTYPES, ndim=2, device=x_TND.device)
     _check_fn("fn_MK", fn_MK, fn_MK.shape[0], x_TND, "M")
-    return _NormFn.apply(x_TND, fn_MK, _check_eps("eps", eps), bool(tf32))
+    return _NormFn.apply(x_TND, fn_MK, check_eps("eps", eps), bool(tf32))
 
 
 def sinkhorn(logits_TNN: torch.Tensor, *, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
@@ -485,7 +490,7 @@ def check_split_args(mixes_TM, scale_3, base_M, *, pre_eps: float, sinkhorn_eps:
     _check_param("scale_3", scale_3, (3,), mixes_TM.device, values=values)
     _check_param("base_M", base_M, (mixes_TM.shape[1],), mixes_TM.device, values=values)
     _check_sinkhorn_args(iters, sinkhorn_eps)
-    _check_eps("pre_eps", pre_eps)
+    check_eps("pre_eps", pre_eps)
     return n
 
 
@@ -544,26 +549,26 @@ def check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_ep
     _check_fn("fn_MK", fn_MK, m, x_TND, "N*(N+2)", values=values)
     _check_param("scale_3", scale_3, (3,), x_TND.device, values=values)
     _check_param("base_M", base_M, (m,), x_TND.device, values=values)
-    _check_eps("norm_eps", norm_eps)
-    _check_eps("pre_eps", pre_eps)
+    check_eps("norm_eps", norm_eps)
+    check_eps("pre_eps", pre_eps)
     _check_sinkhorn_args(iters, sinkhorn_eps)
 
 
-def _pre_ops(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, post_mult, sinkhorn_eps, iters,
-             tf32):
-    mixes_TM = _NormFn.apply(x_TND, fn_MK, norm_eps, tf32)
+def _pre_ops(norm_op, split_op, apply_op, x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, post_mult, sinkhorn_eps,
+             iters, tf32):
+    mixes_TM = norm_op(x_TND, fn_MK, norm_eps, tf32)
     pre_TN, post_TN, comb_TNN = split_op(mixes_TM, scale_3, base_M, x_TND.shape[1], pre_eps, post_mult, sinkhorn_eps,
                                          iters)
     return apply_op(x_TND, pre_TN), post_TN, comb_TNN
 
 
-def compose_pre(split_op, apply_op, x_TND, fn_MK, scale_3, base_M, *, norm_eps, pre_eps, post_mult, sinkhorn_eps,
-                iters, tf32, recompute, values=True):
-    """:func:`pre` over the given autograd ops: ``split_op(mixes, scale, base, n, pre_eps,
-    post_mult, sinkhorn_eps, iters)`` and ``apply_op(x, pre)`` (``kernels.mhc`` passes its
-    kernels', with ``values=False``); arguments checked here, once."""
+def compose_pre(norm_op, split_op, apply_op, x_TND, fn_MK, scale_3, base_M, *, norm_eps, pre_eps, post_mult,
+                sinkhorn_eps, iters, tf32, recompute, values=True):
+    """:func:`pre` over the given autograd ops: ``norm_op(x, fn, eps, tf32)``, ``split_op(mixes,
+    scale, base, n, pre_eps, post_mult, sinkhorn_eps, iters)`` and ``apply_op(x, pre)``
+    (``kernels.mhc`` passes its kernels', with ``values=False``); arguments checked here, once."""
     check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters, values=values)
-    args = (split_op, apply_op, x_TND, fn_MK, scale_3, base_M, float(norm_eps), float(pre_eps), float(post_mult),
+    args = (norm_op, split_op, apply_op, x_TND, fn_MK, scale_3, base_M, float(norm_eps), float(pre_eps), float(post_mult),
             float(sinkhorn_eps), iters, bool(tf32))  # fmt: skip
     if recompute and torch.is_grad_enabled():
         return checkpoint(_pre_ops, *args, use_reentrant=False)
@@ -602,9 +607,9 @@ def pre(
         ``(y_TD, post_TN, comb_TNN)``: the sublayer input in ``x_TND``'s dtype, and the coefficients
         that :func:`post` takes, in the compute dtype.
     """
-    return compose_pre(_SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M, norm_eps=norm_eps,
-                       pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters, tf32=tf32,
-                       recompute=recompute)
+    return compose_pre(_NormFn.apply, _SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M,
+                       norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps,
+                       iters=iters, tf32=tf32, recompute=recompute)
 
 
 def pre_fused(
@@ -669,8 +674,8 @@ def head(
     _check_fn("fn_NK", fn_NK, n, x_TND, "N")
     _check_param("scale_1", scale_1, (1,), x_TND.device)
     _check_param("base_N", base_N, (n,), x_TND.device)
-    mixes_TN = _NormFn.apply(x_TND, fn_NK, _check_eps("norm_eps", norm_eps), bool(tf32))
-    w_TN = _HeadMix.apply(mixes_TN, scale_1, base_N, _check_eps("pre_eps", pre_eps))
+    mixes_TN = _NormFn.apply(x_TND, fn_NK, check_eps("norm_eps", norm_eps), bool(tf32))
+    w_TN = _HeadMix.apply(mixes_TN, scale_1, base_N, check_eps("pre_eps", pre_eps))
     return _PreApply.apply(x_TND, w_TN)
 
 

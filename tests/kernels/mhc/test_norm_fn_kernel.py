@@ -1,0 +1,81 @@
+"""The norm + projection kernel (``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)``) against the
+reference in float64 on the same inputs, the public op's kernel path forward and backward, and an
+sm_90a compile of the runtime's shapes.
+
+Tolerance: the kernel sums ``K = N*D`` float32 products in its own order (lanes, then a warp
+butterfly); a float32 sum of K terms is within ``K * 2**-24 * sum |terms|`` of the exact one. The
+bound per element is that, scaled by rstd, plus rstd's error (a float32 sum of K squares). Outputs start as
+poison (:func:`kernels.testing.poison_allocator`)."""
+
+import pytest
+import torch
+
+from kernels import lowering, mhc
+from kernels.mhc import reference
+from kernels.mhc.norm_fn_kernel import get_norm_fn_kernel, norm_fn
+from kernels.testing import poison_allocator
+
+CASES = [  # (T, N, D, M, dtype, tf32)
+    (0, 4, 64, 24, torch.bfloat16, False),
+    (1, 4, 64, 24, torch.float32, False),
+    (17, 1, 100, 3, torch.float16, False),  # K not a multiple of the chunk; head-like M
+    (130, 4, 4096, 24, torch.bfloat16, False),
+    (67, 4, 7168, 24, torch.float32, True),
+    (33, 2, 300, 8, torch.bfloat16, True),
+]
+
+
+def inputs(t, n, d, m, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x_TND = (torch.randn(t, n, d, generator=gen) * torch.logspace(-1, 1, n)[None, :, None]).to(dtype)
+    fn_MK = torch.randn(m, n * d, generator=gen) / (n * d) ** 0.5
+    return x_TND.cuda(), fn_MK.cuda()
+
+
+def assert_close(mixes_TM, rstd_T, x_TND, fn_MK, tf32, eps=1e-6):
+    t, n, d = x_TND.shape
+    w = reference.round_to_tf32(fn_MK) if tf32 else fn_MK
+    flat = x_TND.double().reshape(t, n * d)
+    want_rstd = torch.rsqrt(flat.square().mean(-1) + eps)
+    want = (flat @ w.double().T) * want_rstd[:, None]
+    k, u = n * d, 2.0**-24
+    # the sum's error (K adds, K products), then rstd's (a sum of K positive squares: K * u / 2 relative)
+    bound = (k + 2) * u * (flat.abs() @ w.double().abs().T) * want_rstd[:, None] + (k / 2 + 4) * u * want.abs()
+    assert mixes_TM.dtype == torch.float32 and mixes_TM.shape == want.shape
+    assert torch.all((mixes_TM.double() - want).abs() <= bound), float(((mixes_TM.double() - want).abs() / bound).max())
+    torch.testing.assert_close(rstd_T.double(), want_rstd, rtol=(k / 2 + 4) * u, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,d,m,dtype,tf32", CASES)
+def test_matches_reference(t, n, d, m, dtype, tf32, seed):
+    x_TND, fn_MK = inputs(t, n, d, m, dtype, seed)
+    poison_allocator("cuda")
+    mixes_TM, rstd_T = norm_fn(x_TND, fn_MK, eps=1e-6, tf32=tf32)
+    assert_close(mixes_TM, rstd_T, x_TND, fn_MK, tf32)
+
+
+@pytest.mark.gpu
+def test_public_op_forward_and_backward(seed):
+    """``kernels.mhc.norm_fn`` runs the kernel; its gradients are the reference's formula."""
+    x_TND, fn_MK = inputs(37, 4, 256, 24, torch.float32, seed)
+    x, fn = x_TND.clone().requires_grad_(), fn_MK.clone().requires_grad_()
+    xr, fnr = x_TND.clone().requires_grad_(), fn_MK.clone().requires_grad_()
+    g = torch.randn(37, 24, device="cuda")
+    got = mhc.norm_fn(x, fn)
+    want = reference.norm_fn(xr, fnr)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fn.grad, fnr.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_compiles_for_sm90a():
+    """DeepSeek-V4 widths (N = 4, D = 4096, 7168) in bfloat16 and float32 (training's streams),
+    the tiny model's D = 64, a head's M = N."""
+    with lowering.compile_only():
+        for k, m, dtype in ((4 * 4096, 24, "bfloat16"), (4 * 7168, 24, "float32"), (4 * 64, 24, "float32"),
+                            (4 * 7168, 4, "bfloat16")):
+            source = lowering.kernel_source(get_norm_fn_kernel(k, m, dtype, 1e-6))
+            assert "warp_reduce_sum" in source and "__fsqrt_rn" in source, (k, m, dtype)
