@@ -1,8 +1,7 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
-``norm_fn`` (forward; its backward is the reference's formula from the saved ``rstd``),
-``split_sinkhorn``, ``pre_apply`` and ``post`` run their TileLang kernels, forward and (under
-autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
+``norm_fn`` (its weight gradient by torch), ``split_sinkhorn``, ``pre_apply`` and ``post`` run
+their TileLang kernels, forward and (under autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
 kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
 reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
 ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
@@ -48,7 +47,7 @@ def _kernel_for(*tensors: object) -> bool:
 
 
 class _NormFn(torch.autograd.Function):
-    """The kernel's norm + projection forward; the reference's backward (from the saved ``rstd``)."""
+    """The kernels' norm + projection, forward and backward (``grad_fn`` by torch)."""
 
     @staticmethod
     def forward(ctx, x_TND, fn_MK, eps, tf32):
@@ -59,7 +58,7 @@ class _NormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TM):
-        return (*reference.norm_fn_backward(*ctx.saved_tensors, g_TM, ctx.tf32), None, None)
+        return (*norm_fn_kernel.norm_fn_backward(*ctx.saved_tensors, g_TM, ctx.tf32), None, None)
 
 
 def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float = 1e-6, tf32: bool = False) -> torch.Tensor:

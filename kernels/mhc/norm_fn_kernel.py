@@ -1,5 +1,6 @@
 """The fused RMS norm + projection of mHC (:func:`kernels.mhc.reference.norm_fn`), forward:
-``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)`` and ``rstd`` (the backward's input), with
+``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)`` and ``rstd`` (the backward's input), and the
+backward's ``grad_x = (g * rstd) @ fn - coef * flat``, with
 ``flat = x.view(T, N*D)`` read once, in its own dtype, and every product in float32 on the CUDA
 cores (``fn`` as given, or TF32-rounded by the wrapper, as the reference does).
 
@@ -28,27 +29,47 @@ TOKENS_PER_WARP = 4
 THREADS = WARPS * WARP
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
-    """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for ``K = k`` columns of ``dtype``, ``M = m``
-    float32 rows of ``fn`` (the token count is dynamic)."""
-    num_tokens = T.dynamic("num_tokens")
+def chunk_walk(k: int, m: int, dtype: str):
+    """``(vec, chunk, chunks, tile_t, stage_fn, load_x)`` of a walk over ``K = k`` columns of
+    ``dtype`` in chunks of a 16-byte vector per lane: ``stage_fn(fn_MK, fn_S, c, tid)`` copies the
+    chunk's ``[M, chunk]`` slice of ``fn`` to shared memory (no barrier), ``load_x(x_TK, x_local,
+    b, warp, lane, c, num_tokens)`` the lane's vector of each of its warp's tokens (zeros past the
+    ends)."""
     vec = vector_width(k, T.dtype(dtype).bytes)
     chunk = WARP * vec
-    chunks = -(-k // chunk)
     wvec = vector_width(k, 4)  # fn's staging vectors (float32)
     staging = -(-m * chunk // (THREADS * wvec))
     tpw, tile_t = TOKENS_PER_WARP, WARPS * TOKENS_PER_WARP
 
     @T.macro
+    def stage_fn(fn_MK, fn_S, c, tid):
+        for s in T.unroll(staging):
+            flat = (s * THREADS + tid) * wvec
+            row, col = flat // chunk, flat % chunk
+            if row < m:
+                for j in T.vectorized(wvec):
+                    fn_S[row, col + j] = T.if_then_else(c * chunk + col < k, fn_MK[row, c * chunk + col + j],
+                                                        T.float32(0))
+
+    @T.macro
     def load_x(x_TK, x_local, b, warp, lane, c, num_tokens):
-        """The lane's vector of chunk ``c`` of each of its warp's tokens (zeros past the ends)."""
         col = c * chunk + lane * vec
         for t in T.unroll(tpw):
             token = b * tile_t + warp * tpw + t
             for j in T.vectorized(vec):
                 x_local[t * vec + j] = T.if_then_else(token < num_tokens and col < k, x_TK[token, col + j],
                                                       T.cast(0, dtype))
+
+    return vec, chunk, -(-k // chunk), tile_t, stage_fn, load_x
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
+    """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for ``K = k`` columns of ``dtype``, ``M = m``
+    float32 rows of ``fn`` (the token count is dynamic)."""
+    num_tokens = T.dynamic("num_tokens")
+    vec, chunk, chunks, tile_t, stage_fn, load_x = chunk_walk(k, m, dtype)
+    tpw = TOKENS_PER_WARP
 
     @T.prim_func
     def norm_fn_kernel(
@@ -72,13 +93,7 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
                 sq[t] = T.float32(0)
             load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
             for c in T.serial(chunks):
-                for s in T.unroll(staging):
-                    flat = (s * THREADS + tid) * wvec
-                    row, col = flat // chunk, flat % chunk
-                    if row < m:
-                        for j in T.vectorized(wvec):
-                            fn_S[row, col + j] = T.if_then_else(c * chunk + col < k, fn_MK[row, c * chunk + col + j],
-                                                                T.float32(0))
+                stage_fn(fn_MK, fn_S, c, tid)
                 for i in T.unroll(tpw * vec):
                     x_local[i] = x_next[i]
                 if c + 1 < chunks:
@@ -111,6 +126,69 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
     return norm_fn_kernel
 
 
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
+    """``(x_TK, fn_MK, gproj_TM, coef_T, grad_TK)`` kernel: ``grad = gproj @ fn - coef * x`` in
+    ``dtype`` (``gproj = g * rstd``, ``coef = sum_m(g * mixes) * rstd^2 / K``: the reference
+    backward's terms, computed by torch on ``[T, M]``). The same walk as the forward: per chunk a
+    lane's ``vec`` outputs for each of its warp's tokens, ``M`` FMAs each."""
+    num_tokens = T.dynamic("num_tokens")
+    vec, chunk, chunks, tile_t, stage_fn, load_x = chunk_walk(k, m, dtype)
+    tpw = TOKENS_PER_WARP
+
+    @T.prim_func
+    def norm_fn_backward_kernel(
+        x_TK: T.Tensor[(num_tokens, k), dtype],
+        fn_MK: T.Tensor[(m, k), T.float32],
+        gproj_TM: T.Tensor[(num_tokens, m), T.float32],
+        coef_T: T.Tensor[(num_tokens,), T.float32],
+        grad_TK: T.Tensor[(num_tokens, k), dtype],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, tile_t), threads=THREADS) as b:
+            tid = T.get_thread_binding()
+            warp, lane = tid // WARP, tid % WARP
+            fn_S = T.alloc_shared((m, chunk), T.float32)
+            x_local = T.alloc_local((tpw * vec,), dtype)
+            x_next = T.alloc_local((tpw * vec,), dtype)
+            w_local = T.alloc_local((vec,), T.float32)
+            gp = T.alloc_local((tpw * m,), T.float32)
+            coef = T.alloc_local((tpw,), T.float32)
+            acc = T.alloc_local((tpw * vec,), T.float32)
+            out = T.alloc_local((vec,), dtype)
+            for t in T.unroll(tpw):
+                token = b * tile_t + warp * tpw + t
+                coef[t] = T.if_then_else(token < num_tokens, coef_T[token], T.float32(0))
+                for r in T.unroll(m):
+                    gp[t * m + r] = T.if_then_else(token < num_tokens, gproj_TM[token, r], T.float32(0))
+            load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
+            for c in T.serial(chunks):
+                stage_fn(fn_MK, fn_S, c, tid)
+                for i in T.unroll(tpw * vec):
+                    x_local[i] = x_next[i]
+                    acc[i] = T.float32(0)
+                if c + 1 < chunks:
+                    load_x(x_TK, x_next, b, warp, lane, c + 1, num_tokens)
+                T.sync_threads()
+                for r in T.unroll(m):
+                    for j in T.vectorized(vec):
+                        w_local[j] = fn_S[r, lane * vec + j]
+                    for t in T.unroll(tpw):
+                        for j in T.unroll(vec):
+                            acc[t * vec + j] = acc[t * vec + j] + gp[t * m + r] * w_local[j]
+                T.sync_threads()
+                col = c * chunk + lane * vec
+                for t in T.unroll(tpw):
+                    token = b * tile_t + warp * tpw + t
+                    if token < num_tokens and col < k:
+                        for j in T.unroll(vec):
+                            out[j] = T.cast(acc[t * vec + j] - coef[t] * T.cast(x_local[t * vec + j], T.float32),
+                                            dtype)
+                        for j in T.vectorized(vec):
+                            grad_TK[token, col + j] = out[j]
+
+    return norm_fn_backward_kernel
+
+
 def supports(x_TND: torch.Tensor, fn_MK: torch.Tensor) -> bool:
     """Streams bfloat16/float16/float32 with a float32 ``fn`` (float64 stays with the reference)."""
     return x_TND.dtype in KERNEL_DTYPES and fn_MK.dtype == torch.float32
@@ -135,3 +213,22 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
     kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), float(eps))
     kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
     return mixes_TM, rstd_T
+
+
+def norm_fn_backward(x_TND: torch.Tensor, fn_MK: torch.Tensor, mixes_TM: torch.Tensor, rstd_T: torch.Tensor,
+                     g_TM: torch.Tensor, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_fn)`` as :func:`kernels.mhc.reference.norm_fn_backward`: ``grad_x`` from the
+    kernel in ``x``'s dtype (one pass over the streams, not the reference's five over float32
+    copies), ``grad_fn = (g * rstd).T @ flat`` by torch."""
+    t, n, d = x_TND.shape
+    w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
+    g_TM = g_TM.float()
+    gproj_TM = g_TM * rstd_T[:, None]
+    coef_T = (g_TM * mixes_TM).sum(-1) * rstd_T.square() / (n * d)
+    grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
+    if t > 0:
+        kernel = get_norm_fn_backward_kernel(n * d, fn_MK.shape[0], tl_dtype(x_TND.dtype))
+        kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), gproj_TM.contiguous(), coef_T.contiguous(),
+               grad_x.view(t, n * d))
+    grad_fn_MK = gproj_TM.T @ x_TND.reshape(t, n * d).float()
+    return grad_x, grad_fn_MK

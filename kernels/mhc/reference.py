@@ -183,8 +183,7 @@ class _NormFn(torch.autograd.Function):
 
 
 def norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_fn)`` of :func:`norm_fn` from its forward's ``mixes`` and ``rstd`` (also the
-    backward of ``kernels.mhc``'s norm_fn kernel)."""
+    """``(grad_x, grad_fn)`` of :func:`norm_fn` from its forward's ``mixes`` and ``rstd``."""
     # mixes = (flat @ w.T) * rstd, rstd = (sum(flat^2)/K + eps)^-1/2, d rstd/d flat = -rstd^3 flat / K:
     #   d flat = (g * rstd) @ w - sum_m(g * mixes) * rstd^2 / K * flat;   d w = (g * rstd).T @ flat.
     # TF32 rounding of fn is treated as the identity (straight-through).

@@ -12,7 +12,7 @@ import torch
 
 from kernels import lowering, mhc
 from kernels.mhc import reference
-from kernels.mhc.norm_fn_kernel import get_norm_fn_kernel, norm_fn
+from kernels.mhc.norm_fn_kernel import get_norm_fn_backward_kernel, get_norm_fn_kernel, norm_fn, norm_fn_backward
 from kernels.testing import poison_allocator
 
 CASES = [  # (T, N, D, M, dtype, tf32)
@@ -56,6 +56,30 @@ def test_matches_reference(t, n, d, m, dtype, tf32, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t,n,d,m,dtype,tf32", CASES)
+def test_backward_matches_reference(t, n, d, m, dtype, tf32, seed):
+    """``grad_x`` against the reference formula in float64, within the rounding to ``x``'s dtype
+    plus the float32 sum's bound; ``grad_fn`` is torch's (same formula, float32)."""
+    x_TND, fn_MK = inputs(t, n, d, m, dtype, seed)
+    mixes_TM, rstd_T = norm_fn(x_TND, fn_MK, eps=1e-6, tf32=tf32)
+    g_TM = torch.randn(t, m, device="cuda")
+    poison_allocator("cuda")
+    grad_x, grad_fn = norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32)
+    want_x, want_fn = reference.norm_fn_backward(x_TND.double(), fn_MK.double(), mixes_TM.double(),
+                                                 rstd_T.double(), g_TM.double(), tf32)
+    assert grad_x.dtype == x_TND.dtype and grad_x.shape == x_TND.shape
+    w = (reference.round_to_tf32(fn_MK) if tf32 else fn_MK).double()
+    gproj = g_TM.double() * rstd_T.double()[:, None]
+    coef = (g_TM.double() * mixes_TM.double()).sum(-1) * rstd_T.double().square() / (n * d)
+    flat = x_TND.double().reshape(t, n * d)
+    scale = (gproj.abs() @ w.abs() + (coef[:, None] * flat).abs()).view_as(want_x)  # the terms' magnitudes
+    bound = (m + 4) * 2.0**-24 * scale + {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8,
+                                          torch.float16: 2.0**-11}[dtype] * want_x.abs()
+    assert torch.all((grad_x.double() - want_x).abs() <= bound)
+    torch.testing.assert_close(grad_fn.double(), want_fn, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
 def test_public_op_forward_and_backward(seed):
     """``kernels.mhc.norm_fn`` runs the kernel; its gradients are the reference's formula."""
     x_TND, fn_MK = inputs(37, 4, 256, 24, torch.float32, seed)
@@ -79,3 +103,4 @@ def test_compiles_for_sm90a():
                             (4 * 7168, 4, "bfloat16")):
             source = lowering.kernel_source(get_norm_fn_kernel(k, m, dtype, 1e-6))
             assert "warp_reduce_sum" in source and "__fsqrt_rn" in source, (k, m, dtype)
+            assert "grad_TK" in lowering.kernel_source(get_norm_fn_backward_kernel(k, m, dtype)), (k, m, dtype)
