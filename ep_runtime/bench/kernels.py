@@ -80,15 +80,15 @@ SHAPES = {
     "v4-d7168": Shape(tokens=8192, hidden=7168),
     "tiny": Shape(tokens=64, hidden=256, experts=16, groups=4, topk_groups=2, topk=4, alignment=8, intermediate=128),
 }
-MHC_OPS = ("mhc_pre_apply", "mhc_post", "engram_gate")  # at the v4 shapes (and tiny); the rest at large/small
+MHC_OPS = ("mhc_pre_apply", "mhc_post", "mhc_pre_fused", "engram_gate")  # at the v4 shapes (and tiny); the rest at large/small
 
 # Ops whose cost is moving bytes at these shapes (held to the copy-bandwidth bar); the routing ops
 # touch a few MiB and are latency-bound.
 MEMORY_BOUND = {
     "expand", "unexpand", "per_token_cast", "per_block_cast", "per_channel_cast", "cast_back", "swiglu",
     "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
-    "expand_per_token_cast", *MHC_OPS,
-}
+    "expand_per_token_cast", "mhc_pre_apply", "mhc_post", "engram_gate",
+}  # mhc_pre_fused: its projection is 24 float32 FMAs per element read (the FMA pipe, not memory)
 
 
 @dataclasses.dataclass
@@ -167,6 +167,10 @@ class StreamInputs:
         self.comb_TNN = torch.softmax(torch.randn(t, n, n, generator=g), -1).to(device)
         self.wh_ND = (torch.rand(n, d, generator=g) + 0.5).to(device)
         self.we_ND = (torch.rand(n, d, generator=g) + 0.5).to(device)
+        m = n * (n + 2)  # the mHC pre's parameters
+        self.fn_MK = (torch.randn(m, n * d, generator=g) / (n * d) ** 0.5).to(device)
+        self.scale_3 = (torch.rand(3, generator=g) + 0.5).to(device)
+        self.base_M = (torch.randn(m, generator=g) * 0.5).to(device)
 
 
 def build_cases(inp: Inputs | StreamInputs, names: list[str], with_peers: bool) -> tuple[list[Case], dict[str, str]]:
@@ -534,6 +538,19 @@ def _case_mhc_post(inp: StreamInputs, tk) -> Case:
                 exact=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
 
 
+def _case_mhc_pre_fused(inp: StreamInputs, tk) -> Case:
+    from kernels import mhc
+    from kernels.mhc import reference
+
+    x, fn, scale, base = inp.x_TND, inp.fn_MK, inp.scale_3, inp.base_M
+    t, n, d = x.shape
+    return Case("mhc_pre_fused", lambda: mhc.pre_fused(x, fn, scale, base), reference.pre_fused, (x, fn, scale, base),
+                bytes=_nbytes(x, fn) + t * d * 2 + t * (n + n * n) * 4,
+                bytes_note="read x [T,N,D] bf16 + fn [N(N+2),ND] f32; write y [T,D] bf16 + post, comb f32 "
+                "(x is read twice, the second time mostly from L2)",
+                exact=False)
+
+
 def _case_engram_gate(inp: StreamInputs, tk) -> Case:
     from kernels import engram
     from kernels.engram import reference
@@ -571,6 +588,7 @@ CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "expand_per_token_cast": _case_expand_per_token_cast,
     "mhc_pre_apply": _case_mhc_pre_apply,
     "mhc_post": _case_mhc_post,
+    "mhc_pre_fused": _case_mhc_pre_fused,
     "engram_gate": _case_engram_gate,
 }
 

@@ -1,7 +1,7 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
-``norm_fn`` (its weight gradient by torch), ``split_sinkhorn``, ``pre_apply`` and ``post`` run
-their TileLang kernels, forward and (under autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
+``norm_fn`` (its weight gradient by torch), ``split_sinkhorn``, ``pre_apply``, ``post`` and the
+inference-only ``pre_fused`` (one kernel) run their TileLang kernels, forward and (under autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
 kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
 reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
 ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
@@ -14,11 +14,17 @@ Shape suffixes as in :mod:`kernels.mhc.reference`.
 
 import torch
 
-from kernels.mhc import norm_fn_kernel, post_kernel, pre_apply_kernel, reference, split_sinkhorn_kernel
+from kernels.mhc import (
+    norm_fn_kernel,
+    post_kernel,
+    pre_apply_kernel,
+    pre_fused_kernel,
+    reference,
+    split_sinkhorn_kernel,
+)
 from kernels.mhc.reference import (
     expand,
     head,
-    pre_fused,
     replay,
     round_to_tf32,
     sinkhorn,
@@ -170,3 +176,25 @@ def pre(
         return reference.pre(x_TND, fn_MK, scale_3, base_M, **options)
     return reference.compose_pre(_NormFn.apply, _SplitSinkhorn.apply, _PreApply.apply, x_TND, fn_MK, scale_3, base_M,
                                  **options, values=False)
+
+
+def pre_fused(
+    x_TND: torch.Tensor,
+    fn_MK: torch.Tensor,
+    scale_3: torch.Tensor,
+    base_M: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
+    pre_eps: float = 1e-6,
+    post_mult: float = 2.0,
+    sinkhorn_eps: float = 1e-6,
+    iters: int = 20,
+    tf32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.mhc.reference.pre_fused`; one kernel where it takes the inputs (streams
+    bfloat16/float16/float32, float32 parameters)."""
+    options = dict(norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters,
+                   tf32=tf32)
+    if _kernel_for(x_TND, fn_MK, scale_3, base_M) and pre_fused_kernel.supports(x_TND, fn_MK, scale_3, base_M):
+        return pre_fused_kernel.pre_fused(x_TND, fn_MK, scale_3, base_M, **options)
+    return reference.pre_fused(x_TND, fn_MK, scale_3, base_M, **options)

@@ -30,11 +30,12 @@ THREADS = WARPS * WARP
 
 
 def chunk_walk(k: int, m: int, dtype: str):
-    """``(vec, chunk, chunks, tile_t, stage_fn, load_x)`` of a walk over ``K = k`` columns of
-    ``dtype`` in chunks of a 16-byte vector per lane: ``stage_fn(fn_MK, fn_S, c, tid)`` copies the
-    chunk's ``[M, chunk]`` slice of ``fn`` to shared memory (no barrier), ``load_x(x_TK, x_local,
-    b, warp, lane, c, num_tokens)`` the lane's vector of each of its warp's tokens (zeros past the
-    ends)."""
+    """``(vec, chunk, chunks, tile_t, stage_fn, load_x, norm_walk)`` of a walk over ``K = k``
+    columns of ``dtype`` in chunks of a 16-byte vector per lane: ``stage_fn(fn_MK, fn_S, c, tid)``
+    copies the chunk's ``[M, chunk]`` slice of ``fn`` to shared memory (no barrier), ``load_x(x_TK,
+    x_local, b, warp, lane, c, num_tokens)`` the lane's vector of each of its warp's tokens (zeros
+    past the ends), ``norm_walk`` the forward's sums (the next chunk's loads in flight while this
+    one multiplies)."""
     vec = vector_width(k, T.dtype(dtype).bytes)
     chunk = WARP * vec
     wvec = vector_width(k, 4)  # fn's staging vectors (float32)
@@ -60,7 +61,46 @@ def chunk_walk(k: int, m: int, dtype: str):
                 x_local[t * vec + j] = T.if_then_else(token < num_tokens and col < k, x_TK[token, col + j],
                                                       T.cast(0, dtype))
 
-    return vec, chunk, -(-k // chunk), tile_t, stage_fn, load_x
+    chunks = -(-k // chunk)
+
+    @T.macro
+    def norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens):
+        """``acc[t * M + r] = sum_k x[t, k] * fn[r, k]`` and ``sq[t] = sum_k x[t, k]^2`` for the
+        warp's tokens, every lane holding the totals."""
+        warp, lane = tid // WARP, tid % WARP
+        for i in T.unroll(tpw * m):
+            acc[i] = T.float32(0)
+        for t in T.unroll(tpw):
+            sq[t] = T.float32(0)
+        load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
+        for c in T.serial(chunks):
+            stage_fn(fn_MK, fn_S, c, tid)
+            for i in T.unroll(tpw * vec):
+                x_local[i] = x_next[i]
+            if c + 1 < chunks:
+                load_x(x_TK, x_next, b, warp, lane, c + 1, num_tokens)
+            for t in T.unroll(tpw):
+                for j in T.unroll(vec):
+                    sq[t] = sq[t] + T.cast(x_local[t * vec + j], T.float32) * T.cast(x_local[t * vec + j], T.float32)
+            T.sync_threads()
+            for r in T.unroll(m):
+                for j in T.vectorized(vec):
+                    w_local[j] = fn_S[r, lane * vec + j]
+                for t in T.unroll(tpw):
+                    for j in T.unroll(vec):
+                        acc[t * m + r] = acc[t * m + r] + T.cast(x_local[t * vec + j], T.float32) * w_local[j]
+            T.sync_threads()
+        for i in T.unroll(tpw * m):
+            acc[i] = T.warp_reduce_sum(acc[i])
+        for t in T.unroll(tpw):
+            sq[t] = T.warp_reduce_sum(sq[t])
+
+    return vec, chunk, chunks, tile_t, stage_fn, load_x, norm_walk
+
+
+def rstd_of(sq, k: int, eps: float):
+    """``1 / sqrt(sq / K + eps)`` in IEEE operations."""
+    return T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(sq, T.float32(k)), T.float32(eps))))
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -68,7 +108,7 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
     """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for ``K = k`` columns of ``dtype``, ``M = m``
     float32 rows of ``fn`` (the token count is dynamic)."""
     num_tokens = T.dynamic("num_tokens")
-    vec, chunk, chunks, tile_t, stage_fn, load_x = chunk_walk(k, m, dtype)
+    vec, chunk, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
     tpw = TOKENS_PER_WARP
 
     @T.prim_func
@@ -83,42 +123,15 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
             warp, lane = tid // WARP, tid % WARP
             fn_S = T.alloc_shared((m, chunk), T.float32)
             x_local = T.alloc_local((tpw * vec,), dtype)
-            x_next = T.alloc_local((tpw * vec,), dtype)  # the next chunk's, loaded while this one multiplies
+            x_next = T.alloc_local((tpw * vec,), dtype)
             w_local = T.alloc_local((vec,), T.float32)
             acc = T.alloc_local((tpw * m,), T.float32)
             sq = T.alloc_local((tpw,), T.float32)
-            for i in T.unroll(tpw * m):
-                acc[i] = T.float32(0)
-            for t in T.unroll(tpw):
-                sq[t] = T.float32(0)
-            load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
-            for c in T.serial(chunks):
-                stage_fn(fn_MK, fn_S, c, tid)
-                for i in T.unroll(tpw * vec):
-                    x_local[i] = x_next[i]
-                if c + 1 < chunks:
-                    load_x(x_TK, x_next, b, warp, lane, c + 1, num_tokens)
-                for t in T.unroll(tpw):
-                    for j in T.unroll(vec):
-                        sq[t] = sq[t] + T.cast(x_local[t * vec + j], T.float32) * T.cast(x_local[t * vec + j],
-                                                                                        T.float32)
-                T.sync_threads()
-                for r in T.unroll(m):
-                    for j in T.vectorized(vec):
-                        w_local[j] = fn_S[r, lane * vec + j]
-                    for t in T.unroll(tpw):
-                        for j in T.unroll(vec):
-                            acc[t * m + r] = acc[t * m + r] + T.cast(x_local[t * vec + j], T.float32) * w_local[j]
-                T.sync_threads()
-            for i in T.unroll(tpw * m):
-                acc[i] = T.warp_reduce_sum(acc[i])
-            for t in T.unroll(tpw):
-                sq[t] = T.warp_reduce_sum(sq[t])
+            norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens)
             for t in T.unroll(tpw):
                 token = b * tile_t + warp * tpw + t
                 if lane == 0 and token < num_tokens:
-                    rstd = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(sq[t], T.float32(k)),
-                                                                             T.float32(eps))))
+                    rstd = rstd_of(sq[t], k, eps)
                     rstd_T[token] = rstd
                     for r in T.unroll(m):
                         mixes_TM[token, r] = acc[t * m + r] * rstd
@@ -133,7 +146,7 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
     backward's terms, computed by torch on ``[T, M]``). The same walk as the forward: per chunk a
     lane's ``vec`` outputs for each of its warp's tokens, ``M`` FMAs each."""
     num_tokens = T.dynamic("num_tokens")
-    vec, chunk, chunks, tile_t, stage_fn, load_x = chunk_walk(k, m, dtype)
+    vec, chunk, chunks, tile_t, stage_fn, load_x, _ = chunk_walk(k, m, dtype)
     tpw = TOKENS_PER_WARP
 
     @T.prim_func

@@ -553,6 +553,19 @@ def check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_ep
     _check_sinkhorn_args(iters, sinkhorn_eps)
 
 
+def check_pre_fused_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters, *,
+                         values=True) -> None:
+    """:func:`check_pre_args`, and no input that autograd would need a gradient of."""
+    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters, values=values)
+    if torch.is_grad_enabled():
+        for name, t in (("x_TND", x_TND), ("fn_MK", fn_MK), ("scale_3", scale_3), ("base_M", base_M)):
+            if t.requires_grad:
+                raise ValueError(
+                    f"{name}: pre_fused is inference-only, got a tensor that requires grad with grad "
+                    "mode on (use pre(), or torch.no_grad())"
+                )
+
+
 def _pre_ops(norm_op, split_op, apply_op, x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, post_mult, sinkhorn_eps,
              iters, tf32):
     mixes_TM = norm_op(x_TND, fn_MK, norm_eps, tf32)
@@ -629,14 +642,7 @@ def pre_fused(
     Raises ``ValueError`` when autograd would need a gradient (grad mode on and an input requires
     grad); use :func:`pre` for training. Arguments and results as :func:`pre`.
     """
-    check_pre_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
-    if torch.is_grad_enabled():
-        for name, t in (("x_TND", x_TND), ("fn_MK", fn_MK), ("scale_3", scale_3), ("base_M", base_M)):
-            if t.requires_grad:
-                raise ValueError(
-                    f"{name}: pre_fused is inference-only, got a tensor that requires grad with grad "
-                    "mode on (use pre(), or torch.no_grad())"
-                )
+    check_pre_fused_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters)
     n = x_TND.shape[1]
     cdt = _compute_dtype(x_TND, fn_MK, scale_3, base_M)
     with torch.no_grad():

@@ -29,7 +29,7 @@ from kernels.quant.tiles import PASS_CONFIGS, check_cuda
 THREADS = 128  # tokens per CTA
 
 
-def _sigmoid(a):
+def sigmoid(a):
     return T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-a)))
 
 
@@ -76,12 +76,34 @@ def sinkhorn_macros(n: int, eps: float):
     return load_a, softmax_rows, normalize
 
 
+def split_macro(n: int, iters: int, pre_eps: float, post_mult: float, eps: float):
+    """A macro ``(a, pre, post, out, div)``: one token's split and Sinkhorn from ``a = mixes *
+    scale_M + base`` into local ``pre[N]``, ``post[N]`` and ``out[N*N]`` (``div[N]`` scratch)."""
+    _, softmax_rows, normalize = sinkhorn_macros(n, eps)
+
+    @T.macro
+    def split(a, pre, post, out, div):
+        for i in T.unroll(n):
+            pre[i] = T.ieee_add(sigmoid(a[i]), T.float32(pre_eps))
+            post[i] = T.ieee_mul(T.float32(post_mult), sigmoid(a[n + i]))
+        softmax_rows(a, out)
+        for k in T.unroll(n * n):
+            out[k] = T.ieee_add(out[k], T.float32(eps))
+        normalize(out, div, 0)
+        for _ in T.serial(iters - 1):
+            normalize(out, div, 1)
+            normalize(out, div, 0)
+
+    return split
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_split_sinkhorn_kernel(n: int, iters: int, pre_eps: float, post_mult: float, eps: float):
     """``(mixes_TM, scale_3, base_M, pre_TN, post_TN, comb_TNN)`` kernel (all float32)."""
     num_tokens = T.dynamic("num_tokens")
     m = n * (n + 2)
-    load_a, softmax_rows, normalize = sinkhorn_macros(n, eps)
+    load_a, _, _ = sinkhorn_macros(n, eps)
+    split = split_macro(n, iters, pre_eps, post_mult, eps)
 
     @T.prim_func
     def split_sinkhorn_kernel(
@@ -95,22 +117,18 @@ def get_split_sinkhorn_kernel(n: int, iters: int, pre_eps: float, post_mult: flo
         with T.Kernel(T.ceildiv(num_tokens, THREADS), threads=THREADS) as bx:
             tid = T.get_thread_binding()
             a = T.alloc_local((m,), T.float32)
+            pre = T.alloc_local((n,), T.float32)
+            post = T.alloc_local((n,), T.float32)
             out = T.alloc_local((n * n,), T.float32)
             div = T.alloc_local((n,), T.float32)
             t = bx * THREADS + tid
             if t < num_tokens:
                 row = T.Cast(T.int64, t)
                 load_a(mixes_TM, scale_3, base_M, row, a)
+                split(a, pre, post, out, div)
                 for i in T.unroll(n):
-                    pre_TN[row, i] = T.ieee_add(_sigmoid(a[i]), T.float32(pre_eps))
-                    post_TN[row, i] = T.ieee_mul(T.float32(post_mult), _sigmoid(a[n + i]))
-                softmax_rows(a, out)
-                for k in T.unroll(n * n):
-                    out[k] = T.ieee_add(out[k], T.float32(eps))
-                normalize(out, div, 0)
-                for _ in T.serial(iters - 1):
-                    normalize(out, div, 1)
-                    normalize(out, div, 0)
+                    pre_TN[row, i] = pre[i]
+                    post_TN[row, i] = post[i]
                 for i in T.unroll(n):
                     for j in T.unroll(n):
                         comb_TNN[row, i, j] = out[i * n + j]
@@ -152,8 +170,8 @@ def get_split_sinkhorn_backward_kernel(n: int, iters: int, post_mult: float, eps
                 row = T.Cast(T.int64, t)
                 load_a(mixes_TM, scale_3, base_M, row, a)
                 for i in T.unroll(n):
-                    s_pre = _sigmoid(a[i])
-                    s_post = _sigmoid(a[n + i])
+                    s_pre = sigmoid(a[i])
+                    s_post = sigmoid(a[n + i])
                     da_TM[row, i] = T.ieee_mul(T.ieee_mul(g_pre_TN[row, i], s_pre), T.ieee_sub(T.float32(1), s_pre))
                     da_TM[row, n + i] = T.ieee_mul(
                         T.ieee_mul(T.ieee_mul(g_post_TN[row, i], T.float32(post_mult)), s_post),

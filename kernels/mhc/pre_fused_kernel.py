@@ -1,0 +1,120 @@
+"""Inference-only mHC ``pre`` in one kernel (:func:`kernels.mhc.reference.pre_fused`): norm +
+projection, split + Sinkhorn and pre-apply, with the mixes, the coefficients and the ``pre``
+weights never leaving registers.
+
+A CTA walks its 16 tokens' streams once for the mixes (``norm_fn_kernel``'s walk: every lane ends
+with its warp's totals), every lane then runs its warp's tokens' split and Sinkhorn (the same
+macro as ``split_sinkhorn_kernel``; redundant across a warp's lanes, and cheap next to the walk),
+lane 0 stores ``post`` and ``comb``, and the warp reads each token's streams a second time (most
+from L2, just read) to store ``y = sum_i pre_i * x_i``.
+
+Shape suffixes: T tokens, N streams, D hidden, K = N*D, M = N*(N+2).
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.mhc import reference
+from kernels.mhc.norm_fn_kernel import THREADS, TOKENS_PER_WARP, chunk_walk, rstd_of
+from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
+from kernels.mhc.split_sinkhorn_kernel import split_macro
+from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
+from kernels.rows import WARP
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: float, post_mult: float,
+                         sinkhorn_eps: float, iters: int):
+    """``(x_TK, fn_MK, scale_3, base_M, y_TD, post_TN, comb_TNN)`` kernel for ``N = n`` streams of
+    ``D = d`` elements of ``dtype`` (parameters and coefficients float32; token count dynamic)."""
+    num_tokens = T.dynamic("num_tokens")
+    k, m = n * d, n * (n + 2)
+    vec, chunk, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
+    split = split_macro(n, iters, pre_eps, post_mult, sinkhorn_eps)
+    dvec = vector_width(d, T.dtype(dtype).bytes)
+    dchunks = -(-d // (WARP * dvec))
+    tpw = TOKENS_PER_WARP
+
+    @T.prim_func
+    def pre_fused_kernel(
+        x_TK: T.Tensor[(num_tokens, k), dtype],
+        fn_MK: T.Tensor[(m, k), T.float32],
+        scale_3: T.Tensor[(3,), T.float32],
+        base_M: T.Tensor[(m,), T.float32],
+        y_TD: T.Tensor[(num_tokens, d), dtype],
+        post_TN: T.Tensor[(num_tokens, n), T.float32],
+        comb_TNN: T.Tensor[(num_tokens, n, n), T.float32],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, tile_t), threads=THREADS) as b:
+            tid = T.get_thread_binding()
+            warp, lane = tid // WARP, tid % WARP
+            fn_S = T.alloc_shared((m, chunk), T.float32)
+            x_local = T.alloc_local((tpw * vec,), dtype)
+            x_next = T.alloc_local((tpw * vec,), dtype)
+            w_local = T.alloc_local((vec,), T.float32)
+            acc = T.alloc_local((tpw * m,), T.float32)
+            sq = T.alloc_local((tpw,), T.float32)
+            a = T.alloc_local((m,), T.float32)
+            pre = T.alloc_local((n,), T.float32)
+            post = T.alloc_local((n,), T.float32)
+            comb = T.alloc_local((n * n,), T.float32)
+            div = T.alloc_local((n,), T.float32)
+            xv = T.alloc_local((dvec,), dtype)
+            y_acc = T.alloc_local((dvec,), T.float32)
+            y_out = T.alloc_local((dvec,), dtype)
+            norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens)
+            for t in T.unroll(tpw):
+                token = b * tile_t + warp * tpw + t
+                rstd = rstd_of(sq[t], k, norm_eps)
+                for r in T.unroll(m):  # a = mixes * [scale0]*N ++ [scale1]*N ++ [scale2]*N*N + base
+                    part = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                    a[r] = T.ieee_add(T.ieee_mul(acc[t * m + r] * rstd, scale_3[part]), base_M[r])
+                split(a, pre, post, comb, div)
+                if lane == 0 and token < num_tokens:
+                    for i in T.unroll(n):
+                        post_TN[token, i] = post[i]
+                        for j in T.unroll(n):
+                            comb_TNN[token, i, j] = comb[i * n + j]
+                for c in T.serial(dchunks):
+                    col = (c * WARP + lane) * dvec
+                    if token < num_tokens and col < d:
+                        for j in T.unroll(dvec):
+                            y_acc[j] = T.float32(0)
+                        for i in T.unroll(n):
+                            for j in T.vectorized(dvec):
+                                xv[j] = x_TK[token, i * d + col + j]
+                            for j in T.unroll(dvec):
+                                y_acc[j] = T.ieee_add(y_acc[j], T.ieee_mul(pre[i], T.cast(xv[j], T.float32)))
+                        for j in T.unroll(dvec):
+                            y_out[j] = T.cast(y_acc[j], dtype)
+                        for j in T.vectorized(dvec):
+                            y_TD[token, col + j] = y_out[j]
+
+    return pre_fused_kernel
+
+
+def supports(x_TND: torch.Tensor, fn_MK: torch.Tensor, scale_3: torch.Tensor, base_M: torch.Tensor) -> bool:
+    """Streams bfloat16/float16/float32, parameters float32."""
+    return x_TND.dtype in KERNEL_DTYPES and all(p.dtype == torch.float32 for p in (fn_MK, scale_3, base_M))
+
+
+def pre_fused(x_TND, fn_MK, scale_3, base_M, *, norm_eps: float, pre_eps: float, post_mult: float,
+              sinkhorn_eps: float, iters: int, tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y_TD, post_TN, comb_TNN)`` as :func:`kernels.mhc.reference.pre_fused` (up to float32
+    summation order); shapes, dtypes and devices checked, not values."""
+    reference.check_pre_fused_args(x_TND, fn_MK, scale_3, base_M, norm_eps, pre_eps, sinkhorn_eps, iters,
+                                   values=False)
+    check_cuda("x_TND", x_TND)
+    t, n, d = x_TND.shape
+    y_TD = torch.empty((t, d), dtype=x_TND.dtype, device=x_TND.device)
+    post_TN = torch.empty((t, n), dtype=torch.float32, device=x_TND.device)
+    comb_TNN = torch.empty((t, n, n), dtype=torch.float32, device=x_TND.device)
+    if t == 0:
+        return y_TD, post_TN, comb_TNN
+    w_MK = reference.round_to_tf32(fn_MK) if tf32 else fn_MK
+    kernel = get_pre_fused_kernel(n, d, tl_dtype(x_TND.dtype), float(norm_eps), float(pre_eps), float(post_mult),
+                                  float(sinkhorn_eps), int(iters))
+    kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), scale_3.contiguous(), base_M.contiguous(), y_TD, post_TN,
+           comb_TNN)
+    return y_TD, post_TN, comb_TNN

@@ -1,0 +1,70 @@
+"""The inference-only fused pre kernel (norm + projection, split + Sinkhorn, pre-apply in one launch)
+against the reference's ``pre_fused`` on the same GPU inputs, the public op's choice, and an sm_90a
+compile of the runtime's shapes.
+
+Tolerance: the kernel's mixes differ from the reference's by float32 summation order (a few ulps
+relative); through the sigmoids and the Sinkhorn iterations that stays ~1e-6 in ``post`` and
+``comb``, and ``y`` (``sum_i pre_i * x_i`` rounded to ``x``'s dtype) may round the other way: one
+unit in the last place of its dtype, relative."""
+
+import pytest
+import torch
+
+from kernels import lowering, mhc
+from kernels.mhc import reference
+from kernels.mhc.pre_fused_kernel import get_pre_fused_kernel, pre_fused
+from kernels.testing import poison_allocator
+
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+CASES = [  # (T, N, D, dtype, tf32)
+    (0, 4, 64, torch.bfloat16, False),
+    (1, 4, 64, torch.float32, False),
+    (37, 1, 100, torch.float16, False),
+    (130, 4, 4096, torch.bfloat16, False),
+    (67, 4, 7168, torch.float32, True),
+    (33, 2, 300, torch.bfloat16, True),
+]
+
+
+def inputs(t, n, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    m = n * (n + 2)
+    x_TND = torch.randn(t, n, d, generator=gen).to(dtype)
+    fn_MK = torch.randn(m, n * d, generator=gen) / (n * d) ** 0.5
+    scale_3 = torch.rand(3, generator=gen) + 0.5
+    base_M = torch.randn(m, generator=gen) * 0.5
+    return [a.cuda() for a in (x_TND, fn_MK, scale_3, base_M)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,n,d,dtype,tf32", CASES)
+def test_matches_reference(t, n, d, dtype, tf32, seed):
+    args = inputs(t, n, d, dtype, seed)
+    want = reference.pre_fused(*args, tf32=tf32)
+    poison_allocator("cuda")
+    y, post, comb = pre_fused(*args, norm_eps=1e-6, pre_eps=1e-6, post_mult=2.0, sinkhorn_eps=1e-6, iters=20,
+                              tf32=tf32)
+    assert y.dtype == dtype and y.shape == want[0].shape
+    torch.testing.assert_close(post, want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, want[2], rtol=1e-5, atol=1e-6)
+    x = args[0].double()
+    bound = 2 * ULP[dtype] * (want[0].double().abs() + (want[1].new_ones(t, n).double()[:, :, None] * x).abs().sum(1))
+    assert torch.all((y.double() - want[0].double()).abs() <= bound)
+
+
+@pytest.mark.gpu
+def test_public_op_is_inference_only(seed):
+    x, fn, scale, base = inputs(5, 4, 64, torch.bfloat16, seed)
+    with torch.no_grad():
+        y, _, _ = mhc.pre_fused(x, fn.requires_grad_(), scale, base)
+    assert y.shape == (5, 64)
+    with pytest.raises(ValueError, match="^fn_MK: pre_fused is inference-only"):
+        mhc.pre_fused(x, fn, scale, base)
+
+
+def test_compiles_for_sm90a():
+    """DeepSeek-V4 widths (N = 4; D = 4096 bf16, 7168 float32) and the tiny model's D = 64."""
+    with lowering.compile_only():
+        for n, d, dtype in ((4, 4096, "bfloat16"), (4, 7168, "float32"), (4, 64, "bfloat16")):
+            source = lowering.kernel_source(get_pre_fused_kernel(n, d, dtype, 1e-6, 1e-6, 2.0, 1e-6, 20))
+            assert "comb_TNN" in source and "warp_reduce_sum" in source, (n, d, dtype)
