@@ -3,10 +3,10 @@ projection, split + Sinkhorn and pre-apply, with the mixes, the coefficients and
 weights never leaving registers.
 
 A CTA walks its 16 tokens' streams once for the mixes (``norm_fn_kernel``'s walk: every lane ends
-with its warp's totals), every lane then runs its warp's tokens' split and Sinkhorn (the same
-macro as ``split_sinkhorn_kernel``; redundant across a warp's lanes, and cheap next to the walk),
-lane 0 stores ``post`` and ``comb``, and the warp reads each token's streams a second time (most
-from L2, just read) to store ``y = sum_i pre_i * x_i``.
+with its warp's totals), lane t of a warp then runs token t's split and Sinkhorn (the same macro as
+``split_sinkhorn_kernel``), stores ``post`` and ``comb`` and hands ``pre`` to the warp through
+shared memory, and the warp reads each token's streams a second time (most from L2, just read) to
+store ``y = sum_i pre_i * x_i``.
 
 Shape suffixes: T tokens, N streams, D hidden, K = N*D, M = N*(N+2).
 """
@@ -63,19 +63,36 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
             xv = T.alloc_local((dvec,), dtype)
             y_acc = T.alloc_local((dvec,), T.float32)
             y_out = T.alloc_local((dvec,), dtype)
+            pre_S = T.alloc_shared((tile_t, n), T.float32)
+            own_sq = T.alloc_var(T.float32)
             norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens)
+            # Lane t < TOKENS_PER_WARP takes its warp's token t (selected without dynamic indexing,
+            # so the totals stay in registers): the warp's splits run side by side.
+            own_sq = sq[0]
+            for t in T.unroll(1, tpw):
+                own_sq = T.if_then_else(lane == t, sq[t], own_sq)
+            rstd = rstd_of(own_sq, k, norm_eps)
+            for r in T.unroll(m):  # a = mixes * [scale0]*N ++ [scale1]*N ++ [scale2]*N*N + base
+                a[r] = acc[r]
+                for t in T.unroll(1, tpw):
+                    a[r] = T.if_then_else(lane == t, acc[t * m + r], a[r])
+                part = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                a[r] = T.ieee_add(T.ieee_mul(a[r] * rstd, scale_3[part]), base_M[r])
+            split(a, pre, post, comb, div)
+            own = b * tile_t + warp * tpw + lane
+            if lane < tpw:
+                for i in T.unroll(n):
+                    pre_S[warp * tpw + lane, i] = pre[i]
+                if own < num_tokens:
+                    for i in T.unroll(n):
+                        post_TN[own, i] = post[i]
+                        for j in T.unroll(n):
+                            comb_TNN[own, i, j] = comb[i * n + j]
+            T.sync_threads()
             for t in T.unroll(tpw):
                 token = b * tile_t + warp * tpw + t
-                rstd = rstd_of(sq[t], k, norm_eps)
-                for r in T.unroll(m):  # a = mixes * [scale0]*N ++ [scale1]*N ++ [scale2]*N*N + base
-                    part = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
-                    a[r] = T.ieee_add(T.ieee_mul(acc[t * m + r] * rstd, scale_3[part]), base_M[r])
-                split(a, pre, post, comb, div)
-                if lane == 0 and token < num_tokens:
-                    for i in T.unroll(n):
-                        post_TN[token, i] = post[i]
-                        for j in T.unroll(n):
-                            comb_TNN[token, i, j] = comb[i * n + j]
+                for i in T.unroll(n):
+                    pre[i] = pre_S[warp * tpw + t, i]
                 for c in T.serial(dchunks):
                     col = (c * WARP + lane) * dvec
                     if token < num_tokens and col < d:
