@@ -64,10 +64,14 @@ def chunk_walk(k: int, m: int, dtype: str):
     chunks = -(-k // chunk)
 
     @T.macro
-    def norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens):
+    def norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens):
         """``acc[t * M + r] = sum_k x[t, k] * fn[r, k]`` and ``sq[t] = sum_k x[t, k]^2`` for the
         warp's tokens, every lane holding the totals."""
         warp, lane = tid // WARP, tid % WARP
+        fn_S = T.alloc_shared((m, chunk), T.float32)
+        x_local = T.alloc_local((tpw * vec,), dtype)
+        x_next = T.alloc_local((tpw * vec,), dtype)  # the next chunk's, loaded while this one multiplies
+        w_local = T.alloc_local((vec,), T.float32)
         for i in T.unroll(tpw * m):
             acc[i] = T.float32(0)
         for t in T.unroll(tpw):
@@ -108,7 +112,7 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
     """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for ``K = k`` columns of ``dtype``, ``M = m``
     float32 rows of ``fn`` (the token count is dynamic)."""
     num_tokens = T.dynamic("num_tokens")
-    vec, chunk, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
+    _, _, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
     tpw = TOKENS_PER_WARP
 
     @T.prim_func
@@ -121,13 +125,9 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
         with T.Kernel(T.ceildiv(num_tokens, tile_t), threads=THREADS) as b:
             tid = T.get_thread_binding()
             warp, lane = tid // WARP, tid % WARP
-            fn_S = T.alloc_shared((m, chunk), T.float32)
-            x_local = T.alloc_local((tpw * vec,), dtype)
-            x_next = T.alloc_local((tpw * vec,), dtype)
-            w_local = T.alloc_local((vec,), T.float32)
             acc = T.alloc_local((tpw * m,), T.float32)
             sq = T.alloc_local((tpw,), T.float32)
-            norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens)
+            norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
             for t in T.unroll(tpw):
                 token = b * tile_t + warp * tpw + t
                 if lane == 0 and token < num_tokens:

@@ -30,7 +30,7 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
     ``D = d`` elements of ``dtype`` (parameters and coefficients float32; token count dynamic)."""
     num_tokens = T.dynamic("num_tokens")
     k, m = n * d, n * (n + 2)
-    vec, chunk, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
+    _, _, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
     split = split_macro(n, iters, pre_eps, post_mult, sinkhorn_eps)
     dvec = vector_width(d, T.dtype(dtype).bytes)
     dchunks = -(-d // (WARP * dvec))
@@ -49,10 +49,6 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
         with T.Kernel(T.ceildiv(num_tokens, tile_t), threads=THREADS) as b:
             tid = T.get_thread_binding()
             warp, lane = tid // WARP, tid % WARP
-            fn_S = T.alloc_shared((m, chunk), T.float32)
-            x_local = T.alloc_local((tpw * vec,), dtype)
-            x_next = T.alloc_local((tpw * vec,), dtype)
-            w_local = T.alloc_local((vec,), T.float32)
             acc = T.alloc_local((tpw * m,), T.float32)
             sq = T.alloc_local((tpw,), T.float32)
             a = T.alloc_local((m,), T.float32)
@@ -65,7 +61,7 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
             y_out = T.alloc_local((dvec,), dtype)
             pre_S = T.alloc_shared((tile_t, n), T.float32)
             own_sq = T.alloc_var(T.float32)
-            norm_walk(x_TK, fn_MK, fn_S, x_local, x_next, w_local, acc, sq, b, tid, num_tokens)
+            norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
             # Lane t < TOKENS_PER_WARP takes its warp's token t (selected without dynamic indexing,
             # so the totals stay in registers): the warp's splits run side by side.
             own_sq = sq[0]
