@@ -14,6 +14,8 @@ them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats
 Shape suffixes: T tokens, K = N*D, M mixes.
 """
 
+from typing import Callable, NamedTuple
+
 import tilelang
 import torch
 from tilelang import language as T
@@ -29,15 +31,37 @@ TOKENS_PER_WARP = 4
 THREADS = WARPS * WARP
 
 
-def chunk_walk(k: int, m: int, dtype: str):
-    """``(vec, chunk, chunks, tile_t, stage_fn, load_x, norm_walk)`` of a walk over ``K = k``
-    columns of ``dtype`` in chunks of a 16-byte vector per lane: ``stage_fn(fn_MK, fn_S, c, tid)``
-    copies the chunk's ``[M, chunk]`` slice of ``fn`` to shared memory (no barrier), ``load_x(x_TK,
-    x_local, b, warp, lane, c, num_tokens)`` the lane's vector of each of its warp's tokens (zeros
-    past the ends), ``norm_walk`` the forward's sums (the next chunk's loads in flight while this
-    one multiplies)."""
+class Walk(NamedTuple):
+    """A walk over ``K`` columns in chunks of ``vec`` elements a lane (see :func:`chunk_walk`)."""
+
+    vec: int
+    chunk: int
+    chunks: int
+    parts: int
+    sub: int
+    tile_t: int
+    lane_col: Callable
+    stage_fn: Callable
+    load_x: Callable
+    load_w: Callable
+    norm_walk: Callable
+
+
+def chunk_walk(k: int, m: int, dtype: str) -> Walk:
+    """The walk over ``K = k`` columns of ``dtype`` in chunks of 16 bytes per lane:
+    ``stage_fn(fn_MK, fn_S, c, tid)`` copies the chunk's ``[M, chunk]`` slice of ``fn`` to shared
+    memory (no barrier); ``load_x(x_TK, x_local, b, warp, lane, c, num_tokens)`` loads the lane's
+    elements of each of its warp's tokens (zeros past the ends), ``load_w(fn_S, w_local, r, lane)``
+    the matching ones of ``fn``'s row ``r``; ``lane_col(lane, q)`` is where part ``q`` of them sits in
+    the chunk; ``norm_walk`` the forward's sums (the next chunk's loads in flight while this one
+    multiplies)."""
     vec = vector_width(k, T.dtype(dtype).bytes)
     chunk = WARP * vec
+    # A lane's vec elements are `parts` runs of `sub` (16 bytes of float32 fn), WARP * sub apart, so
+    # that each 16-byte shared read of fn is one contiguous 512 bytes across the warp (no bank
+    # conflicts; whole 16-byte vectors a lane made them 2-way conflicted).
+    sub = min(vec, 4)
+    parts = vec // sub
     wvec = vector_width(k, 4)  # fn's staging vectors (float32)
     staging = -(-m * chunk // (THREADS * wvec))
     tpw, tile_t = TOKENS_PER_WARP, WARPS * TOKENS_PER_WARP
@@ -52,14 +76,25 @@ def chunk_walk(k: int, m: int, dtype: str):
                     fn_S[row, col + j] = T.if_then_else(c * chunk + col < k, fn_MK[row, c * chunk + col + j],
                                                         T.float32(0))
 
+    def lane_col(lane, q):
+        """The column in its chunk of part ``q`` of the lane's elements."""
+        return q * (WARP * sub) + lane * sub
+
     @T.macro
     def load_x(x_TK, x_local, b, warp, lane, c, num_tokens):
-        col = c * chunk + lane * vec
         for t in T.unroll(tpw):
             token = b * tile_t + warp * tpw + t
-            for j in T.vectorized(vec):
-                x_local[t * vec + j] = T.if_then_else(token < num_tokens and col < k, x_TK[token, col + j],
-                                                      T.cast(0, dtype))
+            for q in T.unroll(parts):
+                col = c * chunk + lane_col(lane, q)
+                for j in T.vectorized(sub):
+                    x_local[t * vec + q * sub + j] = T.if_then_else(token < num_tokens and col < k,
+                                                                    x_TK[token, col + j], T.cast(0, dtype))
+
+    @T.macro
+    def load_w(fn_S, w_local, r, lane):
+        for q in T.unroll(parts):
+            for j in T.vectorized(sub):
+                w_local[q * sub + j] = fn_S[r, lane_col(lane, q) + j]
 
     chunks = -(-k // chunk)
 
@@ -88,8 +123,7 @@ def chunk_walk(k: int, m: int, dtype: str):
                     sq[t] = sq[t] + T.cast(x_local[t * vec + j], T.float32) * T.cast(x_local[t * vec + j], T.float32)
             T.sync_threads()
             for r in T.unroll(m):
-                for j in T.vectorized(vec):
-                    w_local[j] = fn_S[r, lane * vec + j]
+                load_w(fn_S, w_local, r, lane)
                 for t in T.unroll(tpw):
                     for j in T.unroll(vec):
                         acc[t * m + r] = acc[t * m + r] + T.cast(x_local[t * vec + j], T.float32) * w_local[j]
@@ -99,7 +133,7 @@ def chunk_walk(k: int, m: int, dtype: str):
         for t in T.unroll(tpw):
             sq[t] = T.warp_reduce_sum(sq[t])
 
-    return vec, chunk, chunks, tile_t, stage_fn, load_x, norm_walk
+    return Walk(vec, chunk, chunks, parts, sub, tile_t, lane_col, stage_fn, load_x, load_w, norm_walk)
 
 
 def rstd_of(sq, k: int, eps: float):
@@ -112,8 +146,8 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
     """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for ``K = k`` columns of ``dtype``, ``M = m``
     float32 rows of ``fn`` (the token count is dynamic)."""
     num_tokens = T.dynamic("num_tokens")
-    _, _, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
-    tpw = TOKENS_PER_WARP
+    walk = chunk_walk(k, m, dtype)
+    tile_t, tpw = walk.tile_t, TOKENS_PER_WARP
 
     @T.prim_func
     def norm_fn_kernel(
@@ -127,7 +161,7 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
             warp, lane = tid // WARP, tid % WARP
             acc = T.alloc_local((tpw * m,), T.float32)
             sq = T.alloc_local((tpw,), T.float32)
-            norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
+            walk.norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
             for t in T.unroll(tpw):
                 token = b * tile_t + warp * tpw + t
                 if lane == 0 and token < num_tokens:
@@ -146,8 +180,8 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
     backward's terms, computed by torch on ``[T, M]``). The same walk as the forward: per chunk a
     lane's ``vec`` outputs for each of its warp's tokens, ``M`` FMAs each."""
     num_tokens = T.dynamic("num_tokens")
-    vec, chunk, chunks, tile_t, stage_fn, load_x, _ = chunk_walk(k, m, dtype)
-    tpw = TOKENS_PER_WARP
+    walk = chunk_walk(k, m, dtype)
+    vec, chunk, tile_t, tpw = walk.vec, walk.chunk, walk.tile_t, TOKENS_PER_WARP
 
     @T.prim_func
     def norm_fn_backward_kernel(
@@ -173,31 +207,30 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
                 coef[t] = T.if_then_else(token < num_tokens, coef_T[token], T.float32(0))
                 for r in T.unroll(m):
                     gp[t * m + r] = T.if_then_else(token < num_tokens, gproj_TM[token, r], T.float32(0))
-            load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
-            for c in T.serial(chunks):
-                stage_fn(fn_MK, fn_S, c, tid)
+            walk.load_x(x_TK, x_next, b, warp, lane, 0, num_tokens)
+            for c in T.serial(walk.chunks):
+                walk.stage_fn(fn_MK, fn_S, c, tid)
                 for i in T.unroll(tpw * vec):
                     x_local[i] = x_next[i]
                     acc[i] = T.float32(0)
-                if c + 1 < chunks:
-                    load_x(x_TK, x_next, b, warp, lane, c + 1, num_tokens)
+                if c + 1 < walk.chunks:
+                    walk.load_x(x_TK, x_next, b, warp, lane, c + 1, num_tokens)
                 T.sync_threads()
                 for r in T.unroll(m):
-                    for j in T.vectorized(vec):
-                        w_local[j] = fn_S[r, lane * vec + j]
+                    walk.load_w(fn_S, w_local, r, lane)
                     for t in T.unroll(tpw):
                         for j in T.unroll(vec):
                             acc[t * vec + j] = acc[t * vec + j] + gp[t * m + r] * w_local[j]
                 T.sync_threads()
-                col = c * chunk + lane * vec
                 for t in T.unroll(tpw):
                     token = b * tile_t + warp * tpw + t
-                    if token < num_tokens and col < k:
-                        for j in T.unroll(vec):
-                            out[j] = T.cast(acc[t * vec + j] - coef[t] * T.cast(x_local[t * vec + j], T.float32),
-                                            dtype)
-                        for j in T.vectorized(vec):
-                            grad_TK[token, col + j] = out[j]
+                    for j in T.unroll(vec):
+                        out[j] = T.cast(acc[t * vec + j] - coef[t] * T.cast(x_local[t * vec + j], T.float32), dtype)
+                    for q in T.unroll(walk.parts):
+                        col = c * chunk + walk.lane_col(lane, q)
+                        if token < num_tokens and col < k:
+                            for j in T.vectorized(walk.sub):
+                                grad_TK[token, col + j] = out[q * walk.sub + j]
 
     return norm_fn_backward_kernel
 

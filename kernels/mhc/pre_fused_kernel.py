@@ -30,7 +30,8 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
     ``D = d`` elements of ``dtype`` (parameters and coefficients float32; token count dynamic)."""
     num_tokens = T.dynamic("num_tokens")
     k, m = n * d, n * (n + 2)
-    _, _, _, tile_t, _, _, norm_walk = chunk_walk(k, m, dtype)
+    walk = chunk_walk(k, m, dtype)
+    tile_t = walk.tile_t
     split = split_macro(n, iters, pre_eps, post_mult, sinkhorn_eps)
     dvec = vector_width(d, T.dtype(dtype).bytes)
     dchunks = -(-d // (WARP * dvec))
@@ -61,7 +62,7 @@ def get_pre_fused_kernel(n: int, d: int, dtype: str, norm_eps: float, pre_eps: f
             y_out = T.alloc_local((dvec,), dtype)
             pre_S = T.alloc_shared((tile_t, n), T.float32)
             own_sq = T.alloc_var(T.float32)
-            norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
+            walk.norm_walk(x_TK, fn_MK, acc, sq, b, tid, num_tokens)
             # Lane t < TOKENS_PER_WARP takes its warp's token t (selected without dynamic indexing,
             # so the totals stay in registers): the warp's splits run side by side.
             own_sq = sq[0]
