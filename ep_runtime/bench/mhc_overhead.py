@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
         row = measure(replace(base, hidden=d), tokens=tokens, streams=a.streams, stream_dtype=stream_dtype,
                       device=device, warmup=a.warmup, iters=a.iters)
         rows.append(row)
-        print(f"D {d:5d}  T {tokens}  N {a.streams} {row['stream_dtype']} | MoE layer {row['moe_ms']:9.3f} ms | mHC {row['mhc_ms']:8.3f} ms "
+        print(f"D {d:5d}  T {tokens}  N {a.streams} {row['stream_dtype']} | MoE layer {row['moe_ms']:9.3f} ms | "
+              f"mHC {row['mhc_ms']:8.3f} ms "
               f"({row['mhc_fraction_of_moe']:.1%} of the MoE layer) | mHC around MoE {row['mhc_around_moe_ms']:9.3f} ms "
               f"(+{row['added_fraction_of_moe']:.1%})", flush=True)
     report = {"benchmark": "mhc-overhead", "device": _device_name(device), "commit": a.commit or _commit(),

@@ -1,8 +1,9 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
 ``norm_fn`` (its weight gradient by torch), ``split_sinkhorn``, ``pre_apply``, ``post`` and the
-inference-only ``pre_fused`` (one kernel) run their TileLang kernels, forward and (under autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the
-kernels take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
+inference-only ``pre_fused`` (one kernel) run their TileLang kernels, forward and (under autograd)
+backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the kernels
+take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
 reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
 ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
 is made from the arguments up front, never by catching a kernel's error. The kernels check
@@ -72,7 +73,7 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float = 1e-6, tf32
     inputs (streams bfloat16/float16/float32, ``fn`` float32)."""
     if not (_kernel_for(x_TND, fn_MK) and norm_fn_kernel.supports(x_TND, fn_MK)):
         return reference.norm_fn(x_TND, fn_MK, eps=eps, tf32=tf32)
-    return _NormFn.apply(x_TND, fn_MK, reference.check_eps("eps", eps), bool(tf32))
+    return _NormFn.apply(x_TND, fn_MK, eps, bool(tf32))
 
 
 class _PreApply(torch.autograd.Function):

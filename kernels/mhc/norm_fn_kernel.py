@@ -4,11 +4,11 @@ backward's ``grad_x = (g * rstd) @ fn - coef * flat``, with
 ``flat = x.view(T, N*D)`` read once, in its own dtype, and every product in float32 on the CUDA
 cores (``fn`` as given, or TF32-rounded by the wrapper, as the reference does).
 
-A CTA is ``WARPS`` warps of ``TOKENS_PER_WARP`` tokens each. It walks ``K = N*D`` in chunks of one
-16-byte vector per lane (the next chunk's loads in flight while this one multiplies): the chunk's ``[M, chunk]`` slice of ``fn`` is staged in shared memory
-once for the CTA's tokens, and each lane multiplies its vector of each of its warp's tokens by
-the ``M`` rows (``TOKENS_PER_WARP`` products per float read from shared memory, what keeps the FMA
-pipe, not shared memory, the limit). The reference instead copies the streams to float32, squares
+A CTA is ``WARPS`` warps of ``TOKENS_PER_WARP`` tokens each. It walks ``K = N*D`` in chunks of 16
+bytes per lane (the next chunk's loads in flight while this one multiplies): the chunk's
+``[M, chunk]`` slice of ``fn`` is staged in shared memory once for the CTA's tokens, and each lane
+multiplies its elements of each of its warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per
+float read from shared memory; NOTES.md has the measurements). The reference instead copies the streams to float32, squares
 them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
 
 Shape suffixes: T tokens, K = N*D, M mixes.
@@ -21,7 +21,7 @@ import torch
 from tilelang import language as T
 
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
-from kernels.mhc.reference import PARAM_DTYPES, round_to_tf32
+from kernels.mhc.reference import check_norm_fn_args, norm_fn_backward_terms, round_to_tf32
 from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP
 from kernels.validate import check_tensor
@@ -243,20 +243,17 @@ def supports(x_TND: torch.Tensor, fn_MK: torch.Tensor) -> bool:
 def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mixes_TM, rstd_T)`` float32 as :func:`kernels.mhc.reference.norm_fn` (up to float32
     summation order); shapes, dtypes and devices checked, not values."""
-    check_tensor("x_TND", x_TND, dtype=KERNEL_DTYPES, ndim=3)
+    eps = check_norm_fn_args(x_TND, fn_MK, eps, values=False)
+    check_tensor("x_TND", x_TND, dtype=KERNEL_DTYPES)
+    check_tensor("fn_MK", fn_MK, dtype=torch.float32)
     check_cuda("x_TND", x_TND)
-    t, n, d = x_TND.shape
-    check_tensor("fn_MK", fn_MK, dtype=PARAM_DTYPES[:1], ndim=2, device=x_TND.device)
-    if fn_MK.shape[1] != n * d:
-        raise ValueError(f"fn_MK: expected {n * d} columns (N*D) for x_TND of shape {tuple(x_TND.shape)}, "
-                         f"got {tuple(fn_MK.shape)}")
-    m = fn_MK.shape[0]
+    (t, n, d), m = x_TND.shape, fn_MK.shape[0]
     mixes_TM = torch.empty((t, m), dtype=torch.float32, device=x_TND.device)
     rstd_T = torch.empty((t,), dtype=torch.float32, device=x_TND.device)
     if t == 0:
         return mixes_TM, rstd_T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
-    kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), float(eps))
+    kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
     kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
     return mixes_TM, rstd_T
 
@@ -268,9 +265,7 @@ def norm_fn_backward(x_TND: torch.Tensor, fn_MK: torch.Tensor, mixes_TM: torch.T
     copies), ``grad_fn = (g * rstd).T @ flat`` by torch."""
     t, n, d = x_TND.shape
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
-    g_TM = g_TM.float()
-    gproj_TM = g_TM * rstd_T[:, None]
-    coef_T = (g_TM * mixes_TM).sum(-1) * rstd_T.square() / (n * d)
+    gproj_TM, coef_T = norm_fn_backward_terms(g_TM.float(), mixes_TM, rstd_T, n * d)
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
     if t > 0:
         kernel = get_norm_fn_backward_kernel(n * d, fn_MK.shape[0], tl_dtype(x_TND.dtype))

@@ -182,6 +182,12 @@ class _NormFn(torch.autograd.Function):
         return (*norm_fn_backward(*ctx.saved_tensors, g_TM, ctx.tf32), None, None)
 
 
+def norm_fn_backward_terms(g_TM, mixes_TM, rstd_T, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g * rstd, sum_m(g * mixes) * rstd^2 / K)``: what :func:`norm_fn_backward` multiplies
+    ``fn`` and ``flat`` by."""
+    return g_TM * rstd_T[:, None], (g_TM * mixes_TM).sum(-1) * rstd_T.square() / k
+
+
 def norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_fn)`` of :func:`norm_fn` from its forward's ``mixes`` and ``rstd``."""
     # mixes = (flat @ w.T) * rstd, rstd = (sum(flat^2)/K + eps)^-1/2, d rstd/d flat = -rstd^3 flat / K:
@@ -190,9 +196,7 @@ def norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32: bool) -> tuple[
     cdt = mixes_TM.dtype
     flat_TK = _flatten(x_TND).to(cdt)
     w_MK = (round_to_tf32(fn_MK.float()) if tf32 else fn_MK).to(cdt)
-    g_TM = g_TM.to(cdt)
-    gproj_TM = g_TM * rstd_T[:, None]
-    coef_T = (g_TM * mixes_TM).sum(-1) * rstd_T.square() / flat_TK.shape[1]
+    gproj_TM, coef_T = norm_fn_backward_terms(g_TM.to(cdt), mixes_TM, rstd_T, flat_TK.shape[1])
     grad_flat_TK = gproj_TM @ w_MK - coef_T[:, None] * flat_TK
     grad_fn_MK = gproj_TM.T @ flat_TK
     return grad_flat_TK.view_as(x_TND).to(x_TND.dtype), grad_fn_MK.to(fn_MK.dtype)
@@ -420,10 +424,15 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float = 1e-6, tf32
     Returns:
         ``mixes_TM`` ``[T, M]`` in the compute dtype (float32; float64 if an input is float64).
     """
-    _check_stream("x_TND", x_TND)
+    return _NormFn.apply(x_TND, fn_MK, check_norm_fn_args(x_TND, fn_MK, eps), bool(tf32))
+
+
+def check_norm_fn_args(x_TND, fn_MK, eps, *, values: bool = True) -> float:
+    """Raises on bad :func:`norm_fn` arguments; returns ``eps`` as a float."""
+    _check_stream("x_TND", x_TND, values=values)
     check_tensor("fn_MK", fn_MK, dtype=PARAM_DTYPES, ndim=2, device=x_TND.device)
-    _check_fn("fn_MK", fn_MK, fn_MK.shape[0], x_TND, "M")
-    return _NormFn.apply(x_TND, fn_MK, check_eps("eps", eps), bool(tf32))
+    _check_fn("fn_MK", fn_MK, fn_MK.shape[0], x_TND, "M", values=values)
+    return check_eps("eps", eps)
 
 
 def sinkhorn(logits_TNN: torch.Tensor, *, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
