@@ -14,34 +14,24 @@ import dataclasses
 import json
 import time
 
-import tilelang
 import torch
 
 from ep_runtime.bench import kernels as bench
-from kernels.quant.tiles import PASS_CONFIGS
 
 # (tile_m, tile_n, threads[, vec]): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte
 # e4m3 store out (8: 16 in, 8 out).
-# tile-kernels' per_token_cast tile: one warp, 2 rows x 1024, 64 elements a thread.
+# (2, 1024, 32) is tile-kernels' per_token_cast tile: one warp, 64 elements a thread.
 TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (4, 1024, 64)]
 CHANNEL_TILES = [(128, 128, 256)]
 BLOCK_TILES = [(128, 128, 256)]
 BACK_TILES = [(16, 1024, 128), (2, 1024, 32)]
-# Guarded vector loads and stores lowered to predicated ld.global/st.global (tile-kernels sets it).
-PREDICATED = {tilelang.PassConfigKey.TL_ENABLE_LOWER_LDGSTG_PREDICATED: True}
 
 
-def configured(factory, extra: dict | None):
-    """``factory`` (a ``tilelang.jit`` kernel factory) compiled with ``extra`` pass configs too."""
-    return tilelang.jit(pass_configs={**PASS_CONFIGS, **extra})(factory.func.orig_func) if extra else factory
-
-
-def _cast_variant(x, block, tile, extra=None):
+def _cast_variant(x, block, tile):
     from kernels.quant.blockwise_cast_kernel import get_blockwise_cast_kernel
 
     (m, n), (bm, bn) = x.shape, block
-    factory = configured(get_blockwise_cast_kernel, extra)
-    kernel = factory(n, bm, bn, "bfloat16", False, False, tile[:3], tile[3] if len(tile) > 3 else None)
+    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile[:3], tile[3] if len(tile) > 3 else None)
 
     def call():
         q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
@@ -52,10 +42,10 @@ def _cast_variant(x, block, tile, extra=None):
     return call
 
 
-def _cast_back_variant(q, sf, tile, extra=None):
+def _cast_back_variant(q, sf, tile):
     from kernels.quant.cast_back_kernel import get_cast_back_kernel
 
-    kernel = configured(get_cast_back_kernel, extra)(q.shape[1], 1, 128, False, "bfloat16", tile)
+    kernel = get_cast_back_kernel(q.shape[1], 1, 128, False, "bfloat16", tile)
 
     def call():
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
@@ -65,56 +55,20 @@ def _cast_back_variant(q, sf, tile, extra=None):
     return call
 
 
-def _pre_apply_variant(x, pre, token_fastest):
-    from kernels.mhc.pre_apply_kernel import get_pre_apply_kernel
-
-    t, n, d = x.shape
-    kernel = get_pre_apply_kernel(n, d, "bfloat16", token_fastest)
-
-    def call():
-        y = x.new_empty(t, d)
-        kernel(x, pre, y)
-        return y
-
-    return call
-
-
-def _post_variant(f, x, post, comb, token_fastest):
-    from kernels.mhc.post_kernel import get_post_kernel
-
-    t, n, d = x.shape
-    kernel = get_post_kernel(n, d, "bfloat16", "bfloat16", token_fastest)
-
-    def call():
-        out = torch.empty_like(x)
-        kernel(f, x, post, comb, out)
-        return out
-
-    return call
-
-
 def variants(op: str, inp) -> dict[str, object]:
-    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape (each tile also with
-    predicated loads and stores)."""
-    configs = {"": None, " pred": PREDICATED}
+    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
         block, tiles = {"per_token_cast": ((1, 128), TOKEN_TILES), "per_block_cast": ((128, 128), BLOCK_TILES),
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
-        return {f"tile={t}{c}": _cast_variant(inp.x_TD, block, t, e) for t in tiles for c, e in configs.items()}
+        return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
     if op == "cast_back":
-        return {f"tile={t}{c}": _cast_back_variant(inp.q_TD, inp.sf_TG, t, e) for t in BACK_TILES for c, e in configs.items()}
-    # (the mHC kernels guard whole threads, not accesses: predication changes nothing there)
-    if op == "mhc_pre_apply":
-        return {f"token_fastest={tf}": _pre_apply_variant(inp.x_TND, inp.pre_TN, tf) for tf in (True, False)}
-    if op == "mhc_post":
-        return {f"token_fastest={tf}": _post_variant(inp.f_TD, inp.x_TND, inp.post_TN, inp.comb_TNN, tf)
-                for tf in (True, False)}
+        return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
     raise SystemExit(f"sweep: no variants for {op}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back,mhc_pre_apply,mhc_post")
+    p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back")
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=100)
     a = p.parse_args()

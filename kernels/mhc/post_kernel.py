@@ -19,18 +19,18 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, row_tile, tile_of
+from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
-from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
+from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, row_major, tl_dtype, vector_width
 from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_post_kernel(n: int, d: int, dtype: str, f_dtype: str, token_fastest: bool = True):
+def get_post_kernel(n: int, d: int, dtype: str, f_dtype: str):
     """``(f_TD, x_TND, post_TN, comb_TNN, out_TND)`` kernel for ``N = n`` streams of ``D = d``
     elements of ``dtype`` (``f_TD`` of ``f_dtype``; coefficients float32; the token count is
-    dynamic); ``token_fastest`` orders the grid (:func:`kernels.mhc.pre_apply_kernel.tile_of`)."""
+    dynamic)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
@@ -45,9 +45,8 @@ def get_post_kernel(n: int, d: int, dtype: str, f_dtype: str, token_fastest: boo
         comb_TNN: T.Tensor[(num_tokens, n, n), T.float32],
         out_TND: T.Tensor[(num_tokens, n, d), dtype],
     ):
-        tiles_m = T.ceildiv(num_tokens, tile_m)
-        with T.Kernel(tiles_m * tiles_v, threads=THREADS) as pid:
-            bm, bn = tile_of(pid, tiles_m, tiles_v, token_fastest)
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=THREADS) as pid:
+            bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             x_local = T.alloc_local((n * vec,), dtype)
             f_local = T.alloc_local((vec,), f_dtype)

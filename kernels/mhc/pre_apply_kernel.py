@@ -21,6 +21,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     aligned,
     check_cuda,
+    row_major,
     tl_dtype,
     vector_width,
 )
@@ -39,20 +40,10 @@ def row_tile(nv: int) -> tuple[int, int]:
     return THREADS // tile_v, tile_v
 
 
-def tile_of(pid, tiles_m, tiles_v: int, token_fastest: bool):
-    """``(bm, bn)``, the token tile and vector tile of CTA ``pid`` of a one-axis grid of ``tiles_m *
-    tiles_v`` CTAs: tokens on the fastest axis, or a token's vector tiles side by side (its
-    ``N`` streams then stream from memory as one run)."""
-    if token_fastest:
-        return pid % tiles_m, pid // tiles_m
-    return pid // tiles_v, pid % tiles_v
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, token_fastest: bool = True):
+def get_pre_apply_kernel(n: int, d: int, dtype: str):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
-    (``pre_TN`` float32; the token count is dynamic); ``token_fastest`` orders the grid
-    (:func:`tile_of`)."""
+    (``pre_TN`` float32; the token count is dynamic)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
@@ -65,9 +56,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, token_fastest: bool = True)
         pre_TN: T.Tensor[(num_tokens, n), T.float32],
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
-        tiles_m = T.ceildiv(num_tokens, tile_m)
-        with T.Kernel(tiles_m * tiles_v, threads=THREADS) as pid:
-            bm, bn = tile_of(pid, tiles_m, tiles_v, token_fastest)
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=THREADS) as pid:
+            bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             x_local = T.alloc_local((n * vec,), dtype)
             acc = T.alloc_local((vec,), T.float32)

@@ -37,6 +37,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.quant.tiles import row_major
 from kernels.validate import check_tensor
 
 from .reference import ExpertLayout
@@ -88,7 +89,9 @@ def get_expand_kernel(word: str, vec: int, tile_v: int):
         y_PNV: T.Tensor[(num_rows, nv, vec), word],
     ):
         pad_blocks = T.ceildiv(num_rows, pad_m)
-        with T.Kernel(pad_blocks + T.ceildiv(num_tokens, tile_m), T.ceildiv(nv, tile_v), threads=THREADS) as (bm, bn):
+        tiles_v = T.ceildiv(nv, tile_v)
+        with T.Kernel((pad_blocks + T.ceildiv(num_tokens, tile_m)) * tiles_v, threads=THREADS) as pid:
+            bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             buf = T.alloc_local((per_thread * vec,), word)
             pad_M = T.alloc_shared((pad_m,), T.int32)  # M: rows of the padding tile, 1 = padding
@@ -144,7 +147,9 @@ def get_unexpand_kernel(word: str, vec: int, tile_v: int):
         pos_R: T.Tensor[(num_routes,), T.int32],
         out_RNV: T.Tensor[(num_routes, nv, vec), word],
     ):
-        with T.Kernel(T.ceildiv(num_routes, tile_m), T.ceildiv(nv, tile_v), threads=THREADS) as (bm, bn):
+        tiles_v = T.ceildiv(nv, tile_v)
+        with T.Kernel(T.ceildiv(num_routes, tile_m) * tiles_v, threads=THREADS) as pid:
+            bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             buf = T.alloc_local((per_thread * vec,), word)
             row = T.alloc_var(T.int32)

@@ -27,6 +27,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
     check_cuda,
+    row_major,
     scale_and_inverse,
     supports_block,
     tl_dtype,
@@ -60,8 +61,9 @@ def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: 
         sf_PG: T.Tensor[(num_rows, T.ceildiv(hidden, group)), sf_dtype],
     ):
         pad_blocks = T.ceildiv(num_rows, PAD_ROWS)
-        grid = (pad_blocks + T.ceildiv(num_tokens, tile_m), T.ceildiv(hidden, tile_n))
-        with T.Kernel(*grid, threads=threads) as (bm, pn):
+        tiles_n = T.ceildiv(hidden, tile_n)
+        with T.Kernel((pad_blocks + T.ceildiv(num_tokens, tile_m)) * tiles_n, threads=threads) as pid:
+            bm, pn = row_major(pid, tiles_n)
             x_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
             amax = T.alloc_fragment((tile_m, tile_g), dtype)

@@ -21,6 +21,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     check_cuda,
     blockwise_tile,
+    row_major,
     scale_and_inverse,
     supports_block,
     tl_dtype,
@@ -53,7 +54,9 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
         q_MN: T.Tensor[(num_rows, num_cols), "float8_e4m3fn"],
         sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
     ):
-        with T.Kernel(T.ceildiv(num_rows, tile_m), T.ceildiv(num_cols, tile_n), threads=threads) as (pm, pn):
+        tiles_n = T.ceildiv(num_cols, tile_n)
+        with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
+            pm, pn = row_major(pid, tiles_n)
             x_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
             inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
             T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})

@@ -17,6 +17,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     check_cuda,
     blockwise_tile,
+    row_major,
     supports_block,
     tl_dtype,
     unpack_scale,
@@ -47,7 +48,9 @@ def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool
         sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
         out_MN: T.Tensor[(num_rows, num_cols), out_dtype],
     ):
-        with T.Kernel(T.ceildiv(num_rows, tile_m), T.ceildiv(num_cols, tile_n), threads=threads) as (pm, pn):
+        tiles_n = T.ceildiv(num_cols, tile_n)
+        with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
+            pm, pn = row_major(pid, tiles_n)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
             sf_shared = T.alloc_shared((tile_gm, tile_gn), "float32")
             T.annotate_layout({q_frag: vector_layout(tile_m, tile_n, threads, vec)})

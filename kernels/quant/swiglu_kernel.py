@@ -21,6 +21,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
     check_cuda,
+    row_major,
     scale_and_inverse,
     supports_block,
     tl_dtype,
@@ -75,7 +76,9 @@ def get_swiglu_forward_kernel(
         sf_TG: T.Tensor[(num_tokens, T.ceildiv(inter, group)), sf_dtype],
         rows_1: T.Tensor[(1,), "int32"],
     ):
-        with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
+        tiles_n = T.ceildiv(inter, tile_n)
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
+            pm, pn = row_major(pid, tiles_n)
             y_frag = T.alloc_fragment((tile_m, tile_n), "float32")
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
@@ -119,7 +122,9 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str):
         grad_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
         rows_1: T.Tensor[(1,), "int32"],
     ):
-        with T.Kernel(T.ceildiv(num_tokens, tile_m), T.ceildiv(inter, tile_n), threads=threads) as (pm, pn):
+        tiles_n = T.ceildiv(inter, tile_n)
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
+            pm, pn = row_major(pid, tiles_n)
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             grad_frag = T.alloc_fragment((tile_m, tile_n), grad_dtype)

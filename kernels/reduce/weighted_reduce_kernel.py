@@ -24,7 +24,7 @@ import torch
 from tilelang import language as T
 
 from kernels.reduce.reference import check_weighted_reduce_args
-from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, aligned, check_cuda, tl_dtype, unpack_scale
+from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, aligned, check_cuda, row_major, tl_dtype, unpack_scale
 
 MAX_THREADS = 256
 
@@ -60,7 +60,8 @@ def get_weighted_reduce_kernel(
         weights_TK: T.Tensor[(num_tokens, topk), "float32"],
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
     ):
-        with T.Kernel(num_tokens, tiles, threads=threads) as (t, pn):
+        with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             rows = T.alloc_local((topk,), "int64")
             weights = T.alloc_local((topk,), "float32")
