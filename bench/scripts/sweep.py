@@ -21,10 +21,10 @@ from ep_runtime.bench import kernels as bench
 # (tile_m, tile_n, threads[, vec]): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte
 # e4m3 store out (8: 16 in, 8 out).
 # (2, 1024, 32) is tile-kernels' per_token_cast tile: one warp, 64 elements a thread.
-TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (4, 1024, 64)]
-CHANNEL_TILES = [(128, 128, 256)]
-BLOCK_TILES = [(128, 128, 256)]
-BACK_TILES = [(16, 1024, 128), (2, 1024, 32)]
+TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (8, 1024, 256), (1, 1024, 128)]
+CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 128)]
+BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
+BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
 
 
 def _cast_variant(x, block, tile):
