@@ -81,14 +81,16 @@ def blockwise_tile(num_cols: int, block: tuple[int, int], vec: int) -> tuple[int
     """``(tile_m, tile_n, threads)`` of a CTA for scales over ``block = (block_m, block_n)``.
 
     A CTA covers whole scale blocks, so each block's amax is reduced inside one CTA:
-    per-token ``(1, g)``: 128 threads, up to 1024 columns x enough rows for 32 elements a thread;
+    per-token ``(1, g)``: 128 threads, up to 1024 columns x enough rows for 8 elements a thread
+    (one row at 1024 columns: 115.7 us against 117.0 for 4 rows, per_token_cast at 16384 x 7168 on
+    an H100, ``bench/results/h100/2026-11-24-s6``);
     ``(b, b)`` and ``(b, 1)``: ``b`` rows x up to 16384 / b columns, 256 threads.
     """
     block_m, block_n = block
     if block_m == 1:
         groups = min(max(1, 1024 // block_n), 1 << max(0, math.ceil(math.log2(-(-num_cols // block_n)))))
         tile_n = block_n * groups
-        tile_m = max(1, 4096 // tile_n)
+        tile_m = max(1, 1024 // tile_n)
         threads = 128
     else:
         tile_m = block_m

@@ -19,7 +19,7 @@ CASES = [  # (M, N, block, out dtype)
     (257, 300, (128, 128), torch.bfloat16),
     (200, 7168, (128, 128), torch.float32),
     (130, 300, (128, 1), torch.bfloat16),
-    (4096 + 37, 7168 + 64, (1, 128), torch.bfloat16),  # from DEEP_TILE_ROWS: 4x the rows a CTA, ragged
+    (4096 + 37, 7168 + 64, (1, 128), torch.bfloat16),  # from DEEP_TILE_ROWS: DEEP_TILE x the rows a CTA, ragged
     (4096, 300, (1, 64), torch.float32),
 ]
 
