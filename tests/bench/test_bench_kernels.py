@@ -53,3 +53,13 @@ def test_check_tells_exact_close_and_wrong():
     assert bench.check(near, a, exact=False)["ok"] and not bench.check(near, a, exact=True)["ok"]
     assert not bench.check(torch.tensor([1, 2]), torch.tensor([1, 3]), exact=False)["ok"]
     assert not bench.check((a,), (a, a), exact=True)["ok"]
+
+
+def test_check_takes_the_ops_own_rule():
+    import torch
+
+    a, far = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])
+    assert not bench.check(far, a, exact=False)["ok"]
+    assert bench.check(far, a, exact=False, within=lambda got, want: True)["ok"]
+    assert not bench.check(a * (1 + 1e-7), a, exact=False, within=lambda got, want: False)["ok"]
+    assert not bench.check(far, a, exact=True, within=lambda got, want: True)["ok"]
