@@ -119,7 +119,7 @@ def within_tolerance(x_TND: torch.Tensor, got: tuple, want: tuple) -> bool:
     sum cancels), then round the other way: two units in the last place of ``y``'s dtype."""
     close = all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got[1:], want[1:]))
     y, y_want = got[0].double(), want[0].double()
-    bound = 2 * ULP[y_want.dtype] * y_want.abs() + 1e-6 * x_TND.double().abs().sum(1)
+    bound = 2 * ULP[want[0].dtype] * y_want.abs() + 1e-6 * x_TND.double().abs().sum(1)
     return close and bool(torch.all((y - y_want).abs() <= bound))
 
 
