@@ -13,10 +13,10 @@ from kernels.quant.tiles import vector_width
 WARP = 32
 
 
-def row_threads(nv: int) -> int:
+def row_threads(nv: int, max_threads: int = 128) -> int:
     """Threads of a one-row CTA for rows of ``nv`` vectors: one per vector, a power of two from one
-    warp to 128."""
-    return min(128, max(WARP, 1 << max(0, nv - 1).bit_length()))
+    warp to ``max_threads``."""
+    return min(max_threads, max(WARP, 1 << max(0, nv - 1).bit_length()))
 
 
 class RowGeometry(NamedTuple):
@@ -31,10 +31,10 @@ class RowGeometry(NamedTuple):
     warps: int
 
 
-def row_geometry(d: int, dtype: str) -> RowGeometry:
+def row_geometry(d: int, dtype: str, max_threads: int = 128) -> RowGeometry:
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    threads = row_threads(nv)
+    threads = row_threads(nv, max_threads)
     return RowGeometry(vec, nv, threads, -(-nv // threads), threads // WARP)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 
@@ -24,6 +25,8 @@ from ep_runtime.bench import kernels as bench
 TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (8, 1024, 256), (1, 1024, 128)]
 CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 128)]
 BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
+# (threads, CTAs per SM, weight-gradient accumulators in shared memory) of the persistent kernel
+GATE_BACKWARD_GRIDS = [(t, c, s) for t in (128, 256, 512) for s in (False, True) for c in (1, 2, 3)]
 BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
 
 
@@ -61,6 +64,13 @@ def variants(op: str, inp) -> dict[str, object]:
         block, tiles = {"per_token_cast": ((1, 128), TOKEN_TILES), "per_block_cast": ((128, 128), BLOCK_TILES),
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
         return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
+    if op == "engram_gate_backward":
+        from kernels.engram.gate_kernel import gate_backward
+
+        args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND, inp.g_TND)
+        return {f"threads={t} ctas/SM={c} shared={s}": functools.partial(gate_backward, *args, threads=t, ctas_per_sm=c,
+                                                                         shared_acc=s)
+                for t, c, s in GATE_BACKWARD_GRIDS}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
     raise SystemExit(f"sweep: no variants for {op}")
