@@ -59,14 +59,14 @@ def gate_scalars(d: int, eps: float, clamp: float):
 
 
 def gate_sums(vec: int):
-    """A macro ``(x, x_off, k, wh, we, sums)`` adding a vector's ``x^2``, ``k^2`` and ``x*w*k``
-    (``w = wh * we``) to ``sums[0:3]``, ``x`` read from ``x[x_off:]``."""
+    """A macro ``(x, k, off, wh, we, sums)`` adding a vector's ``x^2``, ``k^2`` and ``x*w*k``
+    (``w = wh * we``) to ``sums[0:3]``, ``x`` and ``k`` read from ``[off:]``."""
 
     @T.macro
-    def add(x, x_off, k, wh, we, sums):
+    def add(x, k, off, wh, we, sums):
         for j in T.serial(vec):
-            xf = T.cast(x[x_off + j], T.float32)
-            kf = T.cast(k[j], T.float32)
+            xf = T.cast(x[off + j], T.float32)
+            kf = T.cast(k[off + j], T.float32)
             w = T.ieee_mul(T.cast(wh[j], T.float32), T.cast(we[j], T.float32))
             sums[0] = T.ieee_add(sums[0], T.ieee_mul(xf, xf))
             sums[1] = T.ieee_add(sums[1], T.ieee_mul(kf, kf))
@@ -102,7 +102,7 @@ def get_gate_kernel(
             bt, h = b // n, b % n
             tid = T.get_thread_binding()
             x_local = T.alloc_local((per_thread * vec,), dtype)
-            k_local = T.alloc_local((vec,), k_dtype)
+            k_local = T.alloc_local((per_thread * vec,), k_dtype)
             wh_local = T.alloc_local((vec,), w_dtype)
             we_local = T.alloc_local((vec,), w_dtype)
             v_local = T.alloc_local((per_thread * vec,), v_dtype)
@@ -120,12 +120,12 @@ def get_gate_kernel(
                     for j in T.vectorized(vec):
                         x_local[p * vec + j] = x_TND[row, h, c * vec + j]
                     for j in T.vectorized(vec):
-                        k_local[j] = k_TND[row, h, c * vec + j]
+                        k_local[p * vec + j] = k_TND[row, h, c * vec + j]
                     for j in T.vectorized(vec):
                         wh_local[j] = wh_ND[h, c * vec + j]
                     for j in T.vectorized(vec):
                         we_local[j] = we_ND[h, c * vec + j]
-                    add_sums(x_local, p * vec, k_local, wh_local, we_local, sums)
+                    add_sums(x_local, k_local, p * vec, wh_local, we_local, sums)
                     for j in T.vectorized(vec):
                         v_local[p * vec + j] = v_TD[row, c * vec + j]
             reduce(sums, partial_3W, stats, tid)
@@ -161,29 +161,33 @@ def get_gate_backward_kernel(
 
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``
     and their streams in turn, so that ``x`` and ``k`` are read once for every gradient: the
-    weight gradients accumulate in each thread's registers (``N`` streams times its columns) and are
-    stored once at the end. Per stream row, a first pass reduces ``sum x^2``, ``sum k^2``, ``raw =
-    sum x*w*k`` and ``dL/dgate = sum g*v`` (as the forward, warp shuffles then the warps in order),
-    every thread derives the row's scalars, and a second pass (a re-read of the row the first
-    brought into L2) stores ``grad_x`` and ``grad_k`` and adds ``g * gate`` to the thread's
-    ``grad_v`` registers, stored after the token's last stream."""
+    weight gradients accumulate per thread (``N`` streams times its columns, in registers or shared
+    memory) and are stored once at the end. A row (a token's stream) is loaded into registers one
+    row ahead (its loads are in flight while the previous row reduces and stores) and stays there
+    for both passes: the first reduces ``sum x^2``, ``sum k^2``, ``raw = sum x*w*k`` and ``dL/dgate
+    = sum g*v`` (as the forward, warp shuffles then the warps in order), every thread derives the
+    row's scalars, and the second stores ``grad_x`` and ``grad_k`` and adds ``g * gate`` to the
+    thread's ``grad_v`` registers, stored after the token's last stream."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
     scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(4, warps), gate_sums(vec)
+    width = per_thread * vec  # a thread's elements of a row
 
     @T.macro
-    def load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl):
-        for j in T.vectorized(vec):
-            xl[j] = x_TND[row, h, c * vec + j]
-        for j in T.vectorized(vec):
-            kl[j] = k_TND[row, h, c * vec + j]
-        for j in T.vectorized(vec):
-            whl[j] = wh_ND[h, c * vec + j]
-        for j in T.vectorized(vec):
-            wel[j] = we_ND[h, c * vec + j]
-        for j in T.vectorized(vec):
-            gl[j] = g_TND[row, h, c * vec + j]
+    def load(src, row, h, dst, tid):
+        """A thread's vectors of ``src[row, h]`` (``h`` None: ``src[row]``) into ``dst``."""
+        for p in T.unroll(per_thread):
+            c = p * threads + tid
+            if c < nv:
+                for j in T.vectorized(vec):
+                    dst[p * vec + j] = src[row, c * vec + j] if h is None else src[row, h, c * vec + j]
+
+    @T.macro
+    def copy(src, dst):
+        for p in T.unroll(per_thread):
+            for j in T.vectorized(vec):  # whole vectors: 16-bit elements stay packed two to a register
+                dst[p * vec + j] = src[p * vec + j]
 
     def acc_index(e, tid):
         return e * threads + tid if shared_acc else e  # shared: a thread's accumulators a stride apart
@@ -203,43 +207,63 @@ def get_gate_backward_kernel(
     ):
         with T.Kernel(num_ctas, threads=threads) as cta:
             tid = T.get_thread_binding()
-            xl = T.alloc_local((vec,), dtype)
-            kl = T.alloc_local((vec,), k_dtype)
+            x_cur, x_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
+            k_cur, k_next = T.alloc_local((width,), k_dtype), T.alloc_local((width,), k_dtype)
+            g_cur, g_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
+            v_cur, v_next = T.alloc_local((width,), v_dtype), T.alloc_local((width,), v_dtype)
             whl = T.alloc_local((vec,), w_dtype)
             wel = T.alloc_local((vec,), w_dtype)
-            gl = T.alloc_local((vec,), dtype)
-            vl = T.alloc_local((vec,), v_dtype)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
-            grad_v = T.alloc_local((per_thread * vec,), T.float32)
+            grad_v = T.alloc_local((width,), T.float32)
             if shared_acc:
-                grad_w = T.alloc_shared((n * per_thread * threads * vec,), T.float32)
+                grad_w = T.alloc_shared((n * width * threads,), T.float32)
             else:
-                grad_w = T.alloc_local((n * per_thread * vec,), T.float32)  # indexed by unrolled loops: registers
+                grad_w = T.alloc_local((n * width,), T.float32)  # indexed by unrolled loops: registers
             sums = T.alloc_local((4,), T.float32)  # sum x^2, sum k^2, raw, dL/dgate
             stats = T.alloc_local((4,), T.float32)
             row_scalars = T.alloc_local((3,), T.float32)  # rstd_x, rstd_k, gate
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             partial_4W = T.alloc_shared((4, warps), T.float32)
-            for e in T.serial(n * per_thread * vec):
+            for e in T.serial(n * width):
                 grad_w[acc_index(e, tid)] = T.float32(0)
+            first = T.Cast(T.int64, cta)
+            load(x_TND, first, 0, x_next, tid)
+            load(k_TND, first, 0, k_next, tid)
+            load(g_TND, first, 0, g_next, tid)
+            load(v_TD, first, None, v_next, tid)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                for e in T.serial(per_thread * vec):
+                copy(v_next, v_cur)
+                for e in T.unroll(width):
                     grad_v[e] = T.float32(0)
                 for h in T.unroll(n):
+                    copy(x_next, x_cur)
+                    copy(k_next, k_cur)
+                    copy(g_next, g_cur)
+                    if h < n - 1:
+                        load(x_TND, row, h + 1, x_next, tid)
+                        load(k_TND, row, h + 1, k_next, tid)
+                        load(g_TND, row, h + 1, g_next, tid)
+                    elif row + num_ctas < num_tokens:
+                        load(x_TND, row + num_ctas, 0, x_next, tid)
+                        load(k_TND, row + num_ctas, 0, k_next, tid)
+                        load(g_TND, row + num_ctas, 0, g_next, tid)
+                        load(v_TD, row + num_ctas, None, v_next, tid)
                     for s in T.serial(4):
                         sums[s] = T.float32(0)
                     for p in T.unroll(per_thread):
                         c = p * threads + tid
                         if c < nv:
-                            load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl)
                             for j in T.vectorized(vec):
-                                vl[j] = v_TD[row, c * vec + j]
-                            add_sums(xl, 0, kl, whl, wel, sums)
+                                whl[j] = wh_ND[h, c * vec + j]
+                            for j in T.vectorized(vec):
+                                wel[j] = we_ND[h, c * vec + j]
+                            add_sums(x_cur, k_cur, p * vec, whl, wel, sums)
                             for j in T.serial(vec):
-                                sums[3] = T.ieee_add(sums[3], T.ieee_mul(T.cast(gl[j], T.float32), T.cast(vl[j], T.float32)))
+                                gv = T.ieee_mul(T.cast(g_cur[p * vec + j], T.float32), T.cast(v_cur[p * vec + j], T.float32))
+                                sums[3] = T.ieee_add(sums[3], gv)
                     reduce(sums, partial_4W, stats, tid)
                     T.sync_threads()  # every thread has read the partials before the next row writes them
                     scalars(stats, row_scalars)
@@ -255,11 +279,14 @@ def get_gate_backward_kernel(
                     for p in T.unroll(per_thread):
                         c = p * threads + tid
                         if c < nv:
-                            load_row(x_TND, k_TND, wh_ND, we_ND, g_TND, row, h, c, xl, kl, whl, wel, gl)
+                            for j in T.vectorized(vec):
+                                whl[j] = wh_ND[h, c * vec + j]
+                            for j in T.vectorized(vec):
+                                wel[j] = we_ND[h, c * vec + j]
                             for j in T.serial(vec):
-                                xf = T.cast(xl[j], T.float32)
-                                kf = T.cast(kl[j], T.float32)
-                                gf = T.cast(gl[j], T.float32)
+                                xf = T.cast(x_cur[p * vec + j], T.float32)
+                                kf = T.cast(k_cur[p * vec + j], T.float32)
+                                gf = T.cast(g_cur[p * vec + j], T.float32)
                                 w = T.ieee_mul(T.cast(whl[j], T.float32), T.cast(wel[j], T.float32))
                                 dx = T.ieee_mul(coefs[1], T.ieee_sub(T.ieee_mul(w, kf), T.ieee_mul(xf, coefs[2])))
                                 if add_residual:
