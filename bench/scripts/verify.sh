@@ -47,7 +47,7 @@ for step in "$@"; do
         --model v3-layer --batch-size 16 --seq-len 256 --schedules 1f1b,overlap --microbatches 8 --out "$out" --commit "$commit"
       tail -8 "$out/bench-pipeline.log" ;;
     kernels-v4)
-      LIMIT=150 run bench-kernels-v4 python3 -m ep_runtime.cli bench kernels --shapes v4 --out "$out/kernels-v4.json" --commit "$commit"
+      LIMIT=330 run bench-kernels-v4 python3 -m ep_runtime.cli bench kernels --shapes v4 --out "$out/kernels-v4.json" --commit "$commit"
       tail -12 "$out/bench-kernels-v4.log" ;;
     mhc-overhead)
       LIMIT=150 run bench-mhc-overhead python3 -m ep_runtime.cli bench mhc-overhead --out "$out" --commit "$commit"

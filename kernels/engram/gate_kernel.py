@@ -145,14 +145,17 @@ def get_gate_kernel(
     return gate_kernel
 
 
-BACKWARD_THREADS = 256  # threads of a backward CTA (bench/scripts/sweep.py)
-BACKWARD_CTAS_PER_SM = 2  # the persistent grid: this many CTAs per SM, at most one per token
+# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4: 512 threads and two CTAs per SM
+# took 605 us at D = 4096 and 1486 us at D = 7168; 256 threads 625 and 1595; the accumulators in
+# registers instead of shared memory 753 and 1738, spilling).
+BACKWARD_THREADS = 512
+BACKWARD_CTAS_PER_SM = 2  # at most one per token; one CTA of 512 threads fits an SM at D = 7168
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS, shared_acc: bool = False,
+    max_threads: int = BACKWARD_THREADS,
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)``
     kernel: the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas), the
@@ -161,8 +164,8 @@ def get_gate_backward_kernel(
 
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``
     and their streams in turn, so that ``x`` and ``k`` are read once for every gradient: the
-    weight gradients accumulate per thread (``N`` streams times its columns, in registers or shared
-    memory) and are stored once at the end. A row (a token's stream) is loaded into registers one
+    weight gradients accumulate in shared memory (each thread its ``N`` streams times its columns, a
+    thread's a stride apart) and are stored once at the end. A row (a token's stream) is loaded into registers one
     row ahead (its loads are in flight while the previous row reduces and stores) and stays there
     for both passes: the first reduces ``sum x^2``, ``sum k^2``, ``raw = sum x*w*k`` and ``dL/dgate
     = sum g*v`` (as the forward, warp shuffles then the warps in order), every thread derives the
@@ -190,7 +193,7 @@ def get_gate_backward_kernel(
                 dst[p * vec + j] = src[p * vec + j]
 
     def acc_index(e, tid):
-        return e * threads + tid if shared_acc else e  # shared: a thread's accumulators a stride apart
+        return e * threads + tid  # a thread's accumulators a stride apart: a warp's accesses hit 32 banks
 
     @T.prim_func
     def gate_backward_kernel(
@@ -217,10 +220,7 @@ def get_gate_backward_kernel(
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
             grad_v = T.alloc_local((width,), T.float32)
-            if shared_acc:
-                grad_w = T.alloc_shared((n * width * threads,), T.float32)
-            else:
-                grad_w = T.alloc_local((n * width,), T.float32)  # indexed by unrolled loops: registers
+            grad_w = T.alloc_shared((n * width * threads,), T.float32)
             sums = T.alloc_local((4,), T.float32)  # sum x^2, sum k^2, raw, dL/dgate
             stats = T.alloc_local((4,), T.float32)
             row_scalars = T.alloc_local((3,), T.float32)  # rstd_x, rstd_k, gate
@@ -344,6 +344,21 @@ def supports(x_TND, k_TND, v_TD, wh_ND, we_ND) -> bool:
     return all(t.dtype in KERNEL_DTYPES for t in tensors) and wh_ND.dtype == we_ND.dtype
 
 
+def backward_shared_bytes(n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS) -> int:
+    """Shared memory of a backward CTA: the weight gradients' float32 accumulators (``N`` times a
+    row, padded to whole thread vectors) and the row reduction's partials."""
+    vec, _, threads, per_thread, warps = row_geometry(d, tl_dtype(dtype), threads)
+    return 4 * (n * per_thread * vec * threads + 4 * warps)
+
+
+def backward_fits(x_TND: torch.Tensor, threads: int = BACKWARD_THREADS) -> bool:
+    """Whether the backward's CTA fits the device's shared memory for ``x_TND``'s ``N`` and ``D``
+    (about ``4 N D`` bytes: N * D up to ~56K elements on a Hopper GPU)."""
+    _, n, d = x_TND.shape
+    limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
+    return backward_shared_bytes(n, d, x_TND.dtype, threads) <= limit
+
+
 def gate(
     x_TND: torch.Tensor,
     k_TND: torch.Tensor,
@@ -399,13 +414,12 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
-    shared_acc: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype).
     Same inputs as :func:`gate`; the gate's row statistics are recomputed, not saved. ``threads``
-    (at most, per CTA), ``ctas_per_sm`` and ``shared_acc`` (weight-gradient accumulators in shared
-    memory, not registers) are tuning (bench/scripts/sweep.py; the defaults are measured)."""
+    (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid (tuning, bench/scripts/sweep.py;
+    the defaults are measured)."""
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
@@ -414,6 +428,12 @@ def gate_backward(
             "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
             f"of one dtype, got {x_TND.dtype}, {k_TND.dtype}, {v_TD.dtype}, {wh_ND.dtype}, {we_ND.dtype} "
             "(use kernels.engram.reference.gate)"
+        )
+    if not backward_fits(x_TND, threads):
+        raise ValueError(
+            f"x_TND: N * D = {x_TND.shape[1]} * {x_TND.shape[2]} needs "
+            f"{backward_shared_bytes(*x_TND.shape[1:], x_TND.dtype, threads)} bytes of shared memory for the weight "
+            "gradients' accumulators, more than this device gives a CTA (use kernels.engram.reference.gate)"
         )
     t, n, d = x_TND.shape
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
@@ -427,8 +447,7 @@ def gate_backward(
     grad_w_CND = torch.empty((min(t, sms * ctas_per_sm), n, d), dtype=torch.float32, device=x_TND.device)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND)]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads,
-                             shared_acc)(
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)

@@ -18,6 +18,7 @@ from kernels.engram import reference
 from kernels.engram.gate_kernel import (
     ULP,
     backward_excess,
+    backward_fits,
     gate,
     gate_backward,
     get_gate_backward_kernel,
@@ -106,6 +107,17 @@ def test_public_op_runs_the_kernels_forward_and_backward(seed):
     g_TND = torch.randn_like(out_TND)
     out_TND.backward(g_TND)
     assert_backward_close([a.grad for a in leaves], args, g_TND, True)
+
+
+@pytest.mark.gpu
+def test_shapes_beyond_shared_memory_take_the_reference(seed):
+    """N * D = 64K: the backward's accumulators (256 KiB) do not fit a CTA, so the kernel refuses
+    and the public op runs the reference."""
+    args = gate_inputs(2, 8, 8192, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
+    assert not backward_fits(args[0])
+    with pytest.raises(ValueError, match=r"^x_TND: N \* D = 8 \* 8192 needs \d+ bytes of shared memory"):
+        gate_backward(*args, torch.ones_like(args[0]))
+    assert torch.equal(engram.gate(*args), reference.gate(*args))
 
 
 def test_wrapper_names_bad_arguments():
