@@ -26,7 +26,7 @@ TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (8, 1024, 256), (1,
 CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 128)]
 BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
-GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512) for c in (1, 2)]
+GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512, 1024) for c in (1, 2)]
 BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
 
 
