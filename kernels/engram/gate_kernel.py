@@ -145,11 +145,12 @@ def get_gate_kernel(
     return gate_kernel
 
 
-# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4: 512 threads and two CTAs per SM
-# took 605 us at D = 4096 and 1486 us at D = 7168; 256 threads 625 and 1595; the accumulators in
-# registers instead of shared memory 753 and 1738, spilling).
-BACKWARD_THREADS = 512
-BACKWARD_CTAS_PER_SM = 2  # at most one per token; one CTA of 512 threads fits an SM at D = 7168
+# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): up to 1024 threads (a row's
+# vectors, so 512 at D = 4096), one CTA per SM: 584 us at D = 4096, 1403 us at D = 7168; 512 threads
+# 583 and 1600 (two CTAs per SM 605 and 1486); 256 threads 604 and 1667; the accumulators in
+# registers instead of shared memory 741 and 1751, spilling.
+BACKWARD_THREADS = 1024
+BACKWARD_CTAS_PER_SM = 1  # at most one per token
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
