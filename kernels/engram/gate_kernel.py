@@ -155,37 +155,40 @@ BACKWARD_CTAS_PER_SM = 1  # at most one per token
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
-    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool,
+    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, eps: float, add_residual: bool,
     max_threads: int = BACKWARD_THREADS,
 ):
-    """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)``
-    kernel: the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas), the
-    weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k`` (float32, ``(draw *
-    x) * k`` as the reference; the caller sums over ``C``).
+    """``(x_TND, k_TND, v_TD, w_ND, g_TND, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)`` kernel
+    (``w = wh * we`` in float32): the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s
+    formulas), the weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k``
+    (float32; the caller sums over ``C`` and multiplies by ``we`` and ``wh``).
 
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``
     and their streams in turn, so that ``x`` and ``k`` are read once for every gradient: the
     weight gradients accumulate in shared memory (each thread its ``N`` streams times its columns, a
-    thread's a stride apart) and are stored once at the end. A row (a token's stream) is loaded into registers one
-    row ahead (its loads are in flight while the previous row reduces and stores) and stays there
-    for both passes: the first reduces ``sum x^2``, ``sum k^2``, ``raw = sum x*w*k`` and ``dL/dgate
-    = sum g*v`` (as the forward, warp shuffles then the warps in order), every thread derives the
-    row's scalars, and the second stores ``grad_x`` and ``grad_k`` and adds ``g * gate`` to the
-    thread's ``grad_v`` registers, stored after the token's last stream."""
+    thread's a stride apart) and are stored once at the end. A row (a token's stream) of ``x``,
+    ``k`` and ``g`` is loaded into registers one row ahead (its loads are in flight while the
+    previous row reduces and stores) and stays there for both passes; ``v`` is loaded per row (from
+    L2 after the token's first stream). The first pass reduces ``sum x^2``, ``sum k^2``, ``raw =
+    sum x*w*k`` and ``dL/dgate = sum g*v`` (warp shuffles, then the warps in order), every thread
+    derives the row's scalars (IEEE, as the forward), and the second stores ``grad_x`` and
+    ``grad_k`` and adds ``g * gate`` to the thread's ``grad_v`` registers, stored after the token's
+    last stream. The per-element arithmetic may contract into FMAs (the gradients are held to a
+    reassociation bound, not bits), which halves the kernel's instructions."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
-    scalars, reduce, add_sums = gate_scalars(d, eps, clamp), row_reduction(4, warps), gate_sums(vec)
+    scalars, reduce = gate_scalars(d, eps, clamp), row_reduction(4, warps)
     width = per_thread * vec  # a thread's elements of a row
 
     @T.macro
     def load(src, row, h, dst, tid):
-        """A thread's vectors of ``src[row, h]`` (``h`` None: ``src[row]``) into ``dst``."""
+        """A thread's vectors of ``src[row, h]`` into ``dst``."""
         for p in T.unroll(per_thread):
             c = p * threads + tid
             if c < nv:
                 for j in T.vectorized(vec):
-                    dst[p * vec + j] = src[row, c * vec + j] if h is None else src[row, h, c * vec + j]
+                    dst[p * vec + j] = src[row, h, c * vec + j]
 
     @T.macro
     def copy(src, dst):
@@ -201,8 +204,7 @@ def get_gate_backward_kernel(
         x_TND: T.Tensor[(num_tokens, n, d), dtype],
         k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
         v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        wh_ND: T.Tensor[(n, d), w_dtype],
-        we_ND: T.Tensor[(n, d), w_dtype],
+        w_ND: T.Tensor[(n, d), T.float32],
         g_TND: T.Tensor[(num_tokens, n, d), dtype],
         grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
         grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
@@ -214,9 +216,8 @@ def get_gate_backward_kernel(
             x_cur, x_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
             k_cur, k_next = T.alloc_local((width,), k_dtype), T.alloc_local((width,), k_dtype)
             g_cur, g_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
-            v_cur, v_next = T.alloc_local((width,), v_dtype), T.alloc_local((width,), v_dtype)
-            whl = T.alloc_local((vec,), w_dtype)
-            wel = T.alloc_local((vec,), w_dtype)
+            vl = T.alloc_local((vec,), v_dtype)
+            wl = T.alloc_local((vec,), T.float32)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
@@ -233,10 +234,8 @@ def get_gate_backward_kernel(
             load(x_TND, first, 0, x_next, tid)
             load(k_TND, first, 0, k_next, tid)
             load(g_TND, first, 0, g_next, tid)
-            load(v_TD, first, None, v_next, tid)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                copy(v_next, v_cur)
                 for e in T.unroll(width):
                     grad_v[e] = T.float32(0)
                 for h in T.unroll(n):
@@ -251,20 +250,22 @@ def get_gate_backward_kernel(
                         load(x_TND, row + num_ctas, 0, x_next, tid)
                         load(k_TND, row + num_ctas, 0, k_next, tid)
                         load(g_TND, row + num_ctas, 0, g_next, tid)
-                        load(v_TD, row + num_ctas, None, v_next, tid)
                     for s in T.serial(4):
                         sums[s] = T.float32(0)
                     for p in T.unroll(per_thread):
                         c = p * threads + tid
                         if c < nv:
                             for j in T.vectorized(vec):
-                                whl[j] = wh_ND[h, c * vec + j]
+                                wl[j] = w_ND[h, c * vec + j]
                             for j in T.vectorized(vec):
-                                wel[j] = we_ND[h, c * vec + j]
-                            add_sums(x_cur, k_cur, p * vec, whl, wel, sums)
+                                vl[j] = v_TD[row, c * vec + j]
                             for j in T.serial(vec):
-                                gv = T.ieee_mul(T.cast(g_cur[p * vec + j], T.float32), T.cast(v_cur[p * vec + j], T.float32))
-                                sums[3] = T.ieee_add(sums[3], gv)
+                                xf = T.cast(x_cur[p * vec + j], T.float32)
+                                kf = T.cast(k_cur[p * vec + j], T.float32)
+                                sums[0] += xf * xf
+                                sums[1] += kf * kf
+                                sums[2] += xf * wl[j] * kf
+                                sums[3] += T.cast(g_cur[p * vec + j], T.float32) * T.cast(vl[j], T.float32)
                     reduce(sums, partial_4W, stats, tid)
                     T.sync_threads()  # every thread has read the partials before the next row writes them
                     scalars(stats, row_scalars)
@@ -281,24 +282,16 @@ def get_gate_backward_kernel(
                         c = p * threads + tid
                         if c < nv:
                             for j in T.vectorized(vec):
-                                whl[j] = wh_ND[h, c * vec + j]
-                            for j in T.vectorized(vec):
-                                wel[j] = we_ND[h, c * vec + j]
+                                wl[j] = w_ND[h, c * vec + j]
                             for j in T.serial(vec):
                                 xf = T.cast(x_cur[p * vec + j], T.float32)
                                 kf = T.cast(k_cur[p * vec + j], T.float32)
                                 gf = T.cast(g_cur[p * vec + j], T.float32)
-                                w = T.ieee_mul(T.cast(whl[j], T.float32), T.cast(wel[j], T.float32))
-                                dx = T.ieee_mul(coefs[1], T.ieee_sub(T.ieee_mul(w, kf), T.ieee_mul(xf, coefs[2])))
-                                if add_residual:
-                                    dx = T.ieee_add(dx, gf)
-                                out_x[j] = T.cast(dx, dtype)
-                                out_k[j] = T.cast(
-                                    T.ieee_mul(coefs[1], T.ieee_sub(T.ieee_mul(w, xf), T.ieee_mul(kf, coefs[3]))), k_dtype
-                                )
-                                grad_v[p * vec + j] = T.ieee_add(grad_v[p * vec + j], T.ieee_mul(gf, coefs[0]))
-                                e = acc_index((h * per_thread + p) * vec + j, tid)
-                                grad_w[e] = T.ieee_add(grad_w[e], T.ieee_mul(T.ieee_mul(coefs[1], xf), kf))
+                                dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
+                                out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
+                                out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
+                                grad_v[p * vec + j] += gf * coefs[0]
+                                grad_w[acc_index((h * per_thread + p) * vec + j, tid)] += coefs[1] * xf * kf
                             for j in T.vectorized(vec):
                                 grad_x_TND[row, h, c * vec + j] = out_x[j]
                             for j in T.vectorized(vec):
@@ -446,8 +439,9 @@ def gate_backward(
         return grad_x, grad_k, grad_v, zeros, zeros.clone()
     sms = torch.cuda.get_device_properties(x_TND.device).multi_processor_count
     grad_w_CND = torch.empty((min(t, sms * ctas_per_sm), n, d), dtype=torch.float32, device=x_TND.device)
-    dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
-    args = [aligned(a) for a in (x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND)]
+    w_ND = wh_ND.float() * we_ND.float()  # as the reference's float32 w
+    dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
+    args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)]
     get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)

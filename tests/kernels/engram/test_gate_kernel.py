@@ -143,6 +143,6 @@ def test_compiles_for_sm90a():
             kernel = get_gate_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
             source = lowering.kernel_source(kernel)
             assert "uint4" in source and "__fadd_rn" in source and source.count("expf(") == 1, d
-            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
+            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", 1e-6, 1e-6, True)
             source = lowering.kernel_source(backward)
             assert "uint4" in source and "warp_reduce_sum" in source and "grad_w_CND" in source, d
