@@ -145,11 +145,11 @@ def get_gate_kernel(
     return gate_kernel
 
 
-# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): up to 1024 threads (a row's
-# vectors, so 512 at D = 4096), one CTA per SM: 584 us at D = 4096, 1403 us at D = 7168; 512 threads
-# 583 and 1600 (two CTAs per SM 605 and 1486); 256 threads 604 and 1667; the accumulators in
-# registers instead of shared memory 741 and 1751, spilling.
-BACKWARD_THREADS = 1024
+# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): up to 512 threads, one CTA
+# per SM: 583 us at D = 4096, 1226 us at D = 7168; 256 threads 574 and 1564; 1024 threads 584 and
+# 1289; two CTAs per SM (the second waits for a free SM: registers and the accumulators allow one)
+# 2-15% slower. Session 7's earlier versions: `kernels/mhc/NOTES.md`.
+BACKWARD_THREADS = 512
 BACKWARD_CTAS_PER_SM = 1  # at most one per token
 
 
