@@ -313,151 +313,6 @@ def get_gate_backward_kernel(
     return gate_backward_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_gate_backward_staged_kernel(
-    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, eps: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS,
-):
-    """:func:`get_gate_backward_kernel` with the rows staged through shared memory by ``cp.async``
-    (double-buffered, one row ahead) instead of registers."""
-    num_tokens = T.dynamic("num_tokens")
-    num_ctas = T.dynamic("num_ctas")
-    vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
-    scalars, reduce = gate_scalars(d, eps, clamp), row_reduction(4, warps)
-    width = per_thread * vec
-
-    def acc_index(e, tid):
-        return e * threads + tid
-
-    @T.prim_func
-    def gate_backward_staged_kernel(
-        x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        w_ND: T.Tensor[(n, d), T.float32],
-        g_TND: T.Tensor[(num_tokens, n, d), dtype],
-        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
-    ):
-        with T.Kernel(num_ctas, threads=threads) as cta:
-            tid = T.get_thread_binding()
-            xs = T.alloc_shared((2, d), dtype)
-            ks = T.alloc_shared((2, d), k_dtype)
-            gs = T.alloc_shared((2, d), dtype)
-            xl = T.alloc_local((vec,), dtype)
-            kl = T.alloc_local((vec,), k_dtype)
-            gl = T.alloc_local((vec,), dtype)
-            vl = T.alloc_local((vec,), v_dtype)
-            wl = T.alloc_local((vec,), T.float32)
-            out_x = T.alloc_local((vec,), dtype)
-            out_k = T.alloc_local((vec,), k_dtype)
-            out_v = T.alloc_local((vec,), v_dtype)
-            grad_v = T.alloc_local((width,), T.float32)
-            grad_w = T.alloc_shared((n * width * threads,), T.float32)
-            sums = T.alloc_local((4,), T.float32)
-            stats = T.alloc_local((4,), T.float32)
-            row_scalars = T.alloc_local((3,), T.float32)
-            coefs = T.alloc_local((4,), T.float32)
-            partial_4W = T.alloc_shared((4, warps), T.float32)
-            for e in T.serial(n * width):
-                grad_w[acc_index(e, tid)] = T.float32(0)
-            first = T.Cast(T.int64, cta)
-            T.async_copy(x_TND[first, 0, 0:d], xs[0, 0:d])
-            T.async_copy(k_TND[first, 0, 0:d], ks[0, 0:d])
-            T.async_copy(g_TND[first, 0, 0:d], gs[0, 0:d])
-            for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
-                row = T.Cast(T.int64, cta + i * num_ctas)
-                for e in T.unroll(width):
-                    grad_v[e] = T.float32(0)
-                for h in T.unroll(n):
-                    b = (i * n + h) % 2
-                    T.ptx_wait_group(0)
-                    T.sync_threads()  # the row has landed, and every thread is done with the other buffer
-                    if h < n - 1:
-                        T.async_copy(x_TND[row, h + 1, 0:d], xs[1 - b, 0:d])
-                        T.async_copy(k_TND[row, h + 1, 0:d], ks[1 - b, 0:d])
-                        T.async_copy(g_TND[row, h + 1, 0:d], gs[1 - b, 0:d])
-                    elif row + num_ctas < num_tokens:
-                        T.async_copy(x_TND[row + num_ctas, 0, 0:d], xs[1 - b, 0:d])
-                        T.async_copy(k_TND[row + num_ctas, 0, 0:d], ks[1 - b, 0:d])
-                        T.async_copy(g_TND[row + num_ctas, 0, 0:d], gs[1 - b, 0:d])
-                    for s in T.serial(4):
-                        sums[s] = T.float32(0)
-                    for p in T.unroll(per_thread):
-                        c = p * threads + tid
-                        if c < nv:
-                            for j in T.vectorized(vec):
-                                xl[j] = xs[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                kl[j] = ks[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                gl[j] = gs[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                wl[j] = w_ND[h, c * vec + j]
-                            for j in T.vectorized(vec):
-                                vl[j] = v_TD[row, c * vec + j]
-                            for j in T.serial(vec):
-                                xf = T.cast(xl[j], T.float32)
-                                kf = T.cast(kl[j], T.float32)
-                                sums[0] += xf * xf
-                                sums[1] += kf * kf
-                                sums[2] += xf * wl[j] * kf
-                                sums[3] += T.cast(gl[j], T.float32) * T.cast(vl[j], T.float32)
-                    reduce(sums, partial_4W, stats, tid)
-                    T.sync_threads()
-                    scalars(stats, row_scalars)
-                    rstd_x, rstd_k, gate, raw = row_scalars[0], row_scalars[1], row_scalars[2], stats[2]
-                    scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))
-                    live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
-                    slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(stats[3], gate), T.ieee_sub(T.float32(1), gate)), T.float32(0.5))
-                    root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
-                    coefs[0] = gate
-                    coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
-                    coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
-                    coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
-                    for p in T.unroll(per_thread):
-                        c = p * threads + tid
-                        if c < nv:
-                            for j in T.vectorized(vec):
-                                xl[j] = xs[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                kl[j] = ks[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                gl[j] = gs[b, c * vec + j]
-                            for j in T.vectorized(vec):
-                                wl[j] = w_ND[h, c * vec + j]
-                            for j in T.serial(vec):
-                                xf = T.cast(xl[j], T.float32)
-                                kf = T.cast(kl[j], T.float32)
-                                gf = T.cast(gl[j], T.float32)
-                                dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
-                                out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
-                                out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
-                                grad_v[p * vec + j] += gf * coefs[0]
-                                grad_w[acc_index((h * per_thread + p) * vec + j, tid)] += coefs[1] * xf * kf
-                            for j in T.vectorized(vec):
-                                grad_x_TND[row, h, c * vec + j] = out_x[j]
-                            for j in T.vectorized(vec):
-                                grad_k_TND[row, h, c * vec + j] = out_k[j]
-                for p in T.unroll(per_thread):
-                    c = p * threads + tid
-                    if c < nv:
-                        for j in T.serial(vec):
-                            out_v[j] = T.cast(grad_v[p * vec + j], v_dtype)
-                        for j in T.vectorized(vec):
-                            grad_v_TD[row, c * vec + j] = out_v[j]
-            for h in T.unroll(n):
-                for p in T.unroll(per_thread):
-                    c = p * threads + tid
-                    if c < nv:
-                        for j in T.vectorized(vec):
-                            grad_w_CND[cta, h, c * vec + j] = grad_w[acc_index((h * per_thread + p) * vec + j, tid)]
-
-    return gate_backward_staged_kernel
-
-
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # unit roundoff, times two
 
 
@@ -553,7 +408,6 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
-    staged: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype).
@@ -588,8 +442,7 @@ def gate_backward(
     w_ND = wh_ND.float() * we_ND.float()  # as the reference's float32 w
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)]
-    factory = get_gate_backward_staged_kernel if staged else get_gate_backward_kernel
-    factory(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads)(
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)
