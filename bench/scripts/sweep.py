@@ -27,8 +27,6 @@ CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 12
 BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
 GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512, 1024) for c in (1, 2)]
-# (threads, CTAs an SM must fit) of the mHC post backward (153 registers at 128 threads: 3 CTAs)
-POST_BACKWARD_GRIDS = [(64, 1), (64, 8), (128, 4), (128, 5), (128, 6), (256, 1), (256, 2)]
 BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
 
 
@@ -72,12 +70,6 @@ def variants(op: str, inp) -> dict[str, object]:
         args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND, inp.g_TND)
         return {f"threads={t} ctas/SM={c}": functools.partial(gate_backward, *args, threads=t, ctas_per_sm=c)
                 for t, c in GATE_BACKWARD_GRIDS}
-    if op == "mhc_post_backward":
-        from kernels.mhc.post_kernel import post_backward
-
-        args = (inp.f_TD, inp.x_TND, inp.post_TN, inp.comb_TNN, inp.g_TND)
-        return {f"threads={t} min_blocks={m}": functools.partial(post_backward, *args, threads=t, min_blocks=m)
-                for t, m in POST_BACKWARD_GRIDS}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
     raise SystemExit(f"sweep: no variants for {op}")

@@ -126,7 +126,7 @@ def post(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TN
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str, max_threads: int = 128, min_blocks: int = 1):
+def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
     """``(g_TND, f_TD, x_TND, post_TN, comb_TNN, grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN)``
     kernel: the gradients of ``out_j = post_j f + sum_i comb[i, j] x_i`` given ``g = dL/dout``
     (``x``'s dtype): ``grad_f = sum_j post_j g_j`` and ``grad_x_i = sum_j comb[i, j] g_j`` (float32
@@ -137,7 +137,7 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str, max_threa
     a thread loads its vector of ``g`` for all N streams and of ``f``, then each stream of ``x``
     in turn, storing ``grad_f`` and ``grad_x`` and keeping the ``N + N^2`` partial sums."""
     num_tokens = T.dynamic("num_tokens")
-    vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
     sums = n + n * n  # grad_post_j at j, grad_comb[i, j] at n + i * n + j
     reduce = row_reduction(sums, warps)
 
@@ -154,8 +154,6 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str, max_threa
         grad_comb_TNN: T.Tensor[(num_tokens, n, n), T.float32],
     ):
         with T.Kernel(num_tokens, threads=threads) as bt:
-            if min_blocks > 1:
-                T.annotate_min_blocks_per_sm(min_blocks)  # registers capped so that this many CTAs fit an SM
             tid = T.get_thread_binding()
             g_local = T.alloc_local((n * vec,), dtype)
             f_local = T.alloc_local((vec,), f_dtype)
@@ -214,13 +212,11 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str, max_threa
 
 
 def post_backward(
-    f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor, g_TND: torch.Tensor,
-    *, threads: int = 128, min_blocks: int = 1,
+    f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, comb_TNN: torch.Tensor, g_TND: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.mhc.reference.post`: ``(grad_f_TD, grad_x_TND,
     grad_post_TN, grad_comb_TNN)`` for ``g_TND = dL/dout`` (``[T, N, D]`` in ``x_TND``'s dtype), in
-    the dtypes of ``f``, ``x`` and float32. Same inputs as :func:`post`; ``threads`` (at most, per
-    CTA) and ``min_blocks`` (CTAs an SM must fit: caps registers) are tuning (bench/scripts/sweep.py)."""
+    the dtypes of ``f``, ``x`` and float32. Same inputs as :func:`post`."""
     _check_stream("x_TND", x_TND, values=False)
     check_cuda("x_TND", x_TND)
     t, n, d = x_TND.shape
@@ -240,7 +236,7 @@ def post_backward(
     grad_comb_TNN = torch.zeros((t, n, n), dtype=torch.float32, device=x_TND.device)
     if t == 0 or d == 0:
         return grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN
-    kernel = get_post_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(f_TD.dtype), threads, min_blocks)
+    kernel = get_post_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(f_TD.dtype))
     kernel(aligned(g_TND), aligned(f_TD), aligned(x_TND), post_TN.contiguous(), comb_TNN.contiguous(), grad_f_TD,
            grad_x_TND, grad_post_TN, grad_comb_TNN)
     return grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN
