@@ -65,9 +65,10 @@ def variants(op: str, inp) -> dict[str, object]:
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
         return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
     if op == "engram_gate_backward":
-        from kernels.engram.gate_kernel import gate_backward
+        from kernels.engram.gate_kernel import gate, gate_backward
 
-        args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND, inp.g_TND)
+        args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND)
+        args = (*args, inp.g_TND, gate(*args, return_stats=True)[1])
         return {f"threads={t} ctas/SM={c}": functools.partial(gate_backward, *args, threads=t, ctas_per_sm=c)
                 for t, c in GATE_BACKWARD_GRIDS}
     if op == "cast_back":

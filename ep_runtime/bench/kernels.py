@@ -644,7 +644,7 @@ def _case_mhc_post_backward(inp: StreamInputs, tk) -> Case:
 
 def _case_engram_gate_backward(inp: StreamInputs, tk) -> Case:
     from kernels.engram import reference
-    from kernels.engram.gate_kernel import backward_excess, gate_backward
+    from kernels.engram.gate_kernel import backward_excess, gate, gate_backward
 
     x, k, v, wh, we, g = inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND, inp.g_TND
     kv = torch.cat([k, v[:, None]], 1)
@@ -658,11 +658,18 @@ def _case_engram_gate_backward(inp: StreamInputs, tk) -> Case:
         grad_w = partial.sum(0)
         return grad_x, grad_kv, grad_w * we, grad_w * wh
 
-    return Case("engram_gate_backward", _backward(gate_backward, reference.gate, (x, k, v, wh, we, g)),
+    stats = []  # ours, likewise: the forward's row statistics (its kernel's return_stats)
+
+    def ours(*args):
+        if not stats:
+            stats.append(gate(*args[:-1], return_stats=True)[1])
+        return gate_backward(*args, stats[0])
+
+    return Case("engram_gate_backward", _backward(ours, reference.gate, (x, k, v, wh, we, g)),
                 _reference_grads(reference.gate),
                 (x, k, v, wh, we, g), bytes=2 * _nbytes(x, k, v, wh, we) + _nbytes(g),
                 bytes_note="read x, k, g [T,N,D] + v [T,D] bf16 + wh, we f32; write grad_x, grad_k, grad_v, grad_wh, "
-                "grad_we (tile-kernels: from its forward's saved row statistics)",
+                "grad_we (both from their forward's saved row statistics)",
                 exact=False, within=lambda got, want: all(e <= 0 for e in backward_excess(got, want).values()),
                 compile_peer=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
 

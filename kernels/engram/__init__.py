@@ -48,12 +48,14 @@ def gate(
 class _Gate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, add_residual):
-        ctx.save_for_backward(x_TND, k_TND, v_TD, wh_ND, we_ND)
-        ctx.options = dict(clamp=clamp, eps=eps, add_residual=add_residual)
-        return gate_kernel.gate(x_TND, k_TND, v_TD, wh_ND, we_ND, **ctx.options)
+        out_TND, stats_TN3 = gate_kernel.gate(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp=clamp, eps=eps,
+                                              add_residual=add_residual, return_stats=True)
+        ctx.save_for_backward(x_TND, k_TND, v_TD, wh_ND, we_ND, stats_TN3)
+        ctx.options = dict(clamp=clamp, add_residual=add_residual)
+        return out_TND
 
     @staticmethod
     def backward(ctx, g_TND):
-        x_TND = ctx.saved_tensors[0]
-        grads = gate_kernel.gate_backward(*ctx.saved_tensors, g_TND.to(x_TND.dtype), **ctx.options)
+        *inputs, stats_TN3 = ctx.saved_tensors
+        grads = gate_kernel.gate_backward(*inputs, g_TND.to(inputs[0].dtype), stats_TN3, **ctx.options)
         return (*grads, None, None, None)

@@ -37,23 +37,33 @@ from kernels.validate import check_tensor
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
 
 
-def gate_scalars(d: int, eps: float, clamp: float):
-    """A macro ``(stats, out)``: from a row's ``stats = (sum x^2, sum k^2, raw = sum x*w*k)`` it
-    writes ``out = (rstd_x, rstd_k, gate)`` as the forward defines them: ``rstd = 1 / sqrt(sum / D +
-    eps)``, ``dot = raw * rstd_x * rstd_k / sqrt(D)``, ``gate = sigmoid(sign(dot) * sqrt(max(|dot|,
-    clamp)))``; IEEE operations."""
+def gate_value(d: int, clamp: float):
+    """A macro ``(raw, rstd_x, rstd_k, out, i)`` writing the row's gate to ``out[i]``: ``dot = raw *
+    rstd_x * rstd_k / sqrt(D)``, ``gate = sigmoid(sign(dot) * sqrt(max(|dot|, clamp)))``; IEEE
+    operations."""
     sqrt_d = math.sqrt(d)
 
     @T.macro
-    def macro(stats, out):
-        rstd_x = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[0], T.float32(d)), T.float32(eps))))
-        rstd_k = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[1], T.float32(d)), T.float32(eps))))
-        dot = T.ieee_fdiv(T.ieee_mul(T.ieee_mul(stats[2], rstd_x), rstd_k), T.float32(sqrt_d))
+    def macro(raw, rstd_x, rstd_k, out, i):
+        dot = T.ieee_fdiv(T.ieee_mul(T.ieee_mul(raw, rstd_x), rstd_k), T.float32(sqrt_d))
         root = T.ieee_fsqrt(T.max(T.abs(dot), T.float32(clamp)))
         z = T.if_then_else(dot > 0, root, T.if_then_else(dot < 0, -root, T.float32(0)))
-        out[0] = rstd_x
-        out[1] = rstd_k
-        out[2] = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-z)))
+        out[i] = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-z)))
+
+    return macro
+
+
+def gate_scalars(d: int, eps: float, clamp: float):
+    """A macro ``(stats, out)``: from a row's ``stats = (sum x^2, sum k^2, raw = sum x*w*k)`` it
+    writes ``out = (rstd_x, rstd_k, gate)`` as the forward defines them: ``rstd = 1 / sqrt(sum / D +
+    eps)`` and :func:`gate_value`; IEEE operations."""
+    gate = gate_value(d, clamp)
+
+    @T.macro
+    def macro(stats, out):
+        out[0] = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[0], T.float32(d)), T.float32(eps))))
+        out[1] = T.ieee_fdiv(T.float32(1), T.ieee_fsqrt(T.ieee_add(T.ieee_fdiv(stats[1], T.float32(d)), T.float32(eps))))
+        gate(stats[2], out[0], out[1], out, 2)
 
     return macro
 
@@ -79,8 +89,8 @@ def gate_sums(vec: int):
 def get_gate_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool
 ):
-    """``(x_TND, k_TND, v_TD, wh_ND, we_ND, out_TND)`` kernel for ``N = n`` streams of ``D = d``
-    elements (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own dtypes; the
+    """``(x_TND, k_TND, v_TD, wh_ND, we_ND, out_TND, stats_TN3)`` kernel for ``N = n`` streams of
+    ``D = d`` elements (``stats_TN3[t, h] = (rstd_x, rstd_k, raw)``, float32, for the backward) (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own dtypes; the
     token count is dynamic). A thread loads its ``v`` before the row reduction, so that latency
     hides behind the reduction's (286 vs 290 us at T = 8192, N = 4, D = 4096 on an H100)."""
     num_tokens = T.dynamic("num_tokens")
@@ -95,6 +105,7 @@ def get_gate_kernel(
         wh_ND: T.Tensor[(n, d), w_dtype],
         we_ND: T.Tensor[(n, d), w_dtype],
         out_TND: T.Tensor[(num_tokens, n, d), dtype],
+        stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
     ):
         # One grid axis, streams fastest: a token's N CTAs launch together, so v's re-reads hit L2
         # (and the grid's y axis, at most 65535, does not bound the tokens).
@@ -130,6 +141,10 @@ def get_gate_kernel(
                         v_local[p * vec + j] = v_TD[row, c * vec + j]
             reduce(sums, partial_3W, stats, tid)
             scalars(stats, row_scalars)
+            if tid == 0:
+                stats_TN3[row, h, 0] = row_scalars[0]
+                stats_TN3[row, h, 1] = row_scalars[1]
+                stats_TN3[row, h, 2] = stats[2]
             for p in T.unroll(per_thread):
                 c = p * threads + tid
                 if c < nv:
@@ -145,56 +160,46 @@ def get_gate_kernel(
     return gate_kernel
 
 
-# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): up to 512 threads, one CTA
-# per SM: 583 us at D = 4096, 1226 us at D = 7168; 256 threads 574 and 1564; 1024 threads 584 and
-# 1289; two CTAs per SM (the second waits for a free SM: registers and the accumulators allow one)
-# 2-15% slower. Session 7's earlier versions: `kernels/mhc/NOTES.md`.
+# The persistent grid (bench/scripts/sweep.py): see kernels/mhc/NOTES.md for the measurements.
 BACKWARD_THREADS = 512
 BACKWARD_CTAS_PER_SM = 1  # at most one per token
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
-    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, eps: float, add_residual: bool,
+    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
     max_threads: int = BACKWARD_THREADS,
 ):
-    """``(x_TND, k_TND, v_TD, w_ND, g_TND, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)`` kernel
-    (``w = wh * we`` in float32): the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s
-    formulas), the weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k``
-    (float32; the caller sums over ``C`` and multiplies by ``we`` and ``wh``).
+    """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
+    grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
+    raw)``): the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas), the
+    weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k`` (float32; the caller
+    sums over ``C`` and multiplies by ``we`` and ``wh``).
 
-    A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``
-    and their streams in turn, so that ``x`` and ``k`` are read once for every gradient: the
-    weight gradients accumulate in shared memory (each thread its ``N`` streams times its columns, a
-    thread's a stride apart) and are stored once at the end. A row (a token's stream) of ``x``,
-    ``k`` and ``g`` is loaded into registers one row ahead (its loads are in flight while the
-    previous row reduces and stores) and stays there for both passes; ``v`` is loaded per row (from
-    L2 after the token's first stream). The first pass reduces ``sum x^2``, ``sum k^2``, ``raw =
-    sum x*w*k`` and ``dL/dgate = sum g*v`` (warp shuffles, then the warps in order), every thread
-    derives the row's scalars (IEEE, as the forward), and the second stores ``grad_x`` and
-    ``grad_k`` and adds ``g * gate`` to the thread's ``grad_v`` registers, stored after the token's
-    last stream. The per-element arithmetic may contract into FMAs (the gradients are held to a
-    reassociation bound, not bits), which halves the kernel's instructions."""
+    A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``,
+    so that ``x`` and ``k`` are read once for every gradient: the weight gradients accumulate in
+    shared memory (each thread its ``N`` streams times its columns, a thread's a stride apart) and
+    are stored once at the end. Per token, a thread loads its vectors of ``g`` for every stream and
+    of ``v``, and of the first stream's ``x`` and ``k``; ``dL/dgate = sum g*v`` of all N streams is
+    one CTA reduction (warp shuffles, then the warps in order); then stream by stream, with the next
+    stream's ``x`` and ``k`` loading, it derives the row's coefficients from the saved statistics
+    and stores ``grad_x`` and ``grad_k``, adding ``g * gate`` to its ``grad_v`` registers. The
+    per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound,
+    not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
-    scalars, reduce = gate_scalars(d, eps, clamp), row_reduction(4, warps)
+    reduce, gate_of = row_reduction(n, warps), gate_value(d, clamp)
     width = per_thread * vec  # a thread's elements of a row
 
     @T.macro
-    def load(src, row, h, dst, tid):
-        """A thread's vectors of ``src[row, h]`` into ``dst``."""
+    def load(src, row, h, dst, off, tid):
+        """A thread's vectors of ``src[row, h]`` into ``dst[off:]``."""
         for p in T.unroll(per_thread):
             c = p * threads + tid
             if c < nv:
                 for j in T.vectorized(vec):
-                    dst[p * vec + j] = src[row, h, c * vec + j]
-
-    @T.macro
-    def copy(src, dst):
-        for p in T.unroll(per_thread):
-            for j in T.vectorized(vec):  # whole vectors: 16-bit elements stay packed two to a register
-                dst[p * vec + j] = src[p * vec + j]
+                    dst[off + p * vec + j] = src[row, h, c * vec + j]
 
     def acc_index(e, tid):
         return e * threads + tid  # a thread's accumulators a stride apart: a warp's accesses hit 32 banks
@@ -206,6 +211,7 @@ def get_gate_backward_kernel(
         v_TD: T.Tensor[(num_tokens, d), v_dtype],
         w_ND: T.Tensor[(n, d), T.float32],
         g_TND: T.Tensor[(num_tokens, n, d), dtype],
+        stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
         grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
         grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
         grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
@@ -213,68 +219,55 @@ def get_gate_backward_kernel(
     ):
         with T.Kernel(num_ctas, threads=threads) as cta:
             tid = T.get_thread_binding()
-            x_cur, x_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
-            k_cur, k_next = T.alloc_local((width,), k_dtype), T.alloc_local((width,), k_dtype)
-            g_cur, g_next = T.alloc_local((width,), dtype), T.alloc_local((width,), dtype)
-            vl = T.alloc_local((vec,), v_dtype)
+            g_rows = T.alloc_local((n * width,), dtype)
+            v_row = T.alloc_local((width,), v_dtype)
+            x_rows = T.alloc_local((2 * width,), dtype)  # this stream's and the next's (unrolled: registers)
+            k_rows = T.alloc_local((2 * width,), k_dtype)
             wl = T.alloc_local((vec,), T.float32)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
             grad_v = T.alloc_local((width,), T.float32)
             grad_w = T.alloc_shared((n * width * threads,), T.float32)
-            sums = T.alloc_local((4,), T.float32)  # sum x^2, sum k^2, raw, dL/dgate
-            stats = T.alloc_local((4,), T.float32)
-            row_scalars = T.alloc_local((3,), T.float32)  # rstd_x, rstd_k, gate
+            dgate = T.alloc_local((n,), T.float32)  # dL/dgate per stream: this thread's part, then the CTA's
+            totals = T.alloc_local((n,), T.float32)
+            partial_NW = T.alloc_shared((n, warps), T.float32)
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
-            partial_4W = T.alloc_shared((4, warps), T.float32)
             for e in T.serial(n * width):
                 grad_w[acc_index(e, tid)] = T.float32(0)
-            first = T.Cast(T.int64, cta)
-            load(x_TND, first, 0, x_next, tid)
-            load(k_TND, first, 0, k_next, tid)
-            load(g_TND, first, 0, g_next, tid)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
+                for h in T.unroll(n):
+                    load(g_TND, row, h, g_rows, h * width, tid)
+                for p in T.unroll(per_thread):
+                    c = p * threads + tid
+                    if c < nv:
+                        for j in T.vectorized(vec):
+                            v_row[p * vec + j] = v_TD[row, c * vec + j]
+                load(x_TND, row, 0, x_rows, 0, tid)
+                load(k_TND, row, 0, k_rows, 0, tid)
+                for h in T.unroll(n):
+                    dgate[h] = T.float32(0)
+                    for p in T.unroll(per_thread):
+                        if p * threads + tid < nv:
+                            for j in T.serial(vec):
+                                e = p * vec + j
+                                dgate[h] += T.cast(g_rows[h * width + e], T.float32) * T.cast(v_row[e], T.float32)
+                reduce(dgate, partial_NW, totals, tid)
+                T.sync_threads()  # every thread has read the partials before the next token writes them
                 for e in T.unroll(width):
                     grad_v[e] = T.float32(0)
                 for h in T.unroll(n):
-                    copy(x_next, x_cur)
-                    copy(k_next, k_cur)
-                    copy(g_next, g_cur)
                     if h < n - 1:
-                        load(x_TND, row, h + 1, x_next, tid)
-                        load(k_TND, row, h + 1, k_next, tid)
-                        load(g_TND, row, h + 1, g_next, tid)
-                    elif row + num_ctas < num_tokens:
-                        load(x_TND, row + num_ctas, 0, x_next, tid)
-                        load(k_TND, row + num_ctas, 0, k_next, tid)
-                        load(g_TND, row + num_ctas, 0, g_next, tid)
-                    for s in T.serial(4):
-                        sums[s] = T.float32(0)
-                    for p in T.unroll(per_thread):
-                        c = p * threads + tid
-                        if c < nv:
-                            for j in T.vectorized(vec):
-                                wl[j] = w_ND[h, c * vec + j]
-                            for j in T.vectorized(vec):
-                                vl[j] = v_TD[row, c * vec + j]
-                            for j in T.serial(vec):
-                                xf = T.cast(x_cur[p * vec + j], T.float32)
-                                kf = T.cast(k_cur[p * vec + j], T.float32)
-                                sums[0] += xf * xf
-                                sums[1] += kf * kf
-                                sums[2] += xf * wl[j] * kf
-                                sums[3] += T.cast(g_cur[p * vec + j], T.float32) * T.cast(vl[j], T.float32)
-                    reduce(sums, partial_4W, stats, tid)
-                    T.sync_threads()  # every thread has read the partials before the next row writes them
-                    scalars(stats, row_scalars)
-                    rstd_x, rstd_k, gate, raw = row_scalars[0], row_scalars[1], row_scalars[2], stats[2]
+                        load(x_TND, row, h + 1, x_rows, ((h + 1) % 2) * width, tid)
+                        load(k_TND, row, h + 1, k_rows, ((h + 1) % 2) * width, tid)
+                    rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
+                    gate_of(raw, rstd_x, rstd_k, coefs, 0)
                     scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
                     live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
-                    slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(stats[3], gate), T.ieee_sub(T.float32(1), gate)), T.float32(0.5))
+                    slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(totals[h], coefs[0]), T.ieee_sub(T.float32(1), coefs[0])),
+                                       T.float32(0.5))
                     root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
-                    coefs[0] = gate
                     coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
                     coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
                     coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
@@ -284,14 +277,15 @@ def get_gate_backward_kernel(
                             for j in T.vectorized(vec):
                                 wl[j] = w_ND[h, c * vec + j]
                             for j in T.serial(vec):
-                                xf = T.cast(x_cur[p * vec + j], T.float32)
-                                kf = T.cast(k_cur[p * vec + j], T.float32)
-                                gf = T.cast(g_cur[p * vec + j], T.float32)
+                                e = p * vec + j
+                                xf = T.cast(x_rows[(h % 2) * width + e], T.float32)
+                                kf = T.cast(k_rows[(h % 2) * width + e], T.float32)
+                                gf = T.cast(g_rows[h * width + e], T.float32)
                                 dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
                                 out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
                                 out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
-                                grad_v[p * vec + j] += gf * coefs[0]
-                                grad_w[acc_index((h * per_thread + p) * vec + j, tid)] += coefs[1] * xf * kf
+                                grad_v[e] += gf * coefs[0]
+                                grad_w[acc_index(h * width + e, tid)] += coefs[1] * xf * kf
                             for j in T.vectorized(vec):
                                 grad_x_TND[row, h, c * vec + j] = out_x[j]
                             for j in T.vectorized(vec):
@@ -308,7 +302,7 @@ def get_gate_backward_kernel(
                     c = p * threads + tid
                     if c < nv:
                         for j in T.vectorized(vec):
-                            grad_w_CND[cta, h, c * vec + j] = grad_w[acc_index((h * per_thread + p) * vec + j, tid)]
+                            grad_w_CND[cta, h, c * vec + j] = grad_w[acc_index(h * width + p * vec + j, tid)]
 
     return gate_backward_kernel
 
@@ -363,7 +357,8 @@ def gate(
     clamp: float = 1e-6,
     eps: float = 1e-6,
     add_residual: bool = True,
-) -> torch.Tensor:
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TileLang :func:`kernels.engram.reference.gate`, the forward (no autograd here: ``kernels.engram.gate``
     pairs it with :func:`gate_backward`).
 
@@ -374,7 +369,8 @@ def gate(
         clamp, eps, add_residual: as the reference.
 
     Returns:
-        ``out_TND`` ``[T, N, D]`` in ``x_TND``'s dtype.
+        ``out_TND`` ``[T, N, D]`` in ``x_TND``'s dtype; with ``return_stats``, also ``stats_TN3``:
+        each row's ``(rstd_x, rstd_k, raw = sum x*w*k)`` in float32, for :func:`gate_backward`.
     """
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
     check_cuda("x_TND", x_TND)
@@ -386,13 +382,13 @@ def gate(
         )
     t, n, d = x_TND.shape
     out_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
-    if t * n * d == 0:
-        return out_TND
-    kernel = get_gate_kernel(
-        n, d, *(tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)), float(clamp), float(eps), bool(add_residual)
-    )
-    kernel(aligned(x_TND), aligned(k_TND), aligned(v_TD), aligned(wh_ND), aligned(we_ND), out_TND)
-    return out_TND
+    stats_TN3 = torch.zeros((t, n, 3), dtype=torch.float32, device=x_TND.device)
+    if t * n * d:
+        kernel = get_gate_kernel(
+            n, d, *(tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)), float(clamp), float(eps), bool(add_residual)
+        )
+        kernel(aligned(x_TND), aligned(k_TND), aligned(v_TD), aligned(wh_ND), aligned(we_ND), out_TND, stats_TN3)
+    return (out_TND, stats_TN3) if return_stats else out_TND
 
 
 def gate_backward(
@@ -402,21 +398,23 @@ def gate_backward(
     wh_ND: torch.Tensor,
     we_ND: torch.Tensor,
     g_TND: torch.Tensor,
+    stats_TN3: torch.Tensor,
     *,
     clamp: float = 1e-6,
-    eps: float = 1e-6,
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
-    grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype).
-    Same inputs as :func:`gate`; the gate's row statistics are recomputed, not saved. ``threads``
+    grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
+    and the forward's row statistics ``stats_TN3`` (``gate(..., return_stats=True)``). Same inputs
+    as :func:`gate`. ``threads``
     (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid (tuning, bench/scripts/sweep.py;
     the defaults are measured)."""
-    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
+    check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, 0.0, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
+    check_tensor("stats_TN3", stats_TN3, dtype=torch.float32, shape=(*x_TND.shape[:2], 3), device=x_TND.device)
     if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
         raise TypeError(
             "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
@@ -441,8 +439,8 @@ def gate_backward(
     grad_w_CND = torch.empty((min(t, sms * ctas_per_sm), n, d), dtype=torch.float32, device=x_TND.device)
     w_ND = wh_ND.float() * we_ND.float()  # as the reference's float32 w
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
-    args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), float(eps), bool(add_residual), threads)(
+    args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)
