@@ -160,8 +160,9 @@ def get_gate_kernel(
     return gate_kernel
 
 
-# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): 512 threads, one CTA per SM: 541 / 967 us
-# at D = 4096 / 7168; 256 threads 592 / 1170, 1024 threads 540 / 1214; two CTAs per SM 1-2% slower.
+# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): 512 threads, one CTA per
+# SM: 541 / 967 us at D = 4096 / 7168; 256 threads 592 / 1170, 1024 threads 540 / 1214; two CTAs
+# per SM 1-2% slower.
 BACKWARD_THREADS = 512
 BACKWARD_CTAS_PER_SM = 1  # at most one per token
 
