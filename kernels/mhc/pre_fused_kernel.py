@@ -113,13 +113,15 @@ ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10
 
 def within_tolerance(x_TND: torch.Tensor, got: tuple, want: tuple) -> bool:
     """Whether this kernel's ``(y, post, comb)`` agree with the reference's ``want`` for input
-    ``x_TND``. The mixes differ by float32 summation order (a few ulps relative); through the
-    sigmoids and the Sinkhorn that stays ~1e-6 in ``post``, ``comb`` and the ``pre`` weights, so
-    ``y = sum_i pre_i x_i`` may differ by 1e-6 of ``sum_i |x_i|`` (large next to ``|y|`` where the
-    sum cancels), then round the other way: two units in the last place of ``y``'s dtype."""
+    ``x_TND``. The mixes differ by float32 summation order (a few ulps relative, over ``N * D``
+    terms); through the sigmoids and the Sinkhorn that stays within ``1e-5`` relative + ``1e-6`` in
+    ``post``, ``comb`` and the ``pre`` weights (up to 5.6e-6 absolute in ``post`` measured at
+    D = 7168 on an H100), so ``y = sum_i pre_i x_i`` may differ by 1e-5 of ``sum_i |x_i|`` (large
+    next to ``|y|`` where the sum cancels), then round the other way: two units in the last place of
+    ``y``'s dtype. (A 1e-6 allowance for ``y`` failed once in six seeds at D = 7168, by 2e-7.)"""
     close = all(torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got[1:], want[1:]))
     y, y_want = got[0].double(), want[0].double()
-    bound = 2 * ULP[want[0].dtype] * y_want.abs() + 1e-6 * x_TND.double().abs().sum(1)
+    bound = 2 * ULP[want[0].dtype] * y_want.abs() + 1e-5 * x_TND.double().abs().sum(1)
     return close and bool(torch.all((y - y_want).abs() <= bound))
 
 
