@@ -31,16 +31,11 @@ class RowGeometry(NamedTuple):
     warps: int
 
 
-def row_geometry(d: int, dtype: str, max_threads: int = 128, balanced: bool = False) -> RowGeometry:
-    """``balanced``: as few whole warps as give every thread the same number of vectors (the last
-    warp excepted), not a power of two (896 threads for D = 7168 in bf16 at up to 1024)."""
+def row_geometry(d: int, dtype: str, max_threads: int = 128) -> RowGeometry:
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     threads = row_threads(nv, max_threads)
-    per_thread = -(-nv // threads)
-    if balanced:
-        threads = -(-(-(-nv // per_thread)) // WARP) * WARP  # ceil(ceil(nv / per_thread) / WARP) warps
-    return RowGeometry(vec, nv, threads, per_thread, threads // WARP)
+    return RowGeometry(vec, nv, threads, -(-nv // threads), threads // WARP)
 
 
 def row_reduction(count: int, warps: int):

@@ -25,8 +25,8 @@ from ep_runtime.bench import kernels as bench
 TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (8, 1024, 256), (1, 1024, 128)]
 CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 128)]
 BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
-# (threads, balanced thread count) of the persistent Engram gate backward
-GATE_BACKWARD_GRIDS = [(t, b) for t in (512, 1024) for b in (False, True)]
+# (threads, CTAs per SM) of the persistent Engram gate backward
+GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512, 1024) for c in (1, 2)]
 BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
 
 
@@ -69,8 +69,8 @@ def variants(op: str, inp) -> dict[str, object]:
 
         args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND)
         args = (*args, inp.g_TND, gate(*args, return_stats=True)[1])
-        return {f"threads={t} balanced={b}": functools.partial(gate_backward, *args, threads=t, balanced=b)
-                for t, b in GATE_BACKWARD_GRIDS}
+        return {f"threads={t} ctas/SM={c}": functools.partial(gate_backward, *args, threads=t, ctas_per_sm=c)
+                for t, c in GATE_BACKWARD_GRIDS}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
     raise SystemExit(f"sweep: no variants for {op}")

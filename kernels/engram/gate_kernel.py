@@ -170,7 +170,7 @@ BACKWARD_CTAS_PER_SM = 1  # at most one per token
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS, balanced: bool = False,
+    max_threads: int = BACKWARD_THREADS,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -190,7 +190,7 @@ def get_gate_backward_kernel(
     not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
-    vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads, balanced)
+    vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
     reduce, gate_of = row_reduction(n, warps), gate_value(d, clamp)
     width = per_thread * vec  # a thread's elements of a row
 
@@ -406,7 +406,6 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
-    balanced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
@@ -443,7 +442,7 @@ def gate_backward(
     w_ND = wh_ND.float() * we_ND.float()  # as the reference's float32 w
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads, balanced)(
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)
