@@ -12,7 +12,8 @@ stage) against the schedule's formula ``(P - 1) / (M + P - 1)``
 (1F1B and GPipe alike, forward and backward taken as one slot each; ``(P - 1) / (V M + P - 1)``
 interleaved over V virtual stages; 1F1B's for ``overlap``, whose second lane starts one forward
 after the first, so the two fill the stages as 1F1B's M micro-batches do, with a stage idle only
-while both lanes wait), and the peak memory: CUDA's
+while both lanes wait) and against the same formula for the stages' measured costs (``model``,
+:func:`bubble_model`: the formula assumes equal stages), and the peak memory: CUDA's
 peak allocation on GPUs, the process's peak resident set on CPU (which only grows: configurations
 run in the order given). Writes ``pipeline.json`` and ``pipeline.png`` under ``--out``.
 """
@@ -35,6 +36,17 @@ def bubble_formula(pp: int, microbatches: int, virtual_stages: int = 1) -> float
     """The idle fraction of 1F1B and GPipe with equal forward and backward slots; interleaving V
     chunks per stage divides the warmup and cooldown by V: ``(P - 1) / (V M + P - 1)``."""
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def bubble_model(compute_s: list[float], microbatches: int, virtual_stages: int = 1) -> list[float]:
+    """Per stage, the idle fraction of a pipeline whose stage ``s`` computes ``compute_s[s]`` per
+    micro-batch (forward and backward, measured): the step lasts the slowest stage's ``M`` slots
+    plus the other stages' one slot each of warm-up and cool-down (divided by ``V`` when
+    interleaved), ``M max c + (sum c - max c) / V``, of which stage ``s`` computes ``M c_s``. Equal
+    stages give :func:`bubble_formula`."""
+    slowest = max(compute_s)
+    step = microbatches * slowest + (sum(compute_s) - slowest) / virtual_stages
+    return [1 - microbatches * c / step for c in compute_s]
 
 
 def bench_worker(a: argparse.Namespace) -> dict | None:
@@ -105,17 +117,24 @@ def summarize(result: dict) -> list[dict]:
     """One row per (schedule, M, stage). A step lasts until its slowest rank is done; a stage's
     bubble in it is the part of that time its ranks were not computing (waiting on a neighbour,
     or done early): ``1 - (own step - own wait) / step``, the median over steps and the stage's
-    ranks."""
+    ranks; ``bubble_model`` from the stages' compute per micro-batch (``(own step - own wait) / M``,
+    medians; none for ``overlap``, whose lanes share the stages)."""
     out = []
     for schedule, m in sorted({(r["schedule"], r["microbatches"]) for r in result["rows"]}):
         rs = [r for r in result["rows"] if (r["schedule"], r["microbatches"]) == (schedule, m)]
         step_s = [max(per_step) for per_step in zip(*(r["step_s"] for r in rs))]
-        for stage in sorted({r["stage"] for r in rs}):
+        stages = sorted({r["stage"] for r in rs})
+        compute_s = [statistics.median((own - wait) / m for r in rs if r["stage"] == stage
+                                       for own, wait in zip(r["step_s"], r["wait_s"])) for stage in stages]
+        model = (bubble_model(compute_s, m, rs[0]["virtual_stages"]) if schedule != "overlap"
+                 else [None] * len(stages))
+        for stage, compute, modelled in zip(stages, compute_s, model):
             mine = [r for r in rs if r["stage"] == stage]
             bubbles = [1 - (own - wait) / step for r in mine for own, wait, step in zip(r["step_s"], r["wait_s"], step_s)]
             out.append({"schedule": schedule, "microbatches": m, "stage": stage, "step_s": statistics.median(step_s),
-                        "bubble": statistics.median(bubbles),
+                        "compute_per_microbatch_s": compute, "bubble": statistics.median(bubbles),
                         "bubble_formula": bubble_formula(result["pp"], m, rs[0]["virtual_stages"]),
+                        "bubble_model": modelled,
                         "peak_memory_mb": max(r["peak_memory_bytes"] for r in mine) / 2**20})
     return out
 
@@ -154,17 +173,20 @@ def main(argv: list[str] | None = None) -> dict | None:
               "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
               "spec": {k: v for k, v in vars(a).items() if k != "out"},
               "bubble": "measured: time a stage's ranks waited on a neighbour / step time (median over steps and "
-                        "ranks); formula: (P - 1) / (M + P - 1)",
+                        "ranks); formula: (P - 1) / (M + P - 1); model: the same for the stages' measured "
+                        "compute per micro-batch c, M max c + (sum c - max c) / V",
               "rows": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pipeline.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"pipeline on {report['device']}: PP={report['pp']} x EP={report['ep']}, model {a.model}, "
           f"{a.batch_size} x {a.seq_len} tokens per data rank")
-    print(f"{'schedule':>8} {'M':>3} {'stage':>5} {'step ms':>9} {'bubble':>7} {'formula':>7} {'peak MB':>9}")
+    print(f"{'schedule':>8} {'M':>3} {'stage':>5} {'step ms':>9} {'bubble':>7} {'formula':>7} {'model':>7} "
+          f"{'peak MB':>9}")
     for r in rows:
+        model = "-" if r["bubble_model"] is None else f"{r['bubble_model']:.3f}"
         print(f"{r['schedule']:>8} {r['microbatches']:>3} {r['stage']:>5} {r['step_s'] * 1e3:9.1f} "
-              f"{r['bubble']:7.3f} {r['bubble_formula']:7.3f} {r['peak_memory_mb']:9.1f}")
+              f"{r['bubble']:7.3f} {r['bubble_formula']:7.3f} {model:>7} {r['peak_memory_mb']:9.1f}")
     png = plot(rows, out / "pipeline.png")
     print(f"wrote {out / 'pipeline.json'}" + (f" and {png}" if png else ""))
     return report

@@ -74,7 +74,9 @@ def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
     for (schedule, m, _), r in rows.items():
         chunks = 2 if schedule == "interleaved" else 1
         assert r["bubble_formula"] == 1 / (chunks * m + 1) and 0 <= r["bubble"] < 1 and r["step_s"] > 0
-        assert r["peak_memory_mb"] > 0
+        assert r["peak_memory_mb"] > 0 and r["compute_per_microbatch_s"] > 0
+        assert (r["bubble_model"] is None) == (schedule == "overlap")
+        assert r["bubble_model"] is None or 0 <= r["bubble_model"] < 1
     assert (tmp_path / "pipeline.png").stat().st_size > 10_000
 
 
