@@ -1,5 +1,5 @@
-"""TileLang kernel of :func:`kernels.engram.reference.gate` (forward): per token ``t`` and mHC stream
-``h``, ``dot = sum_d x * wh * we * k * rstd(x) * rstd(k) / sqrt(D)``,
+"""TileLang kernels of :func:`kernels.engram.reference.gate`, forward and backward: per token ``t``
+and mHC stream ``h``, ``dot = sum_d x * wh * we * k * rstd(x) * rstd(k) / sqrt(D)``,
 ``gate = sigmoid(sign(dot) * sqrt(max(|dot|, clamp)))``, ``out = x + gate * v`` (or ``gate * v``).
 
 Memory-bound: one CTA per (token, stream) row. Each thread loads its vectors of ``x`` (kept in
@@ -13,7 +13,9 @@ instead, v came from memory N times and the kernel reached 77% of copy on an H20
 
 The float32 math mirrors the reference's operations (``(x * (wh * we)) * k``; ``sqrt`` and the
 divisions IEEE, no FMA contraction) but sums over ``D`` in another order than PyTorch's reduction,
-so results match within the tolerance the GPU tests state, not bit for bit.
+so results match within the tolerance the GPU tests state, not bit for bit. The forward also
+writes each row's ``(rstd_x, rstd_k, raw)`` (12 bytes), from which the backward
+(:func:`get_gate_backward_kernel`, one persistent kernel for all five gradients) starts.
 
 Shape suffixes (as in :mod:`kernels.engram.reference`): T tokens, N mHC streams, D hidden size.
 """
@@ -90,8 +92,9 @@ def get_gate_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, eps: float, add_residual: bool
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, out_TND, stats_TN3)`` kernel for ``N = n`` streams of
-    ``D = d`` elements (``stats_TN3[t, h] = (rstd_x, rstd_k, raw)``, float32, for the backward) (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own dtypes; the
-    token count is dynamic). A thread loads its ``v`` before the row reduction, so that latency
+    ``D = d`` elements (``x``/``out`` of ``dtype``, ``k``, ``v`` and both weights of their own
+    dtypes; the token count is dynamic; ``stats_TN3[t, h] = (rstd_x, rstd_k, raw)`` in float32, for
+    the backward). A thread loads its ``v`` before the row reduction, so that latency
     hides behind the reduction's (286 vs 290 us at T = 8192, N = 4, D = 4096 on an H100)."""
     num_tokens = T.dynamic("num_tokens")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype)
