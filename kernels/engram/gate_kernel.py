@@ -337,6 +337,16 @@ def supports(x_TND, k_TND, v_TD, wh_ND, we_ND) -> bool:
     return all(t.dtype in KERNEL_DTYPES for t in tensors) and wh_ND.dtype == we_ND.dtype
 
 
+def check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND) -> None:
+    """A TypeError naming the dtypes unless :func:`supports` takes them."""
+    if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
+        raise TypeError(
+            "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
+            f"of one dtype, got {x_TND.dtype}, {k_TND.dtype}, {v_TD.dtype}, {wh_ND.dtype}, {we_ND.dtype} "
+            "(use kernels.engram.reference.gate)"
+        )
+
+
 def backward_shared_bytes(n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS) -> int:
     """Shared memory of a backward CTA: the weight gradients' float32 accumulators (``N`` times a
     row, padded to whole thread vectors) and the row reduction's partials."""
@@ -379,12 +389,7 @@ def gate(
     """
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, eps, values=False)
     check_cuda("x_TND", x_TND)
-    if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
-        raise TypeError(
-            "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
-            f"of one dtype, got {x_TND.dtype}, {k_TND.dtype}, {v_TD.dtype}, {wh_ND.dtype}, {we_ND.dtype} "
-            "(use kernels.engram.reference.gate)"
-        )
+    check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND)
     t, n, d = x_TND.shape
     out_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
     stats_TN3 = torch.empty((t, n, 3), dtype=torch.float32, device=x_TND.device)  # unread when empty rows
@@ -413,19 +418,13 @@ def gate_backward(
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
     and the forward's row statistics ``stats_TN3`` (``gate(..., return_stats=True)``). Same inputs
-    as :func:`gate`. ``threads``
-    (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid (tuning, bench/scripts/sweep.py;
-    the defaults are measured)."""
+    as :func:`gate`. ``threads`` (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid
+    (tuning, bench/scripts/sweep.py; the defaults are measured)."""
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, 0.0, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
     check_tensor("stats_TN3", stats_TN3, dtype=torch.float32, shape=(*x_TND.shape[:2], 3), device=x_TND.device)
-    if not supports(x_TND, k_TND, v_TD, wh_ND, we_ND):
-        raise TypeError(
-            "x_TND/k_TND/v_TD/wh_ND/we_ND: the kernel takes bfloat16/float16/float32 tensors with wh and we "
-            f"of one dtype, got {x_TND.dtype}, {k_TND.dtype}, {v_TD.dtype}, {wh_ND.dtype}, {we_ND.dtype} "
-            "(use kernels.engram.reference.gate)"
-        )
+    check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND)
     if not backward_fits(x_TND, threads):
         raise ValueError(
             f"x_TND: N * D = {x_TND.shape[1]} * {x_TND.shape[2]} needs "
