@@ -28,6 +28,12 @@ BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
 GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512, 1024) for c in (1, 2)]
 BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
+# SwiGLU forward: (tile, approx); approx is the approximate-math probe (ex2/rcp.approx.ftz, not the
+# reference's bits: its check fails by design), the bound of what fewer instructions could give.
+SWIGLU_VARIANTS = {"approx probe": ((1, 1024, 128), True), "tile=(2, 1024, 128)": ((2, 1024, 128), False),
+                   "tile=(4, 1024, 256)": ((4, 1024, 256), False), "tile=(1, 2048, 256)": ((1, 2048, 256), False)}
+# expand + per-token cast: (tile_m, tile_n, threads, vec); vec 16 stores 16 e4m3 bytes a thread
+EXPAND_CAST_TILES = [(1, 1024, 64, 16), (2, 1024, 128, 8), (2, 1024, 64, 16), (4, 1024, 256, 8)]
 
 
 def _cast_variant(x, block, tile):
@@ -58,8 +64,45 @@ def _cast_back_variant(q, sf, tile):
     return call
 
 
+def _swiglu_variant(x, cast, tile, approx):
+    from kernels.quant.swiglu_kernel import get_swiglu_forward_kernel
+
+    t, inter = x.shape[0], x.shape[1] // 2
+    kernel = get_swiglu_forward_kernel(inter, "bfloat16", 128, cast, False, False, False, tile=tile, approx=approx)
+    rows = torch.full((1,), t, dtype=torch.int32, device=x.device)
+
+    def call():
+        out = torch.empty((t, inter), dtype=torch.float8_e4m3fn if cast else x.dtype, device=x.device)
+        sf = torch.empty((t, -(-inter // 128)), dtype=torch.float32, device=x.device)
+        kernel(x, out, sf, rows)
+        return (out, sf) if cast else out
+
+    return call
+
+
+def _expand_cast_variant(x, layout, tile):
+    from kernels.permute.expand_quant_kernel import get_expand_per_token_cast_kernel
+
+    (t, d), k = x.shape, layout.pos_TK.shape[1]
+    kernel = get_expand_per_token_cast_kernel(d, k, "bfloat16", 128, False, False, tile=tile[:3], vec=tile[3])
+    pos, src = layout.pos_TK.to(torch.int32), layout.src_P.to(torch.int32)
+
+    def call():
+        q = torch.empty((layout.num_rows, d), dtype=torch.float8_e4m3fn, device=x.device)
+        sf = torch.empty((layout.num_rows, -(-d // 128)), dtype=torch.float32, device=x.device)
+        kernel(x, pos, src, q, sf)
+        return q, sf
+
+    return call
+
+
 def variants(op: str, inp) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
+    if op in ("swiglu", "swiglu_per_token_cast"):
+        return {label: _swiglu_variant(inp.x_TI2, op != "swiglu", tile, approx)
+                for label, (tile, approx) in SWIGLU_VARIANTS.items()}
+    if op == "expand_per_token_cast":
+        return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
         block, tiles = {"per_token_cast": ((1, 128), TOKEN_TILES), "per_block_cast": ((128, 128), BLOCK_TILES),
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
@@ -81,6 +124,7 @@ def main() -> None:
     p.add_argument("--ops", default="per_token_cast,per_channel_cast,per_block_cast,cast_back")
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--compile-budget", type=float, default=60, help="seconds of torch.compile for the peers")
     a = p.parse_args()
     device = torch.device("cuda")
     seed = int(time.time()) % 100_000
@@ -88,13 +132,14 @@ def main() -> None:
     copy = bench.copy_bandwidth(timer, 1 << 30)
     print(f"{bench.device_name(device)}  copy {copy['gbps']:.0f} GB/s  seed {seed}", flush=True)
     rows = []
+    budget = bench.CompileBudget(a.compile_budget)  # torch.compile of the reference, the peer where it is fastest
     for op in a.ops.split(","):
         shapes = ["v4-d4096", "v4-d7168"] if op in bench.MHC_OPS else ["large"]
         for shape_name in shapes:
             shape = bench.SHAPES[shape_name]
             inp = (bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs)(shape, device, seed)
             (case,), _ = bench.build_cases(inp, [op], with_peers=True)
-            shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=None, impl="tilelang")
+            shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=budget, impl="tilelang")
             peer_us = {name: r.get("time_us", r.get("error")) for name, r in shipped.pop("peers", {}).items()}
             found = {"shipped": shipped}
             for label, thunk in variants(op, inp).items():

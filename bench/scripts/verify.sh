@@ -15,6 +15,8 @@
 #   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
 #                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops).
 #   profile-mhc  the mHC sublayer's GPU time by kernel, T = 8192, N = 4, D = 4096 (GPU 0).
+#   moe-layer    the DeepSeek-V3 MoE layer forward+backward on one GPU (EP 1), TileLang kernels vs the
+#                references (EP_KERNELS), issue #3's end-to-end number.
 #   dispatch-profile  bench dispatch on two GPUs with --profile: where nvlink dispatch + combine
 #                spend their GPU time (issue #9's bandwidth bars), 4096 and 128 tokens per rank.
 set -u
@@ -62,6 +64,12 @@ for step in "$@"; do
       LIMIT=200 run bench-dispatch torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --profile \
         --out "$out" --commit "$commit"
       grep -A40 "profile of" "$out/bench-dispatch.log" | cut -c1-180 | head -90 ;;
+    moe-layer)
+      for k in tilelang reference; do
+        EP_KERNELS=$k LIMIT=200 run moe-layer-$k torchrun --standalone --nproc-per-node 1 -m ep_runtime.bench.ep_scaling \
+          --shape deepseek-v3 --modes weak --max-ep 1 --warmup 2 --iters 5 --out "$out/moe-$k" --commit "$commit"
+        grep "EP " "$out/moe-layer-$k.log" | tail -2 | cut -c1-200
+      done ;;
     profile-mhc)
       LIMIT=120 run profile-mhc python3 bench/scripts/profile_mhc.py
       grep -v INFO "$out/profile-mhc.log" | head -40 | cut -c1-200 ;;

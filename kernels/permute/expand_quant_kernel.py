@@ -41,13 +41,14 @@ PAD_ROWS = 64  # layout rows a padding CTA checks (and zeroes where src_P is -1)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: int, round_sf: bool, pack_sf: bool):
+def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: int, round_sf: bool, pack_sf: bool,
+                                     tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_TD, pos_TK, src_P, q_PD, sf_PG)`` kernel: token t cast to e4m3 with one scale per
     ``group`` columns, stored to rows ``pos_TK[t, :]`` (zeros and the floor scale where ``src_P``
-    is -1)."""
+    is -1). ``tile`` and ``vec`` override the tile and the elements a thread holds (sweeps)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    vec = vector_width(hidden, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = blockwise_tile(hidden, (1, group), vec)
+    vec = vec or vector_width(hidden, T.dtype(dtype).bytes)
+    tile_m, tile_n, threads = tile or blockwise_tile(hidden, (1, group), vec)
     tile_g = tile_n // group
     layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"

@@ -39,9 +39,23 @@ def silu(g):
     return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
 
 
+APPROX_SOURCE = """
+__device__ __forceinline__ float ep_ex2_ftz(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float ep_rcp_ftz(float x) { float y; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+"""
+
+
+@T.macro
+def silu_approx(g):
+    """Sweep probe (not the reference's bits): the approximate-math bound of the forward."""
+    e = T.call_extern("float32", "ep_ex2_ftz", g * T.float32(-1.4426950408889634))
+    return g * T.call_extern("float32", "ep_rcp_ftz", T.float32(1) + e)
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_forward_kernel(
-    inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False
+    inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False,
+    tile: tuple[int, int, int] | None = None, approx: bool = False,
 ):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
@@ -54,7 +68,7 @@ def get_swiglu_forward_kernel(
     ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = blockwise_tile(inter, (1, group), vec)
+    tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), vec)
     if one_row and tile_n // vec >= 32:
         tile_m, threads = 1, min(threads, tile_n // vec)
     tile_g = tile_n // group
@@ -67,7 +81,10 @@ def get_swiglu_forward_kernel(
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
         for i, j in T.Parallel(tile_m, tile_n):
-            y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
+            if approx:
+                y_frag[i, j] = silu_approx(T.cast(gate_frag[i, j], "float32")) * T.cast(up_frag[i, j], "float32")
+            else:
+                y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
 
     @T.prim_func
     def swiglu_forward(
@@ -78,6 +95,8 @@ def get_swiglu_forward_kernel(
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
+            if approx:
+                T.import_source(APPROX_SOURCE)
             pm, pn = row_major(pid, tiles_n)
             y_frag = T.alloc_fragment((tile_m, tile_n), "float32")
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
