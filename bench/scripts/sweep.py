@@ -22,18 +22,19 @@ from ep_runtime.bench import kernels as bench
 # (tile_m, tile_n, threads[, vec]): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte
 # e4m3 store out (8: 16 in, 8 out).
 # (2, 1024, 32) is tile-kernels' per_token_cast tile: one warp, 64 elements a thread.
-TOKEN_TILES = [(4, 1024, 128), (2, 1024, 32), (2, 1024, 64), (8, 1024, 256), (1, 1024, 128)]
-CHANNEL_TILES = [(128, 128, 256), (128, 64, 128), (128, 256, 256), (128, 128, 128)]
+TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
+CHANNEL_TILES = [(128, 256, 512), (128, 256, 256), (256, 128, 512)]
 BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
 GATE_BACKWARD_GRIDS = [(t, c) for t in (256, 512, 1024) for c in (1, 2)]
-BACK_TILES = [(16, 1024, 128), (4, 1024, 128), (8, 1024, 128), (2, 1024, 32)]
+BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
+SWIGLU_BACKWARD_TILES = [(1, 2048, 256), (2, 1024, 128), (1, 2048, 128)]
 # SwiGLU forward: (tile, approx); approx is the approximate-math probe (ex2/rcp.approx.ftz, not the
 # reference's bits: its check fails by design), the bound of what fewer instructions could give.
-SWIGLU_VARIANTS = {"approx probe": ((1, 1024, 128), True), "tile=(2, 1024, 128)": ((2, 1024, 128), False),
-                   "tile=(4, 1024, 256)": ((4, 1024, 256), False), "tile=(1, 2048, 256)": ((1, 2048, 256), False)}
+SWIGLU_VARIANTS = {"tile=(1, 1024, 128)": ((1, 1024, 128), False), "tile=(2, 2048, 512)": ((2, 2048, 512), False),
+                   "approx probe": ((1, 2048, 256), True)}
 # expand + per-token cast: (tile_m, tile_n, threads, vec); vec 16 stores 16 e4m3 bytes a thread
-EXPAND_CAST_TILES = [(1, 1024, 64, 16), (2, 1024, 128, 8), (2, 1024, 64, 16), (4, 1024, 256, 8)]
+EXPAND_CAST_TILES = [(1, 2048, 256, 8), (1, 3584, 448, 8), (1, 7168, 896, 8)]
 
 
 def _cast_variant(x, block, tile):
@@ -101,6 +102,19 @@ def variants(op: str, inp) -> dict[str, object]:
     if op in ("swiglu", "swiglu_per_token_cast"):
         return {label: _swiglu_variant(inp.x_TI2, op != "swiglu", tile, approx)
                 for label, (tile, approx) in SWIGLU_VARIANTS.items()}
+    if op == "swiglu_backward":
+        from kernels.quant.swiglu_kernel import get_swiglu_backward_kernel
+
+        x, g = inp.x_TI2, inp.grad_TI
+        (t, two_i), rows = x.shape, torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+
+        def backward(kernel):
+            out = torch.empty_like(x)
+            kernel(x.view(t, 2, two_i // 2), g, out.view(t, 2, two_i // 2), rows)
+            return out
+
+        return {f"tile={t}": functools.partial(backward, get_swiglu_backward_kernel(two_i // 2, "bfloat16", "bfloat16", tile=t))
+                for t in SWIGLU_BACKWARD_TILES}
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
