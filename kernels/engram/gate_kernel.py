@@ -441,10 +441,13 @@ def gate_backward(
         return grad_x, grad_k, grad_v, zeros, zeros.clone()
     sms = torch.cuda.get_device_properties(x_TND.device).multi_processor_count
     grad_w_CND = torch.empty((min(t, sms * ctas_per_sm), n, d), dtype=torch.float32, device=x_TND.device)
-    w_ND = wh_ND.float() * we_ND.float()  # as the reference's float32 w
+    w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
     get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
-    return grad_x, grad_k, grad_v, (grad_w_ND * we_ND).to(wh_ND.dtype), (grad_w_ND * wh_ND).to(we_ND.dtype)
+    # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
+    grad_wh = torch.mul(grad_w_ND, we_ND, out=torch.empty_like(wh_ND, memory_format=torch.contiguous_format))
+    grad_we = torch.mul(grad_w_ND, wh_ND, out=torch.empty_like(we_ND, memory_format=torch.contiguous_format))
+    return grad_x, grad_k, grad_v, grad_wh, grad_we

@@ -232,10 +232,10 @@ def post_backward(
         )
     grad_f_TD = torch.empty((t, d), dtype=f_TD.dtype, device=x_TND.device)
     grad_x_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
-    grad_post_TN = torch.zeros((t, n), dtype=torch.float32, device=x_TND.device)
-    grad_comb_TNN = torch.zeros((t, n, n), dtype=torch.float32, device=x_TND.device)
+    grad_post_TN = torch.empty((t, n), dtype=torch.float32, device=x_TND.device)  # the kernel writes every row
+    grad_comb_TNN = torch.empty((t, n, n), dtype=torch.float32, device=x_TND.device)
     if t == 0 or d == 0:
-        return grad_f_TD, grad_x_TND, grad_post_TN, grad_comb_TNN
+        return grad_f_TD, grad_x_TND, grad_post_TN.zero_(), grad_comb_TNN.zero_()
     kernel = get_post_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(f_TD.dtype))
     kernel(aligned(g_TND), aligned(f_TD), aligned(x_TND), post_TN.contiguous(), comb_TNN.contiguous(), grad_f_TD,
            grad_x_TND, grad_post_TN, grad_comb_TNN)

@@ -181,9 +181,9 @@ def pre_apply_backward(x_TND: torch.Tensor, pre_TN: torch.Tensor, g_TD: torch.Te
         raise TypeError(f"x_TND/pre_TN: the kernel takes up to {WARP} bfloat16/float16/float32 streams and float32 "
                         f"weights, got {n} of {x_TND.dtype} and {pre_TN.dtype} (use kernels.mhc.reference.pre_apply)")
     grad_x_TND = torch.empty((t, n, d), dtype=x_TND.dtype, device=x_TND.device)
-    grad_pre_TN = torch.zeros((t, n), dtype=torch.float32, device=x_TND.device)
+    grad_pre_TN = torch.empty((t, n), dtype=torch.float32, device=x_TND.device)  # the kernel writes every row
     if t == 0 or d == 0:
-        return grad_x_TND, grad_pre_TN
+        return grad_x_TND, grad_pre_TN.zero_()
     kernel = get_pre_apply_backward_kernel(n, d, tl_dtype(x_TND.dtype), tl_dtype(g_TD.dtype))
     kernel(aligned(x_TND), pre_TN.contiguous(), aligned(g_TD), grad_x_TND, grad_pre_TN)
     return grad_x_TND, grad_pre_TN

@@ -32,20 +32,6 @@ from kernels.quant.tiles import (
 from kernels.validate import check_positive, check_tensor
 
 FEW_TOKENS = 256  # up to this many tokens, the forward uses one-row tiles (see get_swiglu_forward_kernel)
-WIDE_TILE_COLS = 2048  # the forward's widest tile (see forward_tile)
-
-
-def forward_tile(inter: int, group: int, vec: int, one_row: bool) -> tuple[int, int, int]:
-    """``(tile_m, tile_n, threads)`` of the forward: the per-token cast's tile
-    (:func:`kernels.quant.tiles.blockwise_tile`), widened to ``WIDE_TILE_COLS`` columns of one row
-    (and twice the threads) where a row has them, unless ``one_row`` (few tokens: more CTAs
-    matter more there). Why: half the CTAs, each as short-lived as before; at 16384 x 2048 on an
-    H100 66.1 -> 63.8 us (bf16 out) and 60.5 -> 58.3 us (fused e4m3 cast), where doubling the rows
-    of a tile instead gave 65.3 / 58.8 (``bench/results/h100/2026-11-25-s8``)."""
-    tile_m, tile_n, threads = blockwise_tile(inter, (1, group), vec)
-    if not one_row and tile_m == 1 and 2 * tile_n <= min(inter, WIDE_TILE_COLS):
-        tile_n, threads = 2 * tile_n, 2 * threads
-    return tile_m, tile_n, threads
 
 
 @T.macro
@@ -53,23 +39,10 @@ def silu(g):
     return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
 
 
-APPROX_SOURCE = """
-__device__ __forceinline__ float ep_ex2_ftz(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
-__device__ __forceinline__ float ep_rcp_ftz(float x) { float y; asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
-"""
-
-
-@T.macro
-def silu_approx(g):
-    """Sweep probe (not the reference's bits): the approximate-math bound of the forward."""
-    e = T.call_extern("float32", "ep_ex2_ftz", g * T.float32(-1.4426950408889634))
-    return g * T.call_extern("float32", "ep_rcp_ftz", T.float32(1) + e)
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_forward_kernel(
     inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False,
-    tile: tuple[int, int, int] | None = None, approx: bool = False,
+    limited: bool = True, tile: tuple[int, int, int] | None = None,
 ):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
@@ -79,10 +52,15 @@ def get_swiglu_forward_kernel(
     at least a warp with vectors (``tile_n / vec >= 32``); a narrower row (I = 64 in bfloat16: 16
     vectors) keeps the default tile, since a one-row tile there would leave threads without data,
     which TileLang's ``reduce_absmax`` rejects ("Inconsistent layouts between src and dst in
-    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway."""
+    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway.
+
+    ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
+    is never read, so a call without a row limit passes an uninitialized tensor instead of making
+    one with ``torch.full`` (a fill launch per call: ~2 us of the ~64 at 16384 x 2048 on an H100,
+    ``bench/results/h100/2026-11-25-s8``)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = tile or forward_tile(inter, group, vec, one_row)
+    tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), vec)
     if one_row and tile_n // vec >= 32:
         tile_m, threads = 1, min(threads, tile_n // vec)
     tile_g = tile_n // group
@@ -95,10 +73,7 @@ def get_swiglu_forward_kernel(
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
         for i, j in T.Parallel(tile_m, tile_n):
-            if approx:
-                y_frag[i, j] = silu_approx(T.cast(gate_frag[i, j], "float32")) * T.cast(up_frag[i, j], "float32")
-            else:
-                y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
+            y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
 
     @T.prim_func
     def swiglu_forward(
@@ -109,8 +84,6 @@ def get_swiglu_forward_kernel(
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
-            if approx:
-                T.import_source(APPROX_SOURCE)
             pm, pn = row_major(pid, tiles_n)
             y_frag = T.alloc_fragment((tile_m, tile_n), "float32")
             gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
@@ -118,7 +91,7 @@ def get_swiglu_forward_kernel(
             amax = T.alloc_fragment((tile_m, tile_g), "float32")
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
-            if pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
+            if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
                 load_swiglu(x_TI2, pm, pn, y_frag, gate_frag, up_frag)
                 if cast:
                     T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_g, group]), amax, dim=2)
@@ -136,17 +109,17 @@ def get_swiglu_forward_kernel(
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, tile: tuple[int, int, int] | None = None):
+def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited: bool = True):
     """``(x_T2I, grad_TI, grad_T2I)`` kernel: ``[d gate | d up]`` of ``silu(gate) * up``.
 
     ``x_T2I`` and ``grad_T2I`` are ``[T, 2 * I]`` rows viewed as ``[T, 2, I]``, so a tile's column
     bound is ``I`` in both halves: a tile reaching past ``I`` is cut there by the copies' bounds
     guards, instead of spilling into the ``up`` half (the v1 bug at I = 300, 7232). The results go
-    to fragments in the loads' layout and leave as 16-byte vector stores. ``tile`` overrides the
-    tile (sweeps)."""
+    to fragments in the loads' layout and leave as 16-byte vector stores. ``limited`` as in
+    :func:`get_swiglu_forward_kernel`."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(inter, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, 128), vec)
+    tile_m, tile_n, threads = blockwise_tile(inter, (1, 128), vec)
     layout = vector_layout(tile_m, tile_n, threads, vec)
 
     @T.prim_func
@@ -167,7 +140,7 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, tile: tu
             T.annotate_layout(
                 {gate_frag: layout, up_frag: layout, grad_frag: layout, d_gate_frag: layout, d_up_frag: layout}
             )
-            if pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
+            if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
                 T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], gate_frag, disable_tma=True)
                 T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], up_frag, disable_tma=True)
                 T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
@@ -195,10 +168,10 @@ def _check_x(x_TI2: torch.Tensor) -> int:
     return x_TI2.shape[1] // 2
 
 
-def _all_rows(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
-    """``rows``, checked, or every row of ``x_TI2``."""
+def _rows_arg(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
+    """``rows``, checked, or (no limit: the kernel never reads it) an uninitialized stand-in."""
     check_rows(rows, x_TI2)
-    return rows if rows is not None else torch.full((1,), x_TI2.shape[0], dtype=torch.int32, device=x_TI2.device)
+    return rows if rows is not None else torch.empty((1,), dtype=torch.int32, device=x_TI2.device)
 
 
 def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,12 +179,12 @@ def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Te
     (``x_TI2`` on a CUDA device; copied first if not contiguous); CTAs past ``rows[0]`` return
     at once."""
     inter = _check_x(x_TI2)
-    rows = _all_rows(rows, x_TI2)
+    limited, rows = rows is not None, _rows_arg(rows, x_TI2)
     t = x_TI2.shape[0]
     y_TI = torch.empty((t, inter), dtype=x_TI2.dtype, device=x_TI2.device)
     if t == 0 or inter == 0:
         return y_TI
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS)
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS, limited)
     kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device), rows)  # scales unused
     return y_TI
 
@@ -233,8 +206,8 @@ def swiglu_per_token_cast(
     sf_TG = torch.empty((t, -(-inter // group)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_TI2.device)
     if t == 0 or inter == 0:
         return q_TI, sf_TG
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS)
-    kernel(x_TI2.contiguous(), q_TI, sf_TG, _all_rows(None, x_TI2))
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS, False)
+    kernel(x_TI2.contiguous(), q_TI, sf_TG, _rows_arg(None, x_TI2))
     return q_TI, sf_TG
 
 
@@ -242,12 +215,12 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.T
     """TileLang :func:`kernels.quant.reference.swiglu_backward`: ``grad_TI2`` ``[T, 2 * I]`` in
     ``x_TI2.dtype``; CTAs past ``rows[0]`` return at once."""
     inter = _check_x(x_TI2)
-    rows = _all_rows(rows, x_TI2)
+    limited, rows = rows is not None, _rows_arg(rows, x_TI2)
     t = x_TI2.shape[0]
     check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=(t, inter), device=x_TI2.device)
     grad_TI2 = torch.empty_like(x_TI2, memory_format=torch.contiguous_format)
     if t == 0 or inter == 0:
         return grad_TI2
-    kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype))
+    kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype), limited)
     kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter), rows)
     return grad_TI2

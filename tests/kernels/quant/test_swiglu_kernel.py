@@ -139,3 +139,8 @@ def test_compiles_for_sm90a():
         for spec in [(64, "float32", "float32"), (128, "bfloat16", "bfloat16"), (2048, "bfloat16", "bfloat16")]:
             source = lowering.kernel_source(get_swiglu_backward_kernel(*spec))
             assert "expf" in source and "rows_1[0]" in source, spec
+        # without a row limit (the public ops' rows=None) rows_1 is never read: no tensor to fill
+        unlimited = [get_swiglu_forward_kernel(2048, "bfloat16", 128, cast, False, False, False, False) for cast in (False, True)]
+        for kernel in [*unlimited, get_swiglu_backward_kernel(2048, "bfloat16", "bfloat16", False)]:
+            source = lowering.kernel_source(kernel)
+            assert "expf" in source and "rows_1" not in source
