@@ -23,12 +23,12 @@ from ep_runtime.bench import kernels as bench
 # sweep): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte e4m3 store out (8: 16 in, 8
 # out). Session 8 tried tiles 2048-7168 columns wide: slower than the shipped ones everywhere.
 TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
-CHANNEL_TILES = [(128, 256, 512), (128, 256, 256), (256, 128, 512)]
-BLOCK_TILES = [(128, 128, 256), (128, 128, 128)]
+CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
+BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
 GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) x (1, 2): 512 x 1 shipped
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
-SWIGLU_TILES = [(1, 2048, 256), (2, 1024, 128)]
+SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
 
@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--compile-budget", type=float, default=60, help="seconds of torch.compile for the peers")
+    p.add_argument("--shape", default="large", help="shape of the non-mHC ops (bench kernels' SHAPES: large, small)")
     a = p.parse_args()
     device = torch.device("cuda")
     seed = int(time.time()) % 100_000
@@ -129,7 +130,7 @@ def main() -> None:
     rows = []
     budget = bench.CompileBudget(a.compile_budget)  # torch.compile of the reference, the peer where it is fastest
     for op in a.ops.split(","):
-        shapes = ["v4-d4096", "v4-d7168"] if op in bench.MHC_OPS else ["large"]
+        shapes = ["v4-d4096", "v4-d7168"] if op in bench.MHC_OPS else [a.shape]
         for shape_name in shapes:
             shape = bench.SHAPES[shape_name]
             inp = (bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs)(shape, device, seed)

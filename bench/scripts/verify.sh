@@ -13,7 +13,7 @@
 #   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0),
 #                bfloat16 streams, then float32 streams under autocast (as training runs them).
 #   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
-#                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops).
+#                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops, $SWEEP_SHAPE the shape: large, small).
 #   profile-mhc  the mHC sublayer's GPU time by kernel, T = 8192, N = 4, D = 4096 (GPU 0).
 #   moe-layer    the DeepSeek-V3 MoE layer forward+backward on one GPU (EP 1), TileLang kernels vs the
 #                references (EP_KERNELS), issue #3's end-to-end number.
@@ -58,7 +58,8 @@ for step in "$@"; do
         --out "$out/fp32" --commit "$commit"
       tail -4 "$out/bench-mhc-overhead-fp32.log" ;;
     sweep)
-      LIMIT=300 run sweep python3 bench/scripts/sweep.py --out "$out/sweep.json" ${SWEEP_OPS:+--ops $SWEEP_OPS}
+      LIMIT=300 run sweep python3 bench/scripts/sweep.py --out "$out/sweep.json" ${SWEEP_OPS:+--ops $SWEEP_OPS} \
+        ${SWEEP_SHAPE:+--shape $SWEEP_SHAPE}
       grep -v INFO "$out/sweep.log" | tail -60 ;;
     dispatch-profile)
       LIMIT=200 run bench-dispatch torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --profile \
