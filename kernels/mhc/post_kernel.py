@@ -131,7 +131,9 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
     kernel: the gradients of ``out_j = post_j f + sum_i comb[i, j] x_i`` given ``g = dL/dout``
     (``x``'s dtype): ``grad_f = sum_j post_j g_j`` and ``grad_x_i = sum_j comb[i, j] g_j`` (float32
     over ``j`` in order, rounded once), ``grad_post_j = sum_d g_j f`` and ``grad_comb[i, j] = sum_d
-    x_i g_j`` (float32: each thread over its vectors, warp shuffles, then the warps in order).
+    x_i g_j`` (float32: each thread over its vectors, warp shuffles, then the warps in order). The
+    products and sums may contract into FMAs (a third fewer instructions: the gradients are held to
+    a reassociation bound, not to the reference's bits).
 
     One CTA per token (as :func:`kernels.mhc.pre_apply_kernel.get_pre_apply_backward_kernel`):
     a thread loads its vector of ``g`` for all N streams and of ``f``, then each stream of ``x``
@@ -177,12 +179,12 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
                         f_local[e] = f_TD[row, c * vec + e]
                     for e in T.serial(vec):
                         ff = T.cast(f_local[e], T.float32)
-                        mix = T.ieee_mul(post_TN[row, 0], T.cast(g_local[e], T.float32))
-                        acc[0] = T.ieee_add(acc[0], T.ieee_mul(T.cast(g_local[e], T.float32), ff))
+                        mix = post_TN[row, 0] * T.cast(g_local[e], T.float32)
+                        acc[0] = acc[0] + T.cast(g_local[e], T.float32) * ff
                         for j in T.unroll(1, n):
                             gj = T.cast(g_local[j * vec + e], T.float32)
-                            mix = T.ieee_add(mix, T.ieee_mul(post_TN[row, j], gj))
-                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(gj, ff))
+                            mix = mix + post_TN[row, j] * gj
+                            acc[j] = acc[j] + gj * ff
                         grad_f_local[e] = T.cast(mix, f_dtype)
                     for e in T.vectorized(vec):
                         grad_f_TD[row, c * vec + e] = grad_f_local[e]
@@ -191,12 +193,12 @@ def get_post_backward_kernel(n: int, d: int, dtype: str, f_dtype: str):
                             x_local[e] = x_TND[row, i, c * vec + e]
                         for e in T.serial(vec):
                             xf = T.cast(x_local[e], T.float32)
-                            mix = T.ieee_mul(comb_TNN[row, i, 0], T.cast(g_local[e], T.float32))
-                            acc[n + i * n] = T.ieee_add(acc[n + i * n], T.ieee_mul(xf, T.cast(g_local[e], T.float32)))
+                            mix = comb_TNN[row, i, 0] * T.cast(g_local[e], T.float32)
+                            acc[n + i * n] = acc[n + i * n] + xf * T.cast(g_local[e], T.float32)
                             for j in T.unroll(1, n):
                                 gj = T.cast(g_local[j * vec + e], T.float32)
-                                mix = T.ieee_add(mix, T.ieee_mul(comb_TNN[row, i, j], gj))
-                                acc[n + i * n + j] = T.ieee_add(acc[n + i * n + j], T.ieee_mul(xf, gj))
+                                mix = mix + comb_TNN[row, i, j] * gj
+                                acc[n + i * n + j] = acc[n + i * n + j] + xf * gj
                             grad_x_local[e] = T.cast(mix, dtype)
                         for e in T.vectorized(vec):
                             grad_x_TND[row, i, c * vec + e] = grad_x_local[e]
