@@ -29,6 +29,7 @@ BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) x (1, 2): 512 x 1 shipped
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
+PRE_APPLY_THREADS = [256, 512]  # shipped: 128
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
 
@@ -96,6 +97,19 @@ def variants(op: str, inp) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
     if op in ("swiglu", "swiglu_per_token_cast"):
         return {f"tile={t}": _swiglu_variant(inp.x_TI2, op != "swiglu", t) for t in SWIGLU_TILES}
+    if op == "mhc_pre_apply":
+        from kernels.mhc.pre_apply_kernel import get_pre_apply_kernel
+
+        x, pre = inp.x_TND, inp.pre_TN
+        (t, n, d) = x.shape
+
+        def pre_apply(kernel):
+            y = torch.empty((t, d), dtype=x.dtype, device=x.device)
+            kernel(x, pre, y)
+            return y
+
+        return {f"threads={k}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k))
+                for k in PRE_APPLY_THREADS}
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):

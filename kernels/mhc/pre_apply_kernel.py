@@ -32,22 +32,22 @@ THREADS = 128  # one vector of the output per thread
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
-def row_tile(nv: int) -> tuple[int, int]:
+def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     """``(tile_m, tile_v)``: a CTA tile of ``tile_m`` tokens x ``tile_v`` vectors for rows of ``nv``
-    vectors; ``tile_v`` a power of two up to ``THREADS`` (a static divisor; few values, few compiles)
-    and ``tile_m * tile_v = THREADS``, so short rows (D = 64) still fill the CTA."""
-    tile_v = min(THREADS, 1 << max(0, nv - 1).bit_length())
-    return THREADS // tile_v, tile_v
+    vectors; ``tile_v`` a power of two up to ``threads`` (a static divisor; few values, few compiles)
+    and ``tile_m * tile_v = threads``, so short rows (D = 64) still fill the CTA."""
+    tile_v = min(threads, 1 << max(0, nv - 1).bit_length())
+    return threads // tile_v, tile_v
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str):
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
-    (``pre_TN`` float32; the token count is dynamic)."""
+    (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    tile_m, tile_v = row_tile(nv)
+    tile_m, tile_v = row_tile(nv, threads)
     tiles_v = T.ceildiv(nv, tile_v)
 
     @T.prim_func
@@ -56,7 +56,7 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str):
         pre_TN: T.Tensor[(num_tokens, n), T.float32],
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
-        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=THREADS) as pid:
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             x_local = T.alloc_local((n * vec,), dtype)
