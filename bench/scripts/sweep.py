@@ -29,7 +29,7 @@ BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) x (1, 2): 512 x 1 shipped
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
-PRE_APPLY_THREADS = [256, 512]  # shipped: 128
+PRE_APPLY_THREADS = [128, 512]  # shipped: 256
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
 

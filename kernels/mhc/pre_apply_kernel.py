@@ -1,6 +1,6 @@
 """TileLang kernel of :func:`kernels.mhc.reference.pre_apply`: ``y_TD = sum_i pre_TN[:, i] * x_TND[:, i, :]``.
 
-Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of ``THREADS`` threads
+Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of ``FORWARD_THREADS`` threads
 covers ``tile_m`` tokens x ``tile_v`` vectors of ``vec`` elements (16 bytes of ``x``'s dtype, fewer
 when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams
 (``ld.global.v4``), accumulates in float32 and stores one vector of ``y`` (``st.global.v4``).
@@ -29,6 +29,9 @@ from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
+# The forward's CTA (two tiles' worth): 108.8 -> 108.2 us at T 8192, N 4, D 4096 and 189.5 -> 189.0
+# at D 7168 on an H100, tile-kernels 108.1 / 188.9 (bench/results/h100/2026-11-25-s8/sweep-7*)
+FORWARD_THREADS = 256
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
@@ -41,7 +44,7 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS):
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
