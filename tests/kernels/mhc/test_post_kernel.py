@@ -133,7 +133,8 @@ def test_public_op_on_cpu_is_the_reference():
 
 def test_compiles_for_sm90a():
     """DeepSeek-V4 widths (D = 4096, 7168; N = 4) and the tiny model's D = 64, in bfloat16: 16-byte
-    vector loads and stores, IEEE multiplies and adds (no FMA contraction)."""
+    vector loads and stores; the forward in IEEE multiplies and adds (no FMA contraction: the
+    reference's bits), the backward's products free to contract (held to a reassociation bound)."""
     with lowering.compile_only():
         for d in (4096, 7168, 64):
             source = lowering.kernel_source(get_post_kernel(4, d, "bfloat16", "bfloat16"))
@@ -142,4 +143,4 @@ def test_compiles_for_sm90a():
                                      (4, 64, "bfloat16", "bfloat16"), (1, 100, "float32", "float32"),
                                      (4, 4096, "bfloat16", "float32")]:
             source = lowering.kernel_source(get_post_backward_kernel(n, d, dtype, f_dtype))
-            assert "warp_reduce_sum" in source and "__fmul_rn" in source and "fma" not in source, (n, d)
+            assert "warp_reduce_sum" in source and "__fmul_rn" not in source, (n, d)
