@@ -173,7 +173,7 @@ BACKWARD_CTAS_PER_SM = 1  # at most one per token
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS, w_ahead: bool = False,
+    max_threads: int = BACKWARD_THREADS,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -228,7 +228,7 @@ def get_gate_backward_kernel(
             v_row = T.alloc_local((width,), v_dtype)
             x_rows = T.alloc_local((2 * width,), dtype)  # this stream's and the next's (unrolled: registers)
             k_rows = T.alloc_local((2 * width,), k_dtype)
-            wl = T.alloc_local((width if w_ahead else vec,), T.float32)
+            wl = T.alloc_local((vec,), T.float32)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
@@ -237,15 +237,11 @@ def get_gate_backward_kernel(
             dgate = T.alloc_local((n,), T.float32)  # dL/dgate per stream: this thread's part, then the CTA's
             totals = T.alloc_local((n,), T.float32)
             partial_NW = T.alloc_shared((n, warps), T.float32)
-            stats_S = T.alloc_shared((2 * n * 3,), T.float32)  # the token's row statistics, by token parity
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             for e in T.serial(n * width):
                 grad_w[acc_index(e, tid)] = T.float32(0)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                stats = (i % 2) * n * 3  # two buffers: a thread may start token i + 1 while others read token i's
-                if tid < n * 3:  # read by every thread after the reduction's barrier
-                    stats_S[stats + tid] = stats_TN3[row, tid // 3, tid % 3]
                 for h in T.unroll(n):
                     load(g_TND, row, h, g_rows, h * width, tid)
                 for p in T.unroll(per_thread):
@@ -270,12 +266,7 @@ def get_gate_backward_kernel(
                     if h < n - 1:
                         load(x_TND, row, h + 1, x_rows, ((h + 1) % 2) * width, tid)
                         load(k_TND, row, h + 1, k_rows, ((h + 1) % 2) * width, tid)
-                    if w_ahead:  # the stream's w loading while its coefficients are derived
-                        for p in T.unroll(per_thread):
-                            if p * threads + tid < nv:
-                                for j in T.vectorized(vec):
-                                    wl[p * vec + j] = w_ND[h, (p * threads + tid) * vec + j]
-                    rstd_x, rstd_k, raw = stats_S[stats + h * 3], stats_S[stats + h * 3 + 1], stats_S[stats + h * 3 + 2]
+                    rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
                     gate_of(raw, rstd_x, rstd_k, coefs, 0)
                     scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
                     live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
@@ -288,18 +279,16 @@ def get_gate_backward_kernel(
                     for p in T.unroll(per_thread):
                         c = p * threads + tid
                         if c < nv:
-                            if not w_ahead:
-                                for j in T.vectorized(vec):
-                                    wl[j] = w_ND[h, c * vec + j]
+                            for j in T.vectorized(vec):
+                                wl[j] = w_ND[h, c * vec + j]
                             for j in T.serial(vec):
                                 e = p * vec + j
                                 xf = T.cast(x_rows[(h % 2) * width + e], T.float32)
                                 kf = T.cast(k_rows[(h % 2) * width + e], T.float32)
                                 gf = T.cast(g_rows[h * width + e], T.float32)
-                                w = wl[e] if w_ahead else wl[j]
-                                dx = coefs[1] * (w * kf - xf * coefs[2])
+                                dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
                                 out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
-                                out_k[j] = T.cast(coefs[1] * (w * xf - kf * coefs[3]), k_dtype)
+                                out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
                                 grad_v[e] += gf * coefs[0]
                                 grad_w[acc_index(h * width + e, tid)] += coefs[1] * xf * kf
                             for j in T.vectorized(vec):
@@ -425,14 +414,12 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
-    w_ahead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
     and the forward's row statistics ``stats_TN3`` (``gate(..., return_stats=True)``). Same inputs
     as :func:`gate`. ``threads`` (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid
-    and ``w_ahead`` loads a stream's ``w`` before its coefficients (tuning, bench/scripts/sweep.py;
-    the defaults are measured)."""
+    (tuning, bench/scripts/sweep.py; the defaults are measured)."""
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, 0.0, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
@@ -457,7 +444,7 @@ def gate_backward(
     w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads, w_ahead)(
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
