@@ -13,7 +13,11 @@ that fails to import, compile or run is recorded as an error string.
 Timing (CUDA): warm-up calls, then each timed call is preceded by a read of a 512 MiB buffer (L2 is
 50 MiB on an H100: the op's inputs start in device memory; a read, not a write, so no dirty lines
 are written back inside the timed region) and bracketed by CUDA events; the median over the runs
-(up to ``--iters``, fewer for slow calls: about 0.3 s per measurement). The copy ceiling
+(up to ``--iters``, fewer for slow calls: about 0.3 s per measurement). Before each flush the GPU
+spins for about a millisecond (``torch.cuda._sleep``), so the host has enqueued the events and the
+call before the GPU reaches them: a host that falls behind (a stall of a few hundred microseconds
+in the wrapper's Python) would otherwise show as device time (session 8 saw single entries 1.5-3x
+slow in each full run without it). The copy ceiling
 is a ``copy_`` of a 1 GiB buffer, timed the same way in the same run; GB/s everywhere counts bytes
 read plus bytes written.
 
@@ -769,6 +773,9 @@ def agreement(got: Any, want: Any) -> float | None:
 # Timing
 
 
+HEAD_START_CYCLES = 2_000_000  # ~1 ms of GPU spin before each timed call (at ~1.8 GHz)
+
+
 class Timer:
     """Median time of a call on one device (see the module doc)."""
 
@@ -810,6 +817,7 @@ class Timer:
             return statistics.median(times), runs
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
         for start, end in events:
+            torch.cuda._sleep(HEAD_START_CYCLES)  # see the module doc: the host gets ahead of the GPU
             self.flush()
             start.record()
             fn()
