@@ -168,12 +168,15 @@ def get_gate_kernel(
 # per SM 1-2% slower.
 BACKWARD_THREADS = 512
 BACKWARD_CTAS_PER_SM = 1  # at most one per token
+# Barriers are explicit: the shared accumulators and staged rows are thread-private, and TileLang's
+# automatic ones (three more a token) would hold all 16 warps of the SM's one CTA together.
+BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS,
+    max_threads: int = BACKWARD_THREADS, stage_next: bool = True, x_ahead: bool = True,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -196,6 +199,7 @@ def get_gate_backward_kernel(
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
     reduce, gate_of = row_reduction(n, warps), gate_value(d, clamp)
     width = per_thread * vec  # a thread's elements of a row
+    x_ahead = x_ahead and n % 2 == 0
 
     @T.macro
     def load(src, row, h, dst, off, tid):
@@ -208,6 +212,28 @@ def get_gate_backward_kernel(
 
     def acc_index(e, tid):
         return e * threads + tid  # a thread's accumulators a stride apart: a warp's accesses hit 32 banks
+
+    g_chunk = min(vec, 16 // T.dtype(dtype).bytes)  # elements a cp.async (at most 16 bytes)
+    v_chunk = min(vec, 16 // T.dtype(v_dtype).bytes)
+
+    @T.macro
+    def stage_token(g_TND, v_TD, g_stage, v_stage, row, tid):
+        """``cp.async`` of a thread's vectors of the token's ``g`` (every stream) and ``v`` into the
+        same columns of ``g_stage`` / ``v_stage``: each thread reads back only what it staged, after
+        its own ``cp.async.wait_group``, so no barrier guards them."""
+        for p in T.unroll(per_thread):
+            c = p * threads + tid
+            if c < nv:
+                for h in T.unroll(n):
+                    for q in T.unroll(vec // g_chunk):
+                        e = c * vec + q * g_chunk
+                        T.ptx_cp_async(T.access_ptr(g_stage[h, e], "w", g_chunk),
+                                       T.access_ptr(g_TND[row, h, e], "r", g_chunk), g_chunk)
+                for q in T.unroll(vec // v_chunk):
+                    e = c * vec + q * v_chunk
+                    T.ptx_cp_async(T.access_ptr(v_stage[e], "w", v_chunk), T.access_ptr(v_TD[row, e], "r", v_chunk),
+                                   v_chunk)
+        T.ptx_commit_group()
 
     @T.prim_func
     def gate_backward_kernel(
@@ -238,19 +264,38 @@ def get_gate_backward_kernel(
             totals = T.alloc_local((n,), T.float32)
             partial_NW = T.alloc_shared((n, warps), T.float32)
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
+            g_stage = T.alloc_shared((n, d) if stage_next else (1, 1), dtype)  # the next token's g and v
+            v_stage = T.alloc_shared((d,) if stage_next else (1,), v_dtype)
             for e in T.serial(n * width):
                 grad_w[acc_index(e, tid)] = T.float32(0)
+            first = T.Cast(T.int64, cta)  # every CTA has a token (C <= tokens)
+            if stage_next:
+                stage_token(g_TND, v_TD, g_stage, v_stage, first, tid)
+            if x_ahead:
+                load(x_TND, first, 0, x_rows, 0, tid)
+                load(k_TND, first, 0, k_rows, 0, tid)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                for h in T.unroll(n):
-                    load(g_TND, row, h, g_rows, h * width, tid)
+                following = row + num_ctas  # this CTA's next token, if < num_tokens
+                if not x_ahead:
+                    load(x_TND, row, 0, x_rows, 0, tid)
+                    load(k_TND, row, 0, k_rows, 0, tid)
+                if stage_next:
+                    T.ptx_wait_group(0)
                 for p in T.unroll(per_thread):
                     c = p * threads + tid
                     if c < nv:
+                        for h in T.unroll(n):
+                            for j in T.vectorized(vec):
+                                if stage_next:
+                                    g_rows[h * width + p * vec + j] = g_stage[h, c * vec + j]
+                                else:
+                                    g_rows[h * width + p * vec + j] = g_TND[row, h, c * vec + j]
                         for j in T.vectorized(vec):
-                            v_row[p * vec + j] = v_TD[row, c * vec + j]
-                load(x_TND, row, 0, x_rows, 0, tid)
-                load(k_TND, row, 0, k_rows, 0, tid)
+                            if stage_next:
+                                v_row[p * vec + j] = v_stage[c * vec + j]
+                            else:
+                                v_row[p * vec + j] = v_TD[row, c * vec + j]
                 for h in T.unroll(n):
                     dgate[h] = T.float32(0)
                     for p in T.unroll(per_thread):
@@ -258,6 +303,9 @@ def get_gate_backward_kernel(
                             for j in T.serial(vec):
                                 e = p * vec + j
                                 dgate[h] += T.cast(g_rows[h * width + e], T.float32) * T.cast(v_row[e], T.float32)
+                if stage_next and following < num_tokens:
+                    # the staged rows are all read (dgate used every one): refill with the next token's
+                    stage_token(g_TND, v_TD, g_stage, v_stage, following, tid)
                 reduce(dgate, partial_NW, totals, tid)
                 T.sync_threads()  # every thread has read the partials before the next token writes them
                 for e in T.unroll(width):
@@ -266,6 +314,9 @@ def get_gate_backward_kernel(
                     if h < n - 1:
                         load(x_TND, row, h + 1, x_rows, ((h + 1) % 2) * width, tid)
                         load(k_TND, row, h + 1, k_rows, ((h + 1) % 2) * width, tid)
+                    elif x_ahead and following < num_tokens:  # n even: the next token's stream 0 takes slot 0
+                        load(x_TND, following, 0, x_rows, 0, tid)
+                        load(k_TND, following, 0, k_rows, 0, tid)
                     rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
                     gate_of(raw, rstd_x, rstd_k, coefs, 0)
                     scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
@@ -347,11 +398,15 @@ def check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND) -> None:
         )
 
 
-def backward_shared_bytes(n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS) -> int:
+def backward_shared_bytes(
+    n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS, v_dtype: torch.dtype | None = None
+) -> int:
     """Shared memory of a backward CTA: the weight gradients' float32 accumulators (``N`` times a
-    row, padded to whole thread vectors) and the row reduction's partials."""
+    row, padded to whole thread vectors) and the row reduction's partials; with ``v_dtype``, also
+    the next token's ``g`` and ``v`` rows staged."""
     vec, _, threads, per_thread, warps = row_geometry(d, tl_dtype(dtype), threads)
-    return 4 * (n * per_thread * vec * threads + 4 * warps)
+    staged = 0 if v_dtype is None else d * (n * dtype.itemsize + v_dtype.itemsize)
+    return 4 * (n * per_thread * vec * threads + 4 * warps) + staged
 
 
 def backward_fits(x_TND: torch.Tensor, threads: int = BACKWARD_THREADS) -> bool:
@@ -414,6 +469,8 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
+    stage_next: bool = True,
+    x_ahead: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
@@ -444,7 +501,9 @@ def gate_backward(
     w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
+    limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
+    stage_next = stage_next and backward_shared_bytes(n, d, x_TND.dtype, threads, v_TD.dtype) <= limit
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads, stage_next, x_ahead)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)

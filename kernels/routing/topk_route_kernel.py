@@ -95,8 +95,10 @@ def get_topk_route_kernel(
     logits_dtype: str,
     normalize: bool,
     with_counts: bool,
+    compact: bool = True,
 ):
-    """The router for one configuration (see the module doc); the token count is dynamic."""
+    """The router for one configuration (see the module doc); the token count is dynamic.
+    ``compact=False`` keeps the kept groups in place (the sweep's comparison)."""
     num_tokens = T.dynamic("num_tokens")
     slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
     group_size = num_experts // num_groups
@@ -109,6 +111,16 @@ def get_topk_route_kernel(
     full_mask = T.uint32(0xFFFFFFFF)
     # (source lane, its local group) of each group's score
     group_sources = [((h * group_size) // slots, (h * group_size) % slots // group_size) for h in range(num_groups)]
+    # Compaction: when the kept groups' experts fill the warp with fewer slots a lane (DeepSeek-V3:
+    # 4 groups of 32 = 4 a lane instead of 8), they move into those slots (in expert order) before
+    # the top-k rounds, whose local scans then cover half the slots.
+    kept_slots, kept_rest = divmod(topk_groups * group_size, WARP)
+    compact = (
+        compact and grouped and lane_groups == 1 and not kept_rest and 0 < kept_slots < slots
+        and slots % kept_slots == 0 and group_size % kept_slots == 0
+    )
+    cand_slots = kept_slots if compact else slots
+    kept_group_lanes = group_size // kept_slots if compact else 0  # lanes of one kept group, compacted
 
     @T.prim_func
     def topk_route_kernel(
@@ -130,6 +142,10 @@ def get_topk_route_kernel(
             hist_E = T.alloc_shared((num_experts,), T.int32)
             x_S = T.alloc_local((slots,), T.float32)
             key_S = T.alloc_local((slots,), T.int32)
+            cand_C = T.alloc_local((cand_slots,), T.int32) if compact else key_S  # the top-k rounds' keys
+            kept_mask = T.alloc_var(T.int32)
+            group_bit = T.alloc_var(T.int32)
+            cand_base = T.alloc_var(T.int32)  # expert of this lane's candidate slot 0
             first_Q = T.alloc_local((lane_groups,), T.float32)
             second_Q = T.alloc_local((lane_groups,), T.float32)
             above_Q = T.alloc_local((lane_groups,), T.int32)
@@ -225,30 +241,49 @@ def get_topk_route_kernel(
                                 T.int32,
                                 theirs > mine or (theirs == mine and h < (first // group_size) + q),
                             )
-                    for q in T.unroll(lane_groups):
-                        if above_Q[q] >= topk_groups:
-                            for j in T.unroll(min(slots, group_size)):
-                                x_S[q * group_size + j] = neg_inf
+                    if not compact:
+                        for q in T.unroll(lane_groups):
+                            if above_Q[q] >= topk_groups:
+                                for j in T.unroll(min(slots, group_size)):
+                                    x_S[q * group_size + j] = neg_inf
 
                 # 3. Top-k over order-preserving int keys of the selection scores.
                 for j in T.unroll(slots):
                     key_S[j] = T.reinterpret(x_S[j], T.int32)
                     key_S[j] = key_S[j] ^ ((key_S[j] >> 31) & 0x7FFFFFFF)
+                cand_base = lane * slots
+                if compact:
+                    # Lane l takes kept_slots experts of the (l // kept_group_lanes)-th kept group (in
+                    # group order) from the lane holding them: one bit a kept group at its first lane.
+                    kept_mask = T.Cast(T.int32, T.ballot_sync(lane % group_lanes == 0 and above_Q[0] < topk_groups))
+                    for r in T.unroll(topk_groups):  # the rank-th lowest set bit
+                        if r == lane // kept_group_lanes:
+                            group_bit = kept_mask & -kept_mask
+                        kept_mask = kept_mask & (kept_mask - 1)
+                    cand_base = (
+                        (T.call_extern("int32", "__ffs", group_bit) - 1) // group_lanes * group_size
+                        + lane % kept_group_lanes * kept_slots
+                    )
+                    for h in T.unroll(slots // kept_slots):  # the source lane's slots in kept_slots chunks
+                        for j in T.unroll(kept_slots):
+                            theirs_key = T.shfl_sync(key_S[h * kept_slots + j], cand_base // slots)
+                            if cand_base % slots == h * kept_slots:
+                                cand_C[j] = theirs_key
                 my_expert = -1
                 for k in T.unroll(topk):
-                    best = key_S[0]
+                    best = cand_C[0]
                     best_slot = 0
-                    for j in T.unroll(slots):
-                        if key_S[j] > best:
-                            best = key_S[j]
+                    for j in T.unroll(cand_slots):
+                        if cand_C[j] > best:
+                            best = cand_C[j]
                             best_slot = j
                     top = T.call_extern("int32", "__reduce_max_sync", full_mask, best)
                     winner = T.call_extern("int32", "__ffs", T.Cast(T.int32, T.ballot_sync(best == top))) - 1
-                    expert = winner * slots + T.shfl_sync(best_slot, winner)
+                    expert = T.shfl_sync(cand_base + best_slot, winner)
                     if lane == winner:
-                        for j in T.unroll(slots):
+                        for j in T.unroll(cand_slots):
                             if j == best_slot:
-                                key_S[j] = KEY_REMOVED
+                                cand_C[j] = KEY_REMOVED
                     if lane == k and top > KEY_NEG_INF:
                         my_expert = expert
 

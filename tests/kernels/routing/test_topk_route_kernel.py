@@ -25,10 +25,14 @@ from kernels.testing import poison_allocator, router_inputs
 FULL = os.environ.get("EP_KERNEL_TESTS") == "full"
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 # (experts, num_groups, topk_groups, topk): DeepSeek-V3, tiny, ragged slots and groups (240: 15
-# experts a lane, 2 lanes a group, 16 lanes used).
-GROUPINGS = [(256, 8, 4, 8), (8, 1, None, 2), (16, 4, 2, 5), (12, 12, 5, 4), (72, 3, 1, 4), (160, 8, 3, 6), (240, 8, 3, 6)]
+# experts a lane, 2 lanes a group, 16 lanes used). The kept groups are compacted into fewer slots
+# a lane for DeepSeek-V3 (8 -> 4), 64 / 8 / 4 (2 -> 1), 512 / 16 / 4 (16 -> 4) and, in the full run,
+# 128 / 8 / 2 (4 -> 1), 256 / 16 / 8 (8 -> 4, 4 lanes a kept group) and 1024 / 32 / 4 (32 -> 4).
+GROUPINGS = [(256, 8, 4, 8), (8, 1, None, 2), (16, 4, 2, 5), (12, 12, 5, 4), (72, 3, 1, 4), (160, 8, 3, 6), (240, 8, 3, 6),
+             (64, 8, 4, 6), (512, 16, 4, 8)]
 if FULL:
-    GROUPINGS += [(256, 1, None, 8), (64, 8, 8, 6), (1024, 32, 4, 8), (2, 2, 1, 1), (96, 32, 3, 3)]
+    GROUPINGS += [(256, 1, None, 8), (64, 8, 8, 6), (1024, 32, 4, 8), (2, 2, 1, 1), (96, 32, 3, 3), (128, 8, 2, 8),
+                  (256, 16, 8, 8)]
 TOKENS = [0, 1, 37, 4099] + ([16384] if FULL else [])
 # (bias, normalize, routed_scaling_factor)
 OPTIONS = [(False, False, 1.0), (True, True, 2.5), (True, False, 1.5)]
@@ -135,13 +139,14 @@ def test_bad_input_names_the_argument(call, error, argname):
 
 # Each specialization the runtime uses: DeepSeek-V3 (sigmoid, normalized, with counts, fp32 and
 # bf16 logits), a tiny softmax router (8 experts, top-2), a ragged one (72 experts, groups across
-# lane slots, fp16 logits).
+# lane slots, fp16 logits), DeepSeek-V3 and 512 experts with their kept groups compacted.
 SPECIALIZATIONS = [
     (256, 8, 8, 4, "sigmoid", "float32", True, True),
     (256, 8, 8, 4, "sigmoid", "bfloat16", True, False),
     (8, 2, 1, 1, "softmax", "float32", False, False),
     (72, 4, 3, 1, "sqrtsoftplus", "float16", False, True),
     (240, 6, 8, 3, "softmax", "bfloat16", True, True),
+    (512, 8, 16, 4, "sigmoid", "float32", True, False),
 ]
 
 
