@@ -26,10 +26,9 @@ TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
 CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
-# session 7 swept (256, 512, 1024) threads x (1, 2) CTAs an SM: 512 x 1 shipped. Session 9: the next
-# token's rows loaded ahead (shipped: both)
-GATE_BACKWARD_VARIANTS = [dict(stage_next=False, x_ahead=False), dict(stage_next=True, x_ahead=False),
-                          dict(stage_next=False, x_ahead=True)]
+# session 7 swept (256, 512, 1024) threads x (1, 2) CTAs an SM: 512 x 1 shipped. Session 9: w loaded a
+# stream ahead (shipped) or with its stream
+GATE_BACKWARD_VARIANTS = [dict(w_ahead=False)]
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
