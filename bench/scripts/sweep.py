@@ -26,9 +26,7 @@ TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
 CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # (threads, CTAs per SM) of the persistent Engram gate backward
-# session 7 swept (256, 512, 1024) threads x (1, 2) CTAs an SM: 512 x 1 shipped. Session 9: w loaded a
-# stream ahead (shipped) or with its stream
-GATE_BACKWARD_VARIANTS = [dict(w_ahead=False)]
+GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) x (1, 2): 512 x 1 shipped
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
@@ -123,8 +121,8 @@ def variants(op: str, inp) -> dict[str, object]:
 
         args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND)
         args = (*args, inp.g_TND, gate(*args, return_stats=True)[1])
-        return {" ".join(f"{k}={v}" for k, v in opts.items()): functools.partial(gate_backward, *args, **opts)
-                for opts in GATE_BACKWARD_VARIANTS}
+        return {f"threads={t} ctas/SM={c}": functools.partial(gate_backward, *args, threads=t, ctas_per_sm=c)
+                for t, c in GATE_BACKWARD_GRIDS}
     if op == "topk_route":  # session 9: the kept groups compacted (shipped) or in place
         from kernels.routing.topk_route_kernel import LOGIT_DTYPES, get_topk_route_kernel
 

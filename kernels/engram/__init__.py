@@ -39,7 +39,7 @@ def gate(
         all(isinstance(t, torch.Tensor) for t in tensors)
         and use_tilelang(x_TND.device)
         and gate_kernel.supports(*tensors)
-        and gate_kernel.backward_fits(x_TND, v_TD)
+        and gate_kernel.backward_fits(x_TND)
     ):
         return _Gate.apply(*tensors, float(clamp), float(eps), bool(add_residual))
     return reference.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)

@@ -168,15 +168,12 @@ def get_gate_kernel(
 # per SM 1-2% slower.
 BACKWARD_THREADS = 512
 BACKWARD_CTAS_PER_SM = 1  # at most one per token
-# Barriers are explicit: the shared accumulators and staged rows are thread-private, and TileLang's
-# automatic ones (three more a token) would hold all 16 warps of the SM's one CTA together.
-BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
-@tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS, w_ahead: bool = True,
+    max_threads: int = BACKWARD_THREADS,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -187,55 +184,27 @@ def get_gate_backward_kernel(
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``,
     so that ``x`` and ``k`` are read once for every gradient: the weight gradients accumulate in
     shared memory (each thread its ``N`` streams times its columns, a thread's a stride apart) and
-    are stored once at the end. A token's ``g`` (every stream) and ``v`` wait in shared memory,
-    staged by ``cp.async`` while the CTA works on the token before: ``v`` as soon as that token's
-    ``dL/dgate = sum g*v`` partials are taken, each stream's ``g`` as soon as that stream's
-    gradients are stored. Per token, the ``N`` partials are one CTA reduction (warp shuffles, then
-    the warps in order); then stream by stream, with the next stream's ``x`` and ``k`` (and, with
-    ``w_ahead``, ``w``) loading into registers, it derives the row's coefficients from the saved
-    statistics and stores ``grad_x`` and ``grad_k``, adding ``g * gate`` to its ``grad_v``
-    registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
-    reassociation bound, not bits)."""
+    are stored once at the end. Per token, a thread loads its vectors of ``g`` for every stream and
+    of ``v``, and of the first stream's ``x`` and ``k``; ``dL/dgate = sum g*v`` of all N streams is
+    one CTA reduction (warp shuffles, then the warps in order); then stream by stream, with the next
+    stream's ``x`` and ``k`` loading, it derives the row's coefficients from the saved statistics
+    and stores ``grad_x`` and ``grad_k``, adding ``g * gate`` to its ``grad_v`` registers. The
+    per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound,
+    not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
     reduce, gate_of = row_reduction(n, warps), gate_value(d, clamp)
     width = per_thread * vec  # a thread's elements of a row
-    x_ahead = n % 2 == 0  # the next token's stream 0 can take slot 0 during the last stream
-    w_ahead = w_ahead and x_ahead
-    g_chunk = min(vec, 16 // T.dtype(dtype).bytes)  # elements a cp.async (at most 16 bytes)
-    v_chunk = min(vec, 16 // T.dtype(v_dtype).bytes)
 
     @T.macro
     def load(src, row, h, dst, off, tid):
-        """A thread's vectors of ``src[row, h]`` (``src[h]`` when ``row`` is None) into ``dst[off:]``."""
+        """A thread's vectors of ``src[row, h]`` into ``dst[off:]``."""
         for p in T.unroll(per_thread):
             c = p * threads + tid
             if c < nv:
                 for j in T.vectorized(vec):
-                    if row is None:
-                        dst[off + p * vec + j] = src[h, c * vec + j]
-                    else:
-                        dst[off + p * vec + j] = src[row, h, c * vec + j]
-
-    @T.macro
-    def stage(src, row, h, dst, tid):
-        """``cp.async`` of a thread's vectors of ``src[row, h]`` (``src[row]`` when ``h`` is None)
-        into the same columns of ``dst[h]`` (``dst``), 16 bytes or fewer a copy: each thread reads
-        back only what it staged, after its own ``cp.async.wait_group``, so no barrier guards the
-        staged rows."""
-        chunk = v_chunk if h is None else g_chunk
-        for p in T.unroll(per_thread):
-            c = p * threads + tid
-            if c < nv:
-                for q in T.unroll(vec // chunk):
-                    e = c * vec + q * chunk
-                    if h is None:
-                        T.ptx_cp_async(T.access_ptr(dst[e], "w", chunk), T.access_ptr(src[row, e], "r", chunk), chunk)
-                    else:
-                        T.ptx_cp_async(T.access_ptr(dst[h, e], "w", chunk), T.access_ptr(src[row, h, e], "r", chunk),
-                                       chunk)
-        T.ptx_commit_group()
+                    dst[off + p * vec + j] = src[row, h, c * vec + j]
 
     def acc_index(e, tid):
         return e * threads + tid  # a thread's accumulators a stride apart: a warp's accesses hit 32 banks
@@ -255,13 +224,11 @@ def get_gate_backward_kernel(
     ):
         with T.Kernel(num_ctas, threads=threads) as cta:
             tid = T.get_thread_binding()
-            g_staged = T.alloc_shared((n, d), dtype)
-            v_staged = T.alloc_shared((d,), v_dtype)
+            g_rows = T.alloc_local((n * width,), dtype)
+            v_row = T.alloc_local((width,), v_dtype)
             x_rows = T.alloc_local((2 * width,), dtype)  # this stream's and the next's (unrolled: registers)
             k_rows = T.alloc_local((2 * width,), k_dtype)
-            w_rows = T.alloc_local(((2 if w_ahead else 1) * width,), T.float32)
-            gl = T.alloc_local((vec,), dtype)
-            vl = T.alloc_local((vec,), v_dtype)
+            wl = T.alloc_local((vec,), T.float32)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
@@ -273,56 +240,32 @@ def get_gate_backward_kernel(
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             for e in T.serial(n * width):
                 grad_w[acc_index(e, tid)] = T.float32(0)
-            first = T.Cast(T.int64, cta)  # every CTA has a token (C <= tokens)
-            for h in T.unroll(n):
-                stage(g_TND, first, h, g_staged, tid)
-            stage(v_TD, first, None, v_staged, tid)
-            if x_ahead:
-                load(x_TND, first, 0, x_rows, 0, tid)
-                load(k_TND, first, 0, k_rows, 0, tid)
-            if w_ahead:
-                load(w_ND, None, 0, w_rows, 0, tid)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                following = row + num_ctas  # this CTA's next token, if < num_tokens
-                if not x_ahead:
-                    load(x_TND, row, 0, x_rows, 0, tid)
-                    load(k_TND, row, 0, k_rows, 0, tid)
-                T.ptx_wait_group(0)  # this token's g and v, staged by this thread
                 for h in T.unroll(n):
-                    dgate[h] = T.float32(0)
+                    load(g_TND, row, h, g_rows, h * width, tid)
                 for p in T.unroll(per_thread):
                     c = p * threads + tid
                     if c < nv:
                         for j in T.vectorized(vec):
-                            vl[j] = v_staged[c * vec + j]
-                        for h in T.unroll(n):
-                            for j in T.vectorized(vec):
-                                gl[j] = g_staged[h, c * vec + j]
+                            v_row[p * vec + j] = v_TD[row, c * vec + j]
+                load(x_TND, row, 0, x_rows, 0, tid)
+                load(k_TND, row, 0, k_rows, 0, tid)
+                for h in T.unroll(n):
+                    dgate[h] = T.float32(0)
+                    for p in T.unroll(per_thread):
+                        if p * threads + tid < nv:
                             for j in T.serial(vec):
-                                dgate[h] += T.cast(gl[j], T.float32) * T.cast(vl[j], T.float32)
-                if following < num_tokens:
-                    stage(v_TD, following, None, v_staged, tid)
+                                e = p * vec + j
+                                dgate[h] += T.cast(g_rows[h * width + e], T.float32) * T.cast(v_row[e], T.float32)
                 reduce(dgate, partial_NW, totals, tid)
                 T.sync_threads()  # every thread has read the partials before the next token writes them
                 for e in T.unroll(width):
                     grad_v[e] = T.float32(0)
                 for h in T.unroll(n):
-                    slot = (h % 2) * width
                     if h < n - 1:
                         load(x_TND, row, h + 1, x_rows, ((h + 1) % 2) * width, tid)
                         load(k_TND, row, h + 1, k_rows, ((h + 1) % 2) * width, tid)
-                        if w_ahead:
-                            load(w_ND, None, h + 1, w_rows, ((h + 1) % 2) * width, tid)
-                    elif following < num_tokens:
-                        if x_ahead:
-                            load(x_TND, following, 0, x_rows, 0, tid)
-                            load(k_TND, following, 0, k_rows, 0, tid)
-                        if w_ahead:
-                            load(w_ND, None, 0, w_rows, (n % 2) * width, tid)
-                    if not w_ahead:
-                        load(w_ND, None, h, w_rows, 0, tid)
-                    w_slot = slot if w_ahead else 0
                     rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
                     gate_of(raw, rstd_x, rstd_k, coefs, 0)
                     scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
@@ -337,24 +280,21 @@ def get_gate_backward_kernel(
                         c = p * threads + tid
                         if c < nv:
                             for j in T.vectorized(vec):
-                                gl[j] = g_staged[h, c * vec + j]
+                                wl[j] = w_ND[h, c * vec + j]
                             for j in T.serial(vec):
                                 e = p * vec + j
-                                xf = T.cast(x_rows[slot + e], T.float32)
-                                kf = T.cast(k_rows[slot + e], T.float32)
-                                gf = T.cast(gl[j], T.float32)
-                                wf = w_rows[w_slot + e]
-                                dx = coefs[1] * (wf * kf - xf * coefs[2])
+                                xf = T.cast(x_rows[(h % 2) * width + e], T.float32)
+                                kf = T.cast(k_rows[(h % 2) * width + e], T.float32)
+                                gf = T.cast(g_rows[h * width + e], T.float32)
+                                dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
                                 out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
-                                out_k[j] = T.cast(coefs[1] * (wf * xf - kf * coefs[3]), k_dtype)
+                                out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
                                 grad_v[e] += gf * coefs[0]
                                 grad_w[acc_index(h * width + e, tid)] += coefs[1] * xf * kf
                             for j in T.vectorized(vec):
                                 grad_x_TND[row, h, c * vec + j] = out_x[j]
                             for j in T.vectorized(vec):
                                 grad_k_TND[row, h, c * vec + j] = out_k[j]
-                    if following < num_tokens:  # this stream's g is spent (its gradients are stored)
-                        stage(g_TND, following, h, g_staged, tid)
                 for p in T.unroll(per_thread):
                     c = p * threads + tid
                     if c < nv:
@@ -407,22 +347,19 @@ def check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND) -> None:
         )
 
 
-def backward_shared_bytes(
-    n: int, d: int, dtype: torch.dtype, v_dtype: torch.dtype, threads: int = BACKWARD_THREADS
-) -> int:
+def backward_shared_bytes(n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS) -> int:
     """Shared memory of a backward CTA: the weight gradients' float32 accumulators (``N`` times a
-    row, padded to whole thread vectors), the staged ``g`` and ``v`` rows of a token and the row
-    reduction's partials."""
+    row, padded to whole thread vectors) and the row reduction's partials."""
     vec, _, threads, per_thread, warps = row_geometry(d, tl_dtype(dtype), threads)
-    return 4 * (n * per_thread * vec * threads + n * warps) + d * (n * dtype.itemsize + v_dtype.itemsize)
+    return 4 * (n * per_thread * vec * threads + 4 * warps)
 
 
-def backward_fits(x_TND: torch.Tensor, v_TD: torch.Tensor, threads: int = BACKWARD_THREADS) -> bool:
+def backward_fits(x_TND: torch.Tensor, threads: int = BACKWARD_THREADS) -> bool:
     """Whether the backward's CTA fits the device's shared memory for ``x_TND``'s ``N`` and ``D``
-    (about ``6 N D`` bytes in bfloat16: N * D up to ~37K elements on a Hopper GPU)."""
+    (about ``4 N D`` bytes: N * D up to ~56K elements on a Hopper GPU)."""
     _, n, d = x_TND.shape
     limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
-    return backward_shared_bytes(n, d, x_TND.dtype, v_TD.dtype, threads) <= limit
+    return backward_shared_bytes(n, d, x_TND.dtype, threads) <= limit
 
 
 def gate(
@@ -477,7 +414,6 @@ def gate_backward(
     add_residual: bool = True,
     threads: int = BACKWARD_THREADS,
     ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
-    w_ahead: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
@@ -489,12 +425,11 @@ def gate_backward(
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
     check_tensor("stats_TN3", stats_TN3, dtype=torch.float32, shape=(*x_TND.shape[:2], 3), device=x_TND.device)
     check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND)
-    if not backward_fits(x_TND, v_TD, threads):
+    if not backward_fits(x_TND, threads):
         raise ValueError(
             f"x_TND: N * D = {x_TND.shape[1]} * {x_TND.shape[2]} needs "
-            f"{backward_shared_bytes(*x_TND.shape[1:], x_TND.dtype, v_TD.dtype, threads)} bytes of shared memory "
-            "for the weight gradients' accumulators and a token's staged rows, more than this device gives a CTA "
-            "(use kernels.engram.reference.gate)"
+            f"{backward_shared_bytes(*x_TND.shape[1:], x_TND.dtype, threads)} bytes of shared memory for the weight "
+            "gradients' accumulators, more than this device gives a CTA (use kernels.engram.reference.gate)"
         )
     t, n, d = x_TND.shape
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
@@ -509,7 +444,7 @@ def gate_backward(
     w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads, w_ahead)(
+    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
         *args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)

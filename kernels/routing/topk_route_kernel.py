@@ -15,10 +15,12 @@ whole groups. Then:
 2. group scores (sum of the best two): per-lane top two, a butterfly over the ``L`` lanes of the
    group; each lane then ranks its own group(s) against the ``G`` group scores (one shuffle each)
    and masks its experts if the group is not kept;
-3. top-k: selection scores become order-preserving int32 keys; each of the ``K`` rounds is a local
-   arg-max (ties to the lower slot), one ``redux.sync.max`` over the warp, one ballot whose lowest
-   set lane wins (ties to the lower lane, hence the lower expert) and one shuffle of the winner's
-   slot;
+3. top-k: selection scores become order-preserving int32 keys; when the kept groups' experts fill
+   the warp with fewer slots a lane (DeepSeek-V3: 4 groups of 32 experts, 4 a lane instead of 8),
+   each lane first fetches its share of them, in expert order, from the lanes holding them (one
+   ballot of the kept groups, ``S`` shuffles). Each of the ``K`` rounds is then a local arg-max
+   (ties to the lower slot), one ``redux.sync.max`` over the warp, one ballot whose lowest set lane
+   wins (ties to the lower lane, hence the lower expert) and one shuffle of the winner's expert;
 4. lane ``k`` writes route ``k``; its weight is read back from the score row in shared memory,
    normalized by the sum of the K weights taken in rank order, scaled. Counts go to a per-CTA
    shared-memory histogram, then one coalesced global atomic per expert per CTA.
