@@ -53,7 +53,10 @@ from kernels.validate import check_positive, check_tensor
 from .reference import SCORINGS
 
 WARP = 32
-WARPS = 8  # tokens per CTA
+WARPS = 8  # warps per CTA, each routing one token at a time
+# With counts, a warp routes this many tokens in turn, so that a CTA's histogram covers more routes
+# and fewer CTAs add theirs to the global counts (all of them hit the same E addresses).
+COUNT_WARP_TOKENS = 8
 MAX_EXPERTS = 32 * WARP
 MAX_SLOTS = 32  # experts per lane (registers)
 LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -98,9 +101,13 @@ def get_topk_route_kernel(
     normalize: bool,
     with_counts: bool,
     compact: bool = True,
+    warp_tokens: int | None = None,
 ):
     """The router for one configuration (see the module doc); the token count is dynamic.
-    ``compact=False`` keeps the kept groups in place (the sweep's comparison)."""
+    ``compact=False`` keeps the kept groups in place, ``warp_tokens`` sets the tokens a warp routes
+    in turn (default: 1, and ``COUNT_WARP_TOKENS`` with counts); both for the sweep's comparisons."""
+    if warp_tokens is None:
+        warp_tokens = COUNT_WARP_TOKENS if with_counts else 1
     num_tokens = T.dynamic("num_tokens")
     slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
     group_size = num_experts // num_groups
@@ -133,11 +140,10 @@ def get_topk_route_kernel(
         counts_E: T.Tensor[(num_experts,), T.int32],
         routed_scaling_factor: T.float32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, WARPS), threads=threads) as block:
+        with T.Kernel(T.ceildiv(num_tokens, WARPS * warp_tokens), threads=threads) as block:
             thread = T.get_thread_binding()
             lane = thread % WARP
             warp = thread // WARP
-            token = block * WARPS + warp
             first = lane * slots  # this lane's first expert
 
             scores_WE = T.alloc_shared((WARPS, row), T.float32)
@@ -171,139 +177,143 @@ def get_topk_route_kernel(
                         hist_E[s * threads + thread] = 0
                 T.sync_threads()
 
-            if token < num_tokens:
-                # 1. Scores (float32, unbiased) into x_S and the warp's shared row.
-                if ragged or slots % 4:
-                    for j in T.unroll(slots):
-                        x_S[j] = neg_inf
-                        if not ragged or first + j < num_experts:
+            for r in T.serial(warp_tokens):
+                token = (block * warp_tokens + r) * WARPS + warp
+                if token < num_tokens:
+                    # 1. Scores (float32, unbiased) into x_S and the warp's shared row.
+                    if ragged or slots % 4:
+                        for j in T.unroll(slots):
+                            x_S[j] = neg_inf
+                            if not ragged or first + j < num_experts:
+                                x_S[j] = T.Cast(T.float32, logits_TE[token, first + j])
+                    else:
+                        for j in T.vectorized(slots):
                             x_S[j] = T.Cast(T.float32, logits_TE[token, first + j])
-                else:
-                    for j in T.vectorized(slots):
-                        x_S[j] = T.Cast(T.float32, logits_TE[token, first + j])
-                if scoring == "softmax":
-                    peak = neg_inf
-                    for j in T.unroll(slots):
-                        peak = T.max(peak, x_S[j])
-                    for o in T.unroll(5):
-                        peak = T.max(peak, T.shfl_xor(peak, 16 >> o))
+                    if scoring == "softmax":
+                        peak = neg_inf
+                        for j in T.unroll(slots):
+                            peak = T.max(peak, x_S[j])
+                        for o in T.unroll(5):
+                            peak = T.max(peak, T.shfl_xor(peak, 16 >> o))
+                        for j in T.unroll(slots):
+                            if not ragged or first + j < num_experts:
+                                scores_WE[warp, first + j] = T.exp(x_S[j] - peak)
+                        T.sync_warp()
+                        total = 0.0
+                        for i in T.unroll(strided_slots):  # torch's order: experts lane, lane + 32, ...
+                            if lane + WARP * i < num_experts:
+                                total = total + scores_WE[warp, lane + WARP * i]
+                        for o in T.unroll(5):
+                            total = total + T.shfl_xor(total, 16 >> o)
+                        for j in T.unroll(slots):
+                            if not ragged or first + j < num_experts:
+                                x_S[j] = scores_WE[warp, first + j] / total
+                        T.sync_warp()
+                    else:
+                        for j in T.unroll(slots):
+                            if not ragged or first + j < num_experts:
+                                if scoring == "sigmoid":
+                                    x_S[j] = T.sigmoid(x_S[j])
+                                else:
+                                    x_S[j] = T.sqrt(
+                                        T.if_then_else(x_S[j] > SOFTPLUS_THRESHOLD, x_S[j], T.log1p(T.exp(x_S[j])))
+                                    )
                     for j in T.unroll(slots):
                         if not ragged or first + j < num_experts:
-                            scores_WE[warp, first + j] = T.exp(x_S[j] - peak)
+                            scores_WE[warp, first + j] = x_S[j]
+                            x_S[j] = x_S[j] + bias_E[first + j]  # selection score
                     T.sync_warp()
-                    total = 0.0
-                    for i in T.unroll(strided_slots):  # torch's order: experts lane, lane + 32, ...
-                        if lane + WARP * i < num_experts:
-                            total = total + scores_WE[warp, lane + WARP * i]
-                    for o in T.unroll(5):
-                        total = total + T.shfl_xor(total, 16 >> o)
-                    for j in T.unroll(slots):
-                        if not ragged or first + j < num_experts:
-                            x_S[j] = scores_WE[warp, first + j] / total
-                    T.sync_warp()
-                else:
-                    for j in T.unroll(slots):
-                        if not ragged or first + j < num_experts:
-                            if scoring == "sigmoid":
-                                x_S[j] = T.sigmoid(x_S[j])
-                            else:
-                                x_S[j] = T.sqrt(
-                                    T.if_then_else(x_S[j] > SOFTPLUS_THRESHOLD, x_S[j], T.log1p(T.exp(x_S[j])))
+
+                    # 2. Group limit: keep the experts of the topk_groups groups with the best top-2 sums.
+                    if grouped:
+                        for q in T.unroll(lane_groups):
+                            first_Q[q] = neg_inf
+                            second_Q[q] = neg_inf
+                            for j in T.unroll(min(slots, group_size)):
+                                second_Q[q] = T.max(second_Q[q], T.min(first_Q[q], x_S[q * group_size + j]))
+                                first_Q[q] = T.max(first_Q[q], x_S[q * group_size + j])
+                        if group_lanes > 1:
+                            for o in T.unroll(group_lanes.bit_length() - 1):
+                                other_first = T.shfl_xor(first_Q[0], group_lanes >> (o + 1))
+                                other_second = T.shfl_xor(second_Q[0], group_lanes >> (o + 1))
+                                second_Q[0] = T.max(T.min(first_Q[0], other_first), T.max(second_Q[0], other_second))
+                                first_Q[0] = T.max(first_Q[0], other_first)
+                        for q in T.unroll(lane_groups):
+                            if group_size > 1:
+                                first_Q[q] = first_Q[q] + second_Q[q]  # the group's score
+                            above_Q[q] = 0
+                        # Rank of each of this lane's groups g among all groups (ties to the lower index).
+                        for h, (source_lane, source_group) in enumerate(group_sources):
+                            theirs = T.shfl_sync(first_Q[source_group], source_lane)
+                            for q in T.unroll(lane_groups):
+                                mine = first_Q[q]
+                                above_Q[q] = above_Q[q] + T.Cast(
+                                    T.int32,
+                                    theirs > mine or (theirs == mine and h < (first // group_size) + q),
                                 )
-                for j in T.unroll(slots):
-                    if not ragged or first + j < num_experts:
-                        scores_WE[warp, first + j] = x_S[j]
-                        x_S[j] = x_S[j] + bias_E[first + j]  # selection score
-                T.sync_warp()
+                        if not compact:
+                            for q in T.unroll(lane_groups):
+                                if above_Q[q] >= topk_groups:
+                                    for j in T.unroll(min(slots, group_size)):
+                                        x_S[q * group_size + j] = neg_inf
 
-                # 2. Group limit: keep the experts of the topk_groups groups with the best top-2 sums.
-                if grouped:
-                    for q in T.unroll(lane_groups):
-                        first_Q[q] = neg_inf
-                        second_Q[q] = neg_inf
-                        for j in T.unroll(min(slots, group_size)):
-                            second_Q[q] = T.max(second_Q[q], T.min(first_Q[q], x_S[q * group_size + j]))
-                            first_Q[q] = T.max(first_Q[q], x_S[q * group_size + j])
-                    if group_lanes > 1:
-                        for o in T.unroll(group_lanes.bit_length() - 1):
-                            other_first = T.shfl_xor(first_Q[0], group_lanes >> (o + 1))
-                            other_second = T.shfl_xor(second_Q[0], group_lanes >> (o + 1))
-                            second_Q[0] = T.max(T.min(first_Q[0], other_first), T.max(second_Q[0], other_second))
-                            first_Q[0] = T.max(first_Q[0], other_first)
-                    for q in T.unroll(lane_groups):
-                        if group_size > 1:
-                            first_Q[q] = first_Q[q] + second_Q[q]  # the group's score
-                        above_Q[q] = 0
-                    # Rank of each of this lane's groups g among all groups (ties to the lower index).
-                    for h, (source_lane, source_group) in enumerate(group_sources):
-                        theirs = T.shfl_sync(first_Q[source_group], source_lane)
-                        for q in T.unroll(lane_groups):
-                            mine = first_Q[q]
-                            above_Q[q] = above_Q[q] + T.Cast(
-                                T.int32,
-                                theirs > mine or (theirs == mine and h < (first // group_size) + q),
-                            )
-                    if not compact:
-                        for q in T.unroll(lane_groups):
-                            if above_Q[q] >= topk_groups:
-                                for j in T.unroll(min(slots, group_size)):
-                                    x_S[q * group_size + j] = neg_inf
-
-                # 3. Top-k over order-preserving int keys of the selection scores.
-                for j in T.unroll(slots):
-                    key_S[j] = T.reinterpret(x_S[j], T.int32)
-                    key_S[j] = key_S[j] ^ ((key_S[j] >> 31) & 0x7FFFFFFF)
-                cand_base = lane * slots
-                if compact:
-                    # Lane l takes kept_slots experts of the (l // kept_group_lanes)-th kept group (in
-                    # group order) from the lane holding them: one bit a kept group at its first lane.
-                    kept_mask = T.Cast(T.int32, T.ballot_sync(lane % group_lanes == 0 and above_Q[0] < topk_groups))
-                    for r in T.unroll(topk_groups):  # the rank-th lowest set bit
-                        if r == lane // kept_group_lanes:
-                            group_bit = kept_mask & -kept_mask
-                        kept_mask = kept_mask & (kept_mask - 1)
-                    cand_base = (
-                        (T.call_extern("int32", "__ffs", group_bit) - 1) // group_lanes * group_size
-                        + lane % kept_group_lanes * kept_slots
-                    )
-                    for h in T.unroll(slots // kept_slots):  # the source lane's slots in kept_slots chunks
-                        for j in T.unroll(kept_slots):
-                            theirs_key = T.shfl_sync(key_S[h * kept_slots + j], cand_base // slots)
-                            if cand_base % slots == h * kept_slots:
-                                cand_C[j] = theirs_key
-                my_expert = -1
-                for k in T.unroll(topk):
-                    best = cand_C[0]
-                    best_slot = 0
-                    for j in T.unroll(cand_slots):
-                        if cand_C[j] > best:
-                            best = cand_C[j]
-                            best_slot = j
-                    top = T.call_extern("int32", "__reduce_max_sync", full_mask, best)
-                    winner = T.call_extern("int32", "__ffs", T.Cast(T.int32, T.ballot_sync(best == top))) - 1
-                    expert = T.shfl_sync(cand_base + best_slot, winner)
-                    if lane == winner:
-                        for j in T.unroll(cand_slots):
-                            if j == best_slot:
-                                cand_C[j] = KEY_REMOVED
-                    if lane == k and top > KEY_NEG_INF:
-                        my_expert = expert
-
-                # 4. Weights (normalized over the K routes in rank order, then scaled), indices, counts.
-                my_weight = 0.0
-                if lane < topk and my_expert >= 0:
-                    my_weight = scores_WE[warp, my_expert]
-                if normalize:
-                    total = 0.0
+                    # 3. Top-k over order-preserving int keys of the selection scores.
+                    for j in T.unroll(slots):
+                        key_S[j] = T.reinterpret(x_S[j], T.int32)
+                        key_S[j] = key_S[j] ^ ((key_S[j] >> 31) & 0x7FFFFFFF)
+                    cand_base = lane * slots
+                    if compact:
+                        # Lane l takes kept_slots experts of the (l // kept_group_lanes)-th kept group (in
+                        # group order) from the lane holding them: one bit a kept group at its first lane.
+                        kept_mask = T.Cast(T.int32, T.ballot_sync(lane % group_lanes == 0 and above_Q[0] < topk_groups))
+                        for r in T.unroll(topk_groups):  # the rank-th lowest set bit
+                            if r == lane // kept_group_lanes:
+                                group_bit = kept_mask & -kept_mask
+                            kept_mask = kept_mask & (kept_mask - 1)
+                        cand_base = (
+                            (T.call_extern("int32", "__ffs", group_bit) - 1) // group_lanes * group_size
+                            + lane % kept_group_lanes * kept_slots
+                        )
+                        for h in T.unroll(slots // kept_slots):  # the source lane's slots in kept_slots chunks
+                            for j in T.unroll(kept_slots):
+                                theirs_key = T.shfl_sync(key_S[h * kept_slots + j], cand_base // slots)
+                                if cand_base % slots == h * kept_slots:
+                                    cand_C[j] = theirs_key
+                    my_expert = -1
                     for k in T.unroll(topk):
-                        total = total + T.shfl_sync(my_weight, k)
-                    if total > 0:
-                        my_weight = my_weight / total
-                if lane < topk:
-                    topk_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
-                    topk_weights_TK[token, lane] = my_weight * routed_scaling_factor
-                    if with_counts and my_expert >= 0:
-                        T.atomic_add(hist_E[my_expert], 1)
+                        best = cand_C[0]
+                        best_slot = 0
+                        for j in T.unroll(cand_slots):
+                            if cand_C[j] > best:
+                                best = cand_C[j]
+                                best_slot = j
+                        top = T.call_extern("int32", "__reduce_max_sync", full_mask, best)
+                        winner = T.call_extern("int32", "__ffs", T.Cast(T.int32, T.ballot_sync(best == top))) - 1
+                        expert = T.shfl_sync(cand_base + best_slot, winner)
+                        if lane == winner:
+                            for j in T.unroll(cand_slots):
+                                if j == best_slot:
+                                    cand_C[j] = KEY_REMOVED
+                        if lane == k and top > KEY_NEG_INF:
+                            my_expert = expert
+
+                    # 4. Weights (normalized over the K routes in rank order, then scaled), indices, counts.
+                    my_weight = 0.0
+                    if lane < topk and my_expert >= 0:
+                        my_weight = scores_WE[warp, my_expert]
+                    if normalize:
+                        total = 0.0
+                        for k in T.unroll(topk):
+                            total = total + T.shfl_sync(my_weight, k)
+                        if total > 0:
+                            my_weight = my_weight / total
+                    if lane < topk:
+                        topk_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
+                        topk_weights_TK[token, lane] = my_weight * routed_scaling_factor
+                        if with_counts and my_expert >= 0:
+                            T.atomic_add(hist_E[my_expert], 1)
+                if warp_tokens > 1:
+                    T.sync_warp()  # the warp's shared row is read before its next token writes it
 
             if with_counts:
                 T.sync_threads()
