@@ -30,7 +30,7 @@ GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) 
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
-ROUTER_COUNT_WARP_TOKENS = [1, 4, 16]
+ROUTER_COUNT_CTAS_PER_SM = [2, 8, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
 
@@ -94,19 +94,21 @@ def _expand_cast_variant(x, layout, tile):
     return call
 
 
-def _router_variant(inp, with_counts: bool, **options):
-    """The DeepSeek-V3 router kernel built with ``options``, called as the public op calls it."""
-    from kernels.routing.topk_route_kernel import LOGIT_DTYPES, get_topk_route_kernel
+def _router_variant(inp, with_counts: bool, compact: bool = True, ctas_per_sm: int | None = None):
+    """The DeepSeek-V3 router kernel, its kept groups ``compact`` or not, on a grid of at most
+    ``ctas_per_sm`` CTAs an SM (None: one token a warp), called as the public op calls it."""
+    from kernels.routing.topk_route_kernel import LOGIT_DTYPES, get_topk_route_kernel, grid_size
 
     s, logits, bias = inp.shape, inp.logits_TE, inp.bias_E
     kernel = get_topk_route_kernel(s.experts, s.topk, s.groups, s.topk_groups, "sigmoid", LOGIT_DTYPES[logits.dtype],
-                                   True, with_counts, **options)
+                                   True, with_counts, compact=compact)
+    ctas = grid_size(s.tokens, ctas_per_sm is not None, logits.device, ctas_per_sm)
 
     def route():
         idx = torch.empty(s.tokens, s.topk, dtype=torch.int64, device=logits.device)
         weights = torch.empty(s.tokens, s.topk, dtype=torch.float32, device=logits.device)
         counts = (torch.zeros if with_counts else torch.empty)(s.experts, dtype=torch.int32, device=logits.device)
-        kernel(logits, bias, idx, weights, counts, float(s.routed_scaling_factor))
+        kernel(logits, bias, idx, weights, counts, float(s.routed_scaling_factor), ctas)
         return (idx, weights, counts) if with_counts else (idx, weights)
 
     return route
@@ -144,8 +146,8 @@ def variants(op: str, inp) -> dict[str, object]:
                 for t, c in GATE_BACKWARD_GRIDS}
     if op == "topk_route":  # session 9: the kept groups compacted (shipped) or in place
         return {"groups in place": _router_variant(inp, False, compact=False)}
-    if op == "topk_route_with_counts":  # tokens a warp routes in turn (shipped: 8)
-        return {f"warp_tokens={n}": _router_variant(inp, True, warp_tokens=n) for n in ROUTER_COUNT_WARP_TOKENS}
+    if op == "topk_route_with_counts":  # CTAs an SM (shipped: 4; one token a warp: "unbounded")
+        return {f"ctas/SM={n or 'unbounded'}": _router_variant(inp, True, ctas_per_sm=n) for n in ROUTER_COUNT_CTAS_PER_SM}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
     return {}  # the op as shipped and its peers only

@@ -54,9 +54,10 @@ from .reference import SCORINGS
 
 WARP = 32
 WARPS = 8  # warps per CTA, each routing one token at a time
-# With counts, a warp routes this many tokens in turn, so that a CTA's histogram covers more routes
-# and fewer CTAs add theirs to the global counts (all of them hit the same E addresses).
-COUNT_WARP_TOKENS = 8
+# With counts, the grid is at most this many CTAs an SM, each warp routing tokens in turn: a CTA's
+# histogram then covers more routes and fewer CTAs add theirs to the global counts (all of them
+# hit the same E addresses). Without counts, a warp routes one token.
+COUNT_CTAS_PER_SM = 4
 MAX_EXPERTS = 32 * WARP
 MAX_SLOTS = 32  # experts per lane (registers)
 LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -101,13 +102,10 @@ def get_topk_route_kernel(
     normalize: bool,
     with_counts: bool,
     compact: bool = True,
-    warp_tokens: int | None = None,
 ):
-    """The router for one configuration (see the module doc); the token count is dynamic.
-    ``compact=False`` keeps the kept groups in place, ``warp_tokens`` sets the tokens a warp routes
-    in turn (default: 1, and ``COUNT_WARP_TOKENS`` with counts); both for the sweep's comparisons."""
-    if warp_tokens is None:
-        warp_tokens = COUNT_WARP_TOKENS if with_counts else 1
+    """The router for one configuration (see the module doc); the token count and the grid
+    (``num_ctas``, each warp routing tokens ``WARPS`` * ``num_ctas`` apart) are dynamic.
+    ``compact=False`` keeps the kept groups in place (the sweep's comparison)."""
     num_tokens = T.dynamic("num_tokens")
     slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
     group_size = num_experts // num_groups
@@ -139,8 +137,9 @@ def get_topk_route_kernel(
         topk_weights_TK: T.Tensor[(num_tokens, topk), T.float32],
         counts_E: T.Tensor[(num_experts,), T.int32],
         routed_scaling_factor: T.float32,
+        num_ctas: T.int32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, WARPS * warp_tokens), threads=threads) as block:
+        with T.Kernel(num_ctas, threads=threads) as block:
             thread = T.get_thread_binding()
             lane = thread % WARP
             warp = thread // WARP
@@ -177,8 +176,8 @@ def get_topk_route_kernel(
                         hist_E[s * threads + thread] = 0
                 T.sync_threads()
 
-            for r in T.serial(warp_tokens):
-                token = (block * warp_tokens + r) * WARPS + warp
+            for r in T.serial(T.ceildiv(num_tokens, num_ctas * WARPS)):
+                token = (r * num_ctas + block) * WARPS + warp
                 if token < num_tokens:
                     # 1. Scores (float32, unbiased) into x_S and the warp's shared row.
                     if ragged or slots % 4:
@@ -312,8 +311,7 @@ def get_topk_route_kernel(
                         topk_weights_TK[token, lane] = my_weight * routed_scaling_factor
                         if with_counts and my_expert >= 0:
                             T.atomic_add(hist_E[my_expert], 1)
-                if warp_tokens > 1:
-                    T.sync_warp()  # the warp's shared row is read before its next token writes it
+                T.sync_warp()  # the warp's shared row is read before its next token writes it
 
             if with_counts:
                 T.sync_threads()
@@ -424,10 +422,22 @@ def topk_route(
     topk_weights_TK = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
     counts_E = (torch.zeros if with_counts else torch.empty)(num_experts, dtype=torch.int32, device=device)
     if num_tokens:
-        kernel(logits_TE, bias_E, topk_idx_TK, topk_weights_TK, counts_E, float(routed_scaling_factor))
+        kernel(logits_TE, bias_E, topk_idx_TK, topk_weights_TK, counts_E, float(routed_scaling_factor),
+               grid_size(num_tokens, with_counts, device))
     if with_counts:
         return topk_idx_TK, topk_weights_TK, counts_E
     return topk_idx_TK, topk_weights_TK
+
+
+def grid_size(num_tokens: int, with_counts: bool, device: torch.device, ctas_per_sm: int = COUNT_CTAS_PER_SM) -> int:
+    """The router's CTAs: one token a warp, or with counts at most ``ctas_per_sm`` CTAs an SM."""
+    ctas = -(-num_tokens // WARPS)
+    return min(ctas, _sm_count(device) * ctas_per_sm) if with_counts else ctas
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_cuda(name: str, t: torch.Tensor) -> None:
