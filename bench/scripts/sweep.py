@@ -30,7 +30,7 @@ GATE_BACKWARD_GRIDS = [(256, 2), (1024, 1)]  # session 7 swept (256, 512, 1024) 
 BACK_TILES = [(8, 2048, 256), (4, 3584, 448), (16, 2048, 256), (2, 7168, 896)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
-ROUTER_COUNT_CTAS_PER_SM = [2, 8, None]  # None: one token a warp
+ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
 
@@ -146,7 +146,7 @@ def variants(op: str, inp) -> dict[str, object]:
                 for t, c in GATE_BACKWARD_GRIDS}
     if op == "topk_route":  # session 9: the kept groups compacted (shipped) or in place
         return {"groups in place": _router_variant(inp, False, compact=False)}
-    if op == "topk_route_with_counts":  # CTAs an SM (shipped: 4; one token a warp: "unbounded")
+    if op == "topk_route_with_counts":  # CTAs an SM (shipped: 8; one token a warp: "unbounded")
         return {f"ctas/SM={n or 'unbounded'}": _router_variant(inp, True, ctas_per_sm=n) for n in ROUTER_COUNT_CTAS_PER_SM}
     if op == "cast_back":
         return {f"tile={t}": _cast_back_variant(inp.q_TD, inp.sf_TG, t) for t in BACK_TILES}
