@@ -4,7 +4,8 @@ Computes :func:`kernels.routing.reference.topk_route` (and, optionally, the per-
 :func:`kernels.routing.reference.expert_counts` of its result) in one launch. ``NOTES.md`` beside
 this file has each version's design, predicted and measured times.
 
-Design (v2): one warp per token, ``WARPS`` tokens per CTA. Lane ``l`` holds the ``S`` consecutive
+Design (v3): one warp per token, ``WARPS`` tokens per CTA (with counts, a grid of at most
+``COUNT_CTAS_PER_SM`` CTAs an SM whose warps route tokens in turn). Lane ``l`` holds the ``S`` consecutive
 experts ``l*S .. l*S+S-1`` in registers (16-byte loads when ``32*S == E``). ``S`` is chosen so that
 expert groups line up with lanes: a group spans ``L`` lanes (a power of two) or a lane holds ``Q``
 whole groups. Then:
@@ -23,7 +24,8 @@ whole groups. Then:
    wins (ties to the lower lane, hence the lower expert) and one shuffle of the winner's expert;
 4. lane ``k`` writes route ``k``; its weight is read back from the score row in shared memory,
    normalized by the sum of the K weights taken in rank order, scaled. Counts go to a per-CTA
-   shared-memory histogram, then one coalesced global atomic per expert per CTA.
+   shared-memory histogram, then one coalesced global atomic per expert per CTA (hence the bounded
+   grid: fewer CTAs, fewer atomics on the same ``E`` counters).
 
 Exactness against the reference on CUDA: ``topk_idx_TK`` and the counts are bit-exact; weights are
 bit-exact without ``normalize``; with it, the K weights are summed in rank order rather than in
