@@ -29,9 +29,11 @@ from kernels.validate import check_dtype, check_tensor
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool, out_dtype: str,
-                         tile: tuple[int, int, int] | None = None):
+                         tile: tuple[int, int, int] | None = None, staged: bool = True):
     """``(q_MN, sf_BG, out_MN)`` kernel: ``out = q.float() * sf`` per ``block_m x block_n`` block
-    (``tile`` as in :func:`kernels.quant.blockwise_cast_kernel.get_blockwise_cast_kernel`)."""
+    (``tile`` as in :func:`kernels.quant.blockwise_cast_kernel.get_blockwise_cast_kernel`;
+    ``staged=False`` reads each vector's scale from global memory instead of shared, the sweep's
+    comparison)."""
     num_rows = T.dynamic("num_rows")
     # Vectors sized by the output (8 values for bfloat16: 8-byte e4m3 loads, 16-byte stores), so a
     # warp's store covers one contiguous 512 bytes. v2's 16 e4m3 values a thread made each 16-byte
@@ -52,15 +54,18 @@ def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool
         with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
             pm, pn = row_major(pid, tiles_n)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
-            sf_shared = T.alloc_shared((tile_gm, tile_gn), "float32")
             T.annotate_layout({q_frag: vector_layout(tile_m, tile_n, threads, vec)})
-            for i, g in T.Parallel(tile_gm, tile_gn):
-                sf_shared[i, g] = unpack_scale(sf_BG[pm * tile_gm + i, pn * tile_gn + g], packed)
+            if staged:
+                sf_shared = T.alloc_shared((tile_gm, tile_gn), "float32")
+                for i, g in T.Parallel(tile_gm, tile_gn):
+                    sf_shared[i, g] = unpack_scale(sf_BG[pm * tile_gm + i, pn * tile_gn + g], packed)
             T.copy(q_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
             for i, j in T.Parallel(tile_m, tile_n):
-                out_MN[pm * tile_m + i, pn * tile_n + j] = T.cast(
-                    T.cast(q_frag[i, j], "float32") * sf_shared[i // block_m, j // block_n], out_dtype
-                )
+                if staged:
+                    sf = sf_shared[i // block_m, j // block_n]
+                else:
+                    sf = unpack_scale(sf_BG[pm * tile_gm + i // block_m, pn * tile_gn + j // block_n], packed)
+                out_MN[pm * tile_m + i, pn * tile_n + j] = T.cast(T.cast(q_frag[i, j], "float32") * sf, out_dtype)
 
     return cast_back
 
