@@ -19,7 +19,8 @@ CASES = [  # (M, N, block, out dtype)
     (257, 300, (128, 128), torch.bfloat16),
     (200, 7168, (128, 128), torch.float32),
     (130, 300, (128, 1), torch.bfloat16),
-    (4096 + 37, 7168 + 64, (1, 128), torch.bfloat16),  # from DEEP_TILE_ROWS: DEEP_TILE x the rows a CTA, ragged
+    (4096 + 37, 7168 + 64, (1, 128), torch.bfloat16),  # many CTAs, ragged
+    (65, 300, (1, 2), torch.bfloat16),  # blocks narrower than a vector: staged per-token scales
     (4096, 300, (1, 64), torch.float32),
 ]
 
@@ -61,7 +62,7 @@ SPECIALIZATIONS = [  # (num_cols, block_m, block_n, packed, out_dtype): what the
     (64, 1, 128, False, "bfloat16"),
     (300, 128, 128, True, "float32"),
     (7168, 128, 1, False, "float16"),
-    (7168, 1, 128, False, "bfloat16", (16, 1024, 128)),  # the deep tile of large batches
+    (300, 1, 2, False, "bfloat16"),  # per-token blocks narrower than a vector: staged
 ]
 
 
