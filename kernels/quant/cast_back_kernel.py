@@ -75,20 +75,6 @@ def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool
     return cast_back
 
 
-# From DEEP_TILE_ROWS rows on, a per-token cast_back takes DEEP_TILE times the cast's tile rows
-# (more 16-byte stores in flight a thread): 121.4 us vs 130.0 for 4 rows at 16384 x 7168 on an H100
-# (bench/results/h100/2026-11-24-s6). Fewer rows keep the small tile, which gives more CTAs than SMs.
-DEEP_TILE_ROWS = 4096
-DEEP_TILE = 16
-
-
-def _tile(m: int, n: int, block: tuple[int, int], out_dtype: torch.dtype) -> tuple[int, int, int] | None:
-    if block[0] != 1 or m < DEEP_TILE_ROWS:
-        return None
-    tile_m, tile_n, threads = blockwise_tile(n, block, vector_width(n, out_dtype.itemsize))
-    return DEEP_TILE * tile_m, tile_n, threads
-
-
 def cast_back(
     q: torch.Tensor, sf: torch.Tensor, *, block: tuple[int, int], out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
