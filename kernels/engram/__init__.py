@@ -2,8 +2,9 @@
 
 ``gate`` runs its TileLang kernels, forward and (under autograd) backward, when
 :func:`kernels.select.use_tilelang` says so for the input's device and the kernels take the dtypes
-(bfloat16/float16/float32, ``wh`` and ``we`` of one dtype) and the shape (the backward's
-accumulators, ``4 N D`` bytes, fit a CTA's shared memory); otherwise the reference with its
+(bfloat16/float16/float32, ``wh`` and ``we`` of one dtype) and the shape
+(:func:`kernels.engram.gate_kernel.backward_plan`: a thread's weight gradients fit its registers,
+a token's rows shared memory); otherwise the reference with its
 autograd runs. The choice is made from the
 arguments up front, never by catching a kernel's error. The other ops are the reference's.
 """
@@ -39,7 +40,7 @@ def gate(
         all(isinstance(t, torch.Tensor) for t in tensors)
         and use_tilelang(x_TND.device)
         and gate_kernel.supports(*tensors)
-        and gate_kernel.backward_fits(x_TND)
+        and gate_kernel.backward_fits(x_TND, k_TND, v_TD)
     ):
         return _Gate.apply(*tensors, float(clamp), float(eps), bool(add_residual))
     return reference.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)

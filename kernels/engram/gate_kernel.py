@@ -21,6 +21,7 @@ Shape suffixes (as in :mod:`kernels.engram.reference`): T tokens, N mHC streams,
 """
 
 import math
+from typing import NamedTuple
 
 import tilelang
 import torch
@@ -32,8 +33,9 @@ from kernels.quant.tiles import (
     aligned,
     check_cuda,
     tl_dtype,
+    vector_width,
 )
-from kernels.rows import row_geometry, row_reduction
+from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
@@ -163,51 +165,207 @@ def get_gate_kernel(
     return gate_kernel
 
 
-# The persistent grid (bench/scripts/sweep.py, H100, T = 8192, N = 4): 512 threads, one CTA per
-# SM: 541 / 967 us at D = 4096 / 7168; 256 threads 592 / 1170, 1024 threads 540 / 1214; two CTAs
-# per SM 1-2% slower.
-BACKWARD_THREADS = 512
-BACKWARD_CTAS_PER_SM = 1  # at most one per token
+def shifted(load, offset):
+    """``load`` (a buffer element) ``offset`` elements further along its last axis."""
+    return T.BufferLoad(load.buffer, [*load.indices[:-1], load.indices[-1] + offset])
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+class BackwardPlan(NamedTuple):
+    """How the backward spreads over a CTA: each of the ``n`` streams gets ``warps_per_stream``
+    warps, whose threads own ``per_thread`` vectors of that stream (``vec`` elements, 16 bytes of
+    ``x``'s dtype or fewer; thread ``l`` of a stream vectors ``l, l + lanes, ...``), ``tile`` of them
+    a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w`` in shared memory
+    for the whole kernel instead of streaming it through the ring with ``x``, ``k`` and ``g``."""
+
+    n: int
+    vec: int
+    nv: int
+    warps_per_stream: int
+    per_thread: int
+    tile: int
+    stages: int
+    w_resident: bool
+
+    @property
+    def lanes(self) -> int:
+        return self.warps_per_stream * WARP
+
+    @property
+    def threads(self) -> int:
+        return self.n * self.lanes
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.per_thread // self.tile)
+
+    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype, add_residual: bool) -> int:
+        """The token's ``g`` (every stream) and ``v``, ``w`` if resident, the ring, the partials."""
+        n, d = self.n, self.nv * self.vec
+        per_column = k_dtype.itemsize + dtype.itemsize * (1 + add_residual) + 4 * (not self.w_resident)
+        ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
+        return d * (n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident) + ring + 4 * n * self.warps_per_stream
+
+
+# Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
+BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
+BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
+BACKWARD_STAGES = 3
+BACKWARD_W_RESIDENT = True  # preferred where it fits beside a ring of two slots or more
+# The weight gradients' registers: at most half the SM's register file, and 128 a thread.
+ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
+# Barriers are explicit (two a token): the ring is thread-private, and TileLang's automatic ones
+# would hold the SM's one CTA together at every shared access.
+BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+def backward_plan(
+    x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, add_residual: bool = True, *,
+    warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
+    w_resident: bool = BACKWARD_W_RESIDENT,
+) -> BackwardPlan | None:
+    """The backward's :class:`BackwardPlan` for these inputs on their device, or None where the
+    kernel cannot take them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an
+    even D), more weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or shared memory
+    beyond the device's (``w`` resident first if ``w_resident``, then streamed; the most stages
+    up to ``stages`` that fit)."""
+    _, n, d = x_TND.shape
+    vec = vector_width(d, x_TND.dtype.itemsize)
+    if d == 0 or any(vec * t.dtype.itemsize < 4 for t in (x_TND, k_TND, v_TD)):
+        return None
+    warps_per_stream = max(1, warps // n)
+    lanes = warps_per_stream * WARP
+    per_thread = -(-(d // vec) // lanes)
+    if n * lanes > 1024 or per_thread * vec > min(THREAD_ACCUMULATORS, ACCUMULATOR_REGISTERS // (n * lanes)):
+        return None
+    tile = min(tile, per_thread)
+    limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
+    for resident in (w_resident, not w_resident):
+        for s in range(min(stages, -(-per_thread // tile) + 1), 1, -1):
+            plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, tile, s, resident)
+            if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype, add_residual) <= limit:
+                return plan
+    return None
+
+
+@tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    max_threads: int = BACKWARD_THREADS,
+    warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES, w_resident: bool = True,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
     raw)``): the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas), the
     weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k`` (float32; the caller
-    sums over ``C`` and multiplies by ``we`` and ``wh``).
+    sums over ``C`` and multiplies by ``we`` and ``wh``). The layout is :class:`BackwardPlan`'s.
 
-    A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``,
-    so that ``x`` and ``k`` are read once for every gradient: the weight gradients accumulate in
-    shared memory (each thread its ``N`` streams times its columns, a thread's a stride apart) and
-    are stored once at the end. Per token, a thread loads its vectors of ``g`` for every stream and
-    of ``v``, and of the first stream's ``x`` and ``k``; ``dL/dgate = sum g*v`` of all N streams is
-    one CTA reduction (warp shuffles, then the warps in order); then stream by stream, with the next
-    stream's ``x`` and ``k`` loading, it derives the row's coefficients from the saved statistics
-    and stores ``grad_x`` and ``grad_k``, adding ``g * gate`` to its ``grad_v`` registers. The
-    per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound,
-    not bits)."""
+    A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``;
+    each thread keeps the weight gradients of its columns in registers, so ``x`` and ``k`` are read
+    once. Per token, two phases:
+
+    1. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
+       the token before, give ``grad_v = sum_h gate_h g_h`` (from the forward's statistics alone)
+       and each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the stream's warps in order);
+       a barrier, and the next token's ``g`` and ``v`` start loading into the same buffers;
+    2. the stream's ``x``, ``k`` (and ``g`` again, from L2, for the residual; ``w`` unless resident)
+       stream through a ring of ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1``
+       slots ahead and on into the next token; each thread stages only what it reads back, so the
+       ring needs ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from
+       registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
+       reassociation bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
-    vec, nv, threads, per_thread, warps = row_geometry(d, dtype, max_threads)
-    reduce, gate_of = row_reduction(n, warps), gate_value(d, clamp)
-    width = per_thread * vec  # a thread's elements of a row
+    vec = vector_width(d, T.dtype(dtype).bytes)
+    nv = d // vec
+    lanes = warps_per_stream * WARP
+    threads = n * lanes
+    per_thread = -(-nv // lanes)
+    tiles = -(-per_thread // tile)
+    block = tile * lanes * vec  # a stream's columns a ring slot
+    gate_of = gate_value(d, clamp)
+
+    def fetch(elem_bytes: int):
+        """``(dst, src)`` emitting the ``cp.async`` of one vector whose first elements ``dst``
+        (shared) and ``src`` (global) are, 16 bytes or fewer a copy."""
+        chunk = min(vec, 16 // elem_bytes)
+
+        def copy(dst, src):
+            for q in range(vec // chunk):
+                T.evaluate(T.ptx_cp_async(T.access_ptr(shifted(dst, q * chunk), "w", chunk),
+                                          T.access_ptr(shifted(src, q * chunk), "r", chunk), chunk))
+
+        return copy
+
+    fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
-    def load(src, row, h, dst, off, tid):
-        """A thread's vectors of ``src[row, h]`` into ``dst[off:]``."""
-        for p in T.unroll(per_thread):
-            c = p * threads + tid
+    def stage_token(g_TND, v_TD, g_tok, v_tok, row, tid):
+        """The token's g (all streams) and v into g_tok / v_tok, spread over all threads."""
+        for r in T.unroll(-(-n * nv // threads)):
+            f = r * threads + tid
+            if f < n * nv:
+                fetch_x(g_tok[f // nv, f % nv * vec], g_TND[row, f // nv, f % nv * vec])
+        for r in T.unroll(-(-nv // threads)):
+            c = r * threads + tid
             if c < nv:
-                for j in T.vectorized(vec):
-                    dst[off + p * vec + j] = src[row, h, c * vec + j]
+                fetch_v(v_tok[c * vec], v_TD[row, c * vec])
 
-    def acc_index(e, tid):
-        return e * threads + tid  # a thread's accumulators a stride apart: a warp's accesses hit 32 banks
+    @T.macro
+    def stage_tile(sources, ring, row, j, slot, h, lane):
+        """Step j's vectors of this thread's stream into ring slot ``slot`` (no commit):
+        ``sources = (x_TND, k_TND, g_TND, w_ND)``, ``ring`` their slots."""
+        x_TND, k_TND, g_TND, w_ND = sources
+        x_ring, k_ring, g_ring, w_ring = ring
+        for q in T.unroll(tile):
+            c = (j * tile + q) * lanes + lane
+            if j * tile + q < per_thread and c < nv:
+                s = (q * lanes + lane) * vec
+                fetch_x(x_ring[slot, h, s], x_TND[row, h, c * vec])
+                fetch_k(k_ring[slot, h, s], k_TND[row, h, c * vec])
+                if add_residual:
+                    fetch_x(g_ring[slot, h, s], g_TND[row, h, c * vec])
+                if not w_resident:
+                    fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
+
+    @T.macro
+    def step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane, wait):
+        """Pipeline step j of the CTA's i-th token: stage the step ``stages - 1`` ahead (into
+        the next token past the last), wait for step j's slot, then its gradients into
+        ``outputs = (grad_x_TND, grad_k_TND)`` and ``grad_w`` (``locals_``: scratch vectors)."""
+        x_ring, k_ring, g_ring, w_ring = ring
+        grad_x_TND, grad_k_TND = outputs
+        xf, kf, wf, out_x, out_k = locals_
+        ahead = j + stages - 1
+        if ahead < tiles:
+            stage_tile(sources, ring, row, ahead, (i * tiles + ahead) % stages, h, lane)
+        elif following < num_tokens:
+            stage_tile(sources, ring, following, ahead - tiles, (i * tiles + ahead) % stages, h, lane)
+        T.ptx_commit_group()
+        T.ptx_wait_group(wait)
+        slot = (i * tiles + j) % stages
+        for q in T.unroll(tile):
+            p = j * tile + q
+            c = p * lanes + lane
+            if p < per_thread and c < nv:
+                s = (q * lanes + lane) * vec
+                for e in T.vectorized(vec):
+                    xf[e] = T.cast(x_ring[slot, h, s + e], T.float32)
+                for e in T.vectorized(vec):
+                    kf[e] = T.cast(k_ring[slot, h, s + e], T.float32)
+                if w_resident:
+                    for e in T.vectorized(vec):
+                        wf[e] = w_all[h, c * vec + e]
+                else:
+                    for e in T.vectorized(vec):
+                        wf[e] = w_ring[slot, h, s + e]
+                for e in T.serial(vec):
+                    dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
+                    out_x[e] = T.cast(dx + T.cast(g_ring[slot, h, s + e], T.float32) if add_residual else dx, dtype)
+                    out_k[e] = T.cast(coefs[1] * (wf[e] * xf[e] - kf[e] * coefs[3]), k_dtype)
+                    grad_w[p * vec + e] += coefs[1] * xf[e] * kf[e]
+                for e in T.vectorized(vec):
+                    grad_x_TND[row, h, c * vec + e] = out_x[e]
+                for e in T.vectorized(vec):
+                    grad_k_TND[row, h, c * vec + e] = out_k[e]
 
     @T.prim_func
     def gate_backward_kernel(
@@ -224,90 +382,103 @@ def get_gate_backward_kernel(
     ):
         with T.Kernel(num_ctas, threads=threads) as cta:
             tid = T.get_thread_binding()
-            g_rows = T.alloc_local((n * width,), dtype)
-            v_row = T.alloc_local((width,), v_dtype)
-            x_rows = T.alloc_local((2 * width,), dtype)  # this stream's and the next's (unrolled: registers)
-            k_rows = T.alloc_local((2 * width,), k_dtype)
-            wl = T.alloc_local((vec,), T.float32)
+            h = tid // lanes  # this thread's stream
+            lane = tid % lanes
+            g_tok = T.alloc_shared((n, d), dtype)
+            v_tok = T.alloc_shared((d,), v_dtype)
+            w_all = T.alloc_shared((n, d) if w_resident else (1, 1), T.float32)
+            x_ring = T.alloc_shared((stages, n, block), dtype)
+            k_ring = T.alloc_shared((stages, n, block), k_dtype)
+            g_ring = T.alloc_shared((stages, n, block) if add_residual else (1, 1, 1), dtype)
+            w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
+            partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
+            grad_w = T.alloc_local((per_thread * vec,), T.float32)
+            gates = T.alloc_local((n,), T.float32)
+            coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
+            dgate = T.alloc_local((1,), T.float32)
+            xf = T.alloc_local((vec,), T.float32)
+            kf = T.alloc_local((vec,), T.float32)
+            wf = T.alloc_local((vec,), T.float32)
             out_x = T.alloc_local((vec,), dtype)
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
-            grad_v = T.alloc_local((width,), T.float32)
-            grad_w = T.alloc_shared((n * width * threads,), T.float32)
-            dgate = T.alloc_local((n,), T.float32)  # dL/dgate per stream: this thread's part, then the CTA's
-            totals = T.alloc_local((n,), T.float32)
-            partial_NW = T.alloc_shared((n, warps), T.float32)
-            coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
-            for e in T.serial(n * width):
-                grad_w[acc_index(e, tid)] = T.float32(0)
+
+            sources, ring = (x_TND, k_TND, g_TND, w_ND), (x_ring, k_ring, g_ring, w_ring)
+            outputs, locals_ = (grad_x_TND, grad_k_TND), (xf, kf, wf, out_x, out_k)
+            # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
+            # its first steps one group each, then empty groups: the count a token start waits past
+            # is always ``tiles``.
+            first = T.Cast(T.int64, cta)
+            stage_token(g_TND, v_TD, g_tok, v_tok, first, tid)
+            if w_resident:
+                for p in T.unroll(per_thread):
+                    c = p * lanes + lane
+                    if c < nv:
+                        fetch_w(w_all[h, c * vec], w_ND[h, c * vec])
+            T.ptx_commit_group()
+            for j in T.unroll(stages - 1):
+                stage_tile(sources, ring, first, j, j, h, lane)
+                T.ptx_commit_group()
+            for _ in T.unroll(tiles - (stages - 1)):
+                T.ptx_commit_group()
+            for e in T.unroll(per_thread * vec):
+                grad_w[e] = T.float32(0)
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
-                for h in T.unroll(n):
-                    load(g_TND, row, h, g_rows, h * width, tid)
-                for p in T.unroll(per_thread):
-                    c = p * threads + tid
+                following = row + num_ctas
+                for hh in T.unroll(n):
+                    gate_of(stats_TN3[row, hh, 2], stats_TN3[row, hh, 0], stats_TN3[row, hh, 1], gates, hh)
+                T.ptx_wait_group(tiles)
+                T.sync_threads()  # every thread's part of g_tok / v_tok has landed
+                for r in T.unroll(-(-nv // threads)):
+                    c = r * threads + tid
                     if c < nv:
-                        for j in T.vectorized(vec):
-                            v_row[p * vec + j] = v_TD[row, c * vec + j]
-                load(x_TND, row, 0, x_rows, 0, tid)
-                load(k_TND, row, 0, k_rows, 0, tid)
-                for h in T.unroll(n):
-                    dgate[h] = T.float32(0)
-                    for p in T.unroll(per_thread):
-                        if p * threads + tid < nv:
-                            for j in T.serial(vec):
-                                e = p * vec + j
-                                dgate[h] += T.cast(g_rows[h * width + e], T.float32) * T.cast(v_row[e], T.float32)
-                reduce(dgate, partial_NW, totals, tid)
-                T.sync_threads()  # every thread has read the partials before the next token writes them
-                for e in T.unroll(width):
-                    grad_v[e] = T.float32(0)
-                for h in T.unroll(n):
-                    if h < n - 1:
-                        load(x_TND, row, h + 1, x_rows, ((h + 1) % 2) * width, tid)
-                        load(k_TND, row, h + 1, k_rows, ((h + 1) % 2) * width, tid)
-                    rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
-                    gate_of(raw, rstd_x, rstd_k, coefs, 0)
-                    scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
-                    live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
-                    slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(totals[h], coefs[0]), T.ieee_sub(T.float32(1), coefs[0])),
-                                       T.float32(0.5))
-                    root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
-                    coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
-                    coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
-                    coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
-                    for p in T.unroll(per_thread):
-                        c = p * threads + tid
-                        if c < nv:
-                            for j in T.vectorized(vec):
-                                wl[j] = w_ND[h, c * vec + j]
-                            for j in T.serial(vec):
-                                e = p * vec + j
-                                xf = T.cast(x_rows[(h % 2) * width + e], T.float32)
-                                kf = T.cast(k_rows[(h % 2) * width + e], T.float32)
-                                gf = T.cast(g_rows[h * width + e], T.float32)
-                                dx = coefs[1] * (wl[j] * kf - xf * coefs[2])
-                                out_x[j] = T.cast(dx + gf if add_residual else dx, dtype)
-                                out_k[j] = T.cast(coefs[1] * (wl[j] * xf - kf * coefs[3]), k_dtype)
-                                grad_v[e] += gf * coefs[0]
-                                grad_w[acc_index(h * width + e, tid)] += coefs[1] * xf * kf
-                            for j in T.vectorized(vec):
-                                grad_x_TND[row, h, c * vec + j] = out_x[j]
-                            for j in T.vectorized(vec):
-                                grad_k_TND[row, h, c * vec + j] = out_k[j]
+                        for e in T.serial(vec):
+                            xf[e] = T.float32(0)  # grad_v's sums (xf is free until phase 2)
+                            for hh in T.unroll(n):
+                                xf[e] += gates[hh] * T.cast(g_tok[hh, c * vec + e], T.float32)
+                            out_v[e] = T.cast(xf[e], v_dtype)
+                        for e in T.vectorized(vec):
+                            grad_v_TD[row, c * vec + e] = out_v[e]
+                dgate[0] = T.float32(0)
                 for p in T.unroll(per_thread):
-                    c = p * threads + tid
+                    c = p * lanes + lane
                     if c < nv:
-                        for j in T.serial(vec):
-                            out_v[j] = T.cast(grad_v[p * vec + j], v_dtype)
-                        for j in T.vectorized(vec):
-                            grad_v_TD[row, c * vec + j] = out_v[j]
-            for h in T.unroll(n):
-                for p in T.unroll(per_thread):
-                    c = p * threads + tid
-                    if c < nv:
-                        for j in T.vectorized(vec):
-                            grad_w_CND[cta, h, c * vec + j] = grad_w[acc_index(h * width + p * vec + j, tid)]
+                        for e in T.serial(vec):
+                            dgate[0] += T.cast(g_tok[h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
+                dgate[0] = T.warp_reduce_sum(dgate[0])
+                if tid % WARP == 0:
+                    partial_NW[h, lane // WARP] = dgate[0]
+                T.sync_threads()  # the partials are written and g_tok / v_tok read: the next token may land
+                if following < num_tokens:
+                    stage_token(g_TND, v_TD, g_tok, v_tok, following, tid)
+                T.ptx_commit_group()
+                dgate[0] = partial_NW[h, 0]
+                for w in T.unroll(1, warps_per_stream):
+                    dgate[0] += partial_NW[h, w]
+                rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
+                coefs[0] = gates[h]
+                scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
+                live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
+                slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(dgate[0], coefs[0]), T.ieee_sub(T.float32(1), coefs[0])),
+                                   T.float32(0.5))
+                root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
+                coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
+                coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
+                coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
+                # Groups newer than step j's: stages - 1 steps, and the next token's g/v group
+                # while j < stages - 1 (it was committed after those steps' groups).
+                for j in T.unroll(stages - 1):
+                    step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                         stages)
+                for j in T.unroll(stages - 1, tiles):
+                    step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                         stages - 1)
+            for p in T.unroll(per_thread):
+                c = p * lanes + lane
+                if c < nv:
+                    for e in T.vectorized(vec):
+                        grad_w_CND[cta, h, c * vec + e] = grad_w[p * vec + e]
 
     return gate_backward_kernel
 
@@ -347,19 +518,10 @@ def check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND) -> None:
         )
 
 
-def backward_shared_bytes(n: int, d: int, dtype: torch.dtype, threads: int = BACKWARD_THREADS) -> int:
-    """Shared memory of a backward CTA: the weight gradients' float32 accumulators (``N`` times a
-    row, padded to whole thread vectors) and the row reduction's partials."""
-    vec, _, threads, per_thread, warps = row_geometry(d, tl_dtype(dtype), threads)
-    return 4 * (n * per_thread * vec * threads + 4 * warps)
-
-
-def backward_fits(x_TND: torch.Tensor, threads: int = BACKWARD_THREADS) -> bool:
-    """Whether the backward's CTA fits the device's shared memory for ``x_TND``'s ``N`` and ``D``
-    (about ``4 N D`` bytes: N * D up to ~56K elements on a Hopper GPU)."""
-    _, n, d = x_TND.shape
-    limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
-    return backward_shared_bytes(n, d, x_TND.dtype, threads) <= limit
+def backward_fits(x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor) -> bool:
+    """Whether the backward takes these inputs' shapes and dtypes on their device
+    (:func:`backward_plan`): on a Hopper GPU with N = 4, D up to 8192 in bfloat16."""
+    return backward_plan(x_TND, k_TND, v_TD) is not None
 
 
 def gate(
@@ -412,25 +574,18 @@ def gate_backward(
     *,
     clamp: float = 1e-6,
     add_residual: bool = True,
-    threads: int = BACKWARD_THREADS,
-    ctas_per_sm: int = BACKWARD_CTAS_PER_SM,
+    **plan_options,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
     and the forward's row statistics ``stats_TN3`` (``gate(..., return_stats=True)``). Same inputs
-    as :func:`gate`. ``threads`` (at most, per CTA) and ``ctas_per_sm`` shape the persistent grid
-    (tuning, bench/scripts/sweep.py; the defaults are measured)."""
+    as :func:`gate`; ``plan_options`` (``warps``, ``tile``, ``stages``, ``w_resident``) go to
+    :func:`backward_plan` (tuning, bench/scripts/sweep.py; the defaults are measured)."""
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, 0.0, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
     check_tensor("stats_TN3", stats_TN3, dtype=torch.float32, shape=(*x_TND.shape[:2], 3), device=x_TND.device)
     check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND)
-    if not backward_fits(x_TND, threads):
-        raise ValueError(
-            f"x_TND: N * D = {x_TND.shape[1]} * {x_TND.shape[2]} needs "
-            f"{backward_shared_bytes(*x_TND.shape[1:], x_TND.dtype, threads)} bytes of shared memory for the weight "
-            "gradients' accumulators, more than this device gives a CTA (use kernels.engram.reference.gate)"
-        )
     t, n, d = x_TND.shape
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
     grad_k = torch.empty_like(k_TND, memory_format=torch.contiguous_format)
@@ -439,13 +594,21 @@ def gate_backward(
         grad_v.zero_()
         zeros = torch.zeros_like(wh_ND, memory_format=torch.contiguous_format)
         return grad_x, grad_k, grad_v, zeros, zeros.clone()
+    plan = backward_plan(x_TND, k_TND, v_TD, add_residual, **plan_options)
+    if plan is None:
+        raise ValueError(
+            f"x_TND: N = {n}, D = {d} in {x_TND.dtype} (k {k_TND.dtype}, v {v_TD.dtype}) is beyond the backward "
+            "kernel: a thread's weight gradients must fit its registers, the token's rows shared memory, and "
+            "every vector 4 bytes (use kernels.engram.reference.gate)"
+        )
     sms = torch.cuda.get_device_properties(x_TND.device).multi_processor_count
-    grad_w_CND = torch.empty((min(t, sms * ctas_per_sm), n, d), dtype=torch.float32, device=x_TND.device)
+    grad_w_CND = torch.empty((min(t, sms), n, d), dtype=torch.float32, device=x_TND.device)
     w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
-    get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), threads)(
-        *args, grad_x, grad_k, grad_v, grad_w_CND)
+    kernel = get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), plan.warps_per_stream,
+                                      plan.tile, plan.stages, plan.w_resident)
+    kernel(*args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
     grad_wh = torch.mul(grad_w_ND, we_ND, out=torch.empty_like(wh_ND, memory_format=torch.contiguous_format))

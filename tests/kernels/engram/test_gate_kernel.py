@@ -88,14 +88,30 @@ def assert_backward_close(grads, args, g_TND, add_residual):
 @pytest.mark.parametrize("dtypes", DTYPES)
 @pytest.mark.parametrize("n", STREAMS)
 @pytest.mark.parametrize("d", HIDDEN)
-@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("t", [*TOKENS, 600])  # 600: several tokens a CTA, the ring running on into the next
 def test_backward_matches_reference(t, d, n, dtypes, add_residual, seed):
-    args = gate_inputs(t, n, d, dtypes=DTYPES[dtypes], device="cuda", seed=seed)
+    check_backward(t, d, n, DTYPES[dtypes], add_residual, seed)
+
+
+def check_backward(t, d, n, dtypes, add_residual, seed, **plan_options):
+    args = gate_inputs(t, n, d, dtypes=dtypes, device="cuda", seed=seed)
     g_TND = torch.randn(t, n, d, generator=torch.Generator().manual_seed(seed + 1)).to(args[0].dtype).to("cuda")
     poison_allocator("cuda")
     _, stats_TN3 = gate(*args, add_residual=add_residual, return_stats=True)
-    grads = gate_backward(*args, g_TND, stats_TN3, add_residual=add_residual)
+    grads = gate_backward(*args, g_TND, stats_TN3, add_residual=add_residual, **plan_options)
     assert_backward_close(grads, args, g_TND, add_residual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_resident", [True, False])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("tile", [1, 2, 7])
+@pytest.mark.parametrize("warps", [8, 16])
+def test_backward_plans_agree(warps, tile, stages, w_resident, seed):
+    """Every layout the plan can choose (the sweep's variants), at D = 7168 where the ring's
+    steps (7 to 14 a token) and their slots wrap unevenly, one token into the next."""
+    check_backward(600, 7168, 4, DTYPES["bf16"], True, seed, warps=warps, tile=tile, stages=stages,
+                   w_resident=w_resident)
 
 
 @pytest.mark.gpu
@@ -111,13 +127,15 @@ def test_public_op_runs_the_kernels_forward_and_backward(seed):
 
 
 @pytest.mark.gpu
-def test_shapes_beyond_shared_memory_take_the_reference(seed):
-    """N * D = 64K: the backward's accumulators (256 KiB) do not fit a CTA, so the kernel refuses
-    and the public op runs the reference."""
-    args = gate_inputs(2, 8, 8192, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
-    assert not backward_fits(args[0])
-    with pytest.raises(ValueError, match=r"^x_TND: N \* D = 8 \* 8192 needs \d+ bytes of shared memory"):
-        gate_backward(*args, torch.ones_like(args[0]), torch.ones(2, 8, 3, device="cuda"))
+@pytest.mark.parametrize("n, d, dtype", [(8, 8192, BF16), (4, 7, BF16)])
+def test_shapes_beyond_the_backward_take_the_reference(n, d, dtype, seed):
+    """N * D = 64K: a thread's weight gradients (256) do not fit its registers; D = 7 in bfloat16:
+    a 2-byte vector, under ``cp.async``'s 4. The kernel refuses and the public op runs the
+    reference."""
+    args = gate_inputs(2, n, d, dtypes=(dtype,) * 4, device="cuda", seed=seed)
+    assert not backward_fits(*args[:3])
+    with pytest.raises(ValueError, match=rf"^x_TND: N = {n}, D = {d} in torch.bfloat16 .* is beyond the backward"):
+        gate_backward(*args, torch.ones_like(args[0]), torch.ones(2, n, 3, device="cuda"))
     assert torch.equal(engram.gate(*args), reference.gate(*args))
 
 
