@@ -25,11 +25,12 @@ from ep_runtime.bench import kernels as bench
 TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
 CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
-# backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, ring of
-# cp.async slots; shipped: 8 warps, tile 2, 3 stages, w resident where it fits)
+# backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, a ring of
+# cp.async slots; shipped: 8 warps, tile 2, 3 stages, w resident where it fits); labelled by the
+# plan each resolves to on the device
 GATE_BACKWARD_PLANS = [dict(w_resident=False), dict(stages=2), dict(stages=4), dict(tile=1, stages=4),
-                       dict(tile=1, stages=6, w_resident=False), dict(tile=7, stages=2, w_resident=False),
-                       dict(warps=16), dict(warps=16, tile=1, stages=4)]
+                       dict(tile=1, stages=6), dict(tile=3, stages=2), dict(tile=4, stages=2),
+                       dict(warps=16, tile=1, stages=3)]
 # session 9: per-token scales read from global memory (shipped, with the cast's tile) or staged in
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
@@ -143,12 +144,16 @@ def variants(op: str, inp) -> dict[str, object]:
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
         return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
     if op == "engram_gate_backward":
-        from kernels.engram.gate_kernel import gate, gate_backward
+        from kernels.engram.gate_kernel import backward_plan, gate, gate_backward
 
         args = (inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND)
         args = (*args, inp.g_TND, gate(*args, return_stats=True)[1])
-        return {" ".join(f"{k}={v}" for k, v in plan.items()): functools.partial(gate_backward, *args, **plan)
-                for plan in GATE_BACKWARD_PLANS}
+        found = {}
+        for options in GATE_BACKWARD_PLANS:
+            plan = backward_plan(*args[:3], **options)
+            label = f"warps={plan.threads // 32} tile={plan.tile} stages={plan.stages} w_resident={plan.w_resident}"
+            found[label] = functools.partial(gate_backward, *args, **options)
+        return found
     if op == "topk_route":  # session 9: the kept groups compacted (shipped) or in place
         return {"groups in place": _router_variant(inp, False, compact=False)}
     if op == "topk_route_with_counts":  # CTAs an SM (shipped: 8; one token a warp: "unbounded")

@@ -175,7 +175,7 @@ class BackwardPlan(NamedTuple):
     warps, whose threads own ``per_thread`` vectors of that stream (``vec`` elements, 16 bytes of
     ``x``'s dtype or fewer; thread ``l`` of a stream vectors ``l, l + lanes, ...``), ``tile`` of them
     a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w`` in shared memory
-    for the whole kernel instead of streaming it through the ring with ``x``, ``k`` and ``g``."""
+    for the whole kernel instead of streaming it through the ring with ``x`` and ``k``."""
 
     n: int
     vec: int
@@ -198,12 +198,14 @@ class BackwardPlan(NamedTuple):
     def tiles(self) -> int:
         return -(-self.per_thread // self.tile)
 
-    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype, add_residual: bool) -> int:
-        """The token's ``g`` (every stream) and ``v``, ``w`` if resident, the ring, the partials."""
+    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
+        """Two tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident, the ring, the
+        partials."""
         n, d = self.n, self.nv * self.vec
-        per_column = k_dtype.itemsize + dtype.itemsize * (1 + add_residual) + 4 * (not self.w_resident)
+        per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
-        return d * (n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident) + ring + 4 * n * self.warps_per_stream
+        rows = d * (2 * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
+        return rows + ring + 4 * n * self.warps_per_stream
 
 
 # Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
@@ -219,7 +221,7 @@ BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREA
 
 
 def backward_plan(
-    x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, add_residual: bool = True, *,
+    x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
     w_resident: bool = BACKWARD_W_RESIDENT,
 ) -> BackwardPlan | None:
@@ -242,7 +244,7 @@ def backward_plan(
     for resident in (w_resident, not w_resident):
         for s in range(min(stages, -(-per_thread // tile) + 1), 1, -1):
             plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, tile, s, resident)
-            if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype, add_residual) <= limit:
+            if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
                 return plan
     return None
 
@@ -265,12 +267,13 @@ def get_gate_backward_kernel(
     1. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
        the token before, give ``grad_v = sum_h gate_h g_h`` (from the forward's statistics alone)
        and each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the stream's warps in order);
-       a barrier, and the next token's ``g`` and ``v`` start loading into the same buffers;
-    2. the stream's ``x``, ``k`` (and ``g`` again, from L2, for the residual; ``w`` unless resident)
-       stream through a ring of ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1``
-       slots ahead and on into the next token; each thread stages only what it reads back, so the
-       ring needs ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from
-       registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
+       a barrier, and the next token's ``g`` starts loading into the other of two buffers (the
+       residual below still reads this one; ``g`` read again from L2 instead came from memory:
+       1076 vs 964 us at D = 7168) and its ``v`` into the one ``v`` buffer;
+    2. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
+       ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
+       the next token; each thread stages only what it reads back, so the ring needs
+       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
        reassociation bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
@@ -298,12 +301,12 @@ def get_gate_backward_kernel(
     fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
-    def stage_token(g_TND, v_TD, g_tok, v_tok, row, tid):
-        """The token's g (all streams) and v into g_tok / v_tok, spread over all threads."""
+    def stage_token(g_TND, v_TD, g_tok, v_tok, row, buf, tid):
+        """The token's g (all streams) and v into g_tok[buf] / v_tok, spread over all threads."""
         for r in T.unroll(-(-n * nv // threads)):
             f = r * threads + tid
             if f < n * nv:
-                fetch_x(g_tok[f // nv, f % nv * vec], g_TND[row, f // nv, f % nv * vec])
+                fetch_x(g_tok[buf, f // nv, f % nv * vec], g_TND[row, f // nv, f % nv * vec])
         for r in T.unroll(-(-nv // threads)):
             c = r * threads + tid
             if c < nv:
@@ -312,26 +315,26 @@ def get_gate_backward_kernel(
     @T.macro
     def stage_tile(sources, ring, row, j, slot, h, lane):
         """Step j's vectors of this thread's stream into ring slot ``slot`` (no commit):
-        ``sources = (x_TND, k_TND, g_TND, w_ND)``, ``ring`` their slots."""
-        x_TND, k_TND, g_TND, w_ND = sources
-        x_ring, k_ring, g_ring, w_ring = ring
+        ``sources = (x_TND, k_TND, w_ND)``, ``ring`` their slots."""
+        x_TND, k_TND, w_ND = sources
+        x_ring, k_ring, w_ring = ring
         for q in T.unroll(tile):
             c = (j * tile + q) * lanes + lane
             if j * tile + q < per_thread and c < nv:
                 s = (q * lanes + lane) * vec
                 fetch_x(x_ring[slot, h, s], x_TND[row, h, c * vec])
                 fetch_k(k_ring[slot, h, s], k_TND[row, h, c * vec])
-                if add_residual:
-                    fetch_x(g_ring[slot, h, s], g_TND[row, h, c * vec])
                 if not w_resident:
                     fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
 
     @T.macro
-    def step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane, wait):
+    def step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+             wait):
         """Pipeline step j of the CTA's i-th token: stage the step ``stages - 1`` ahead (into
         the next token past the last), wait for step j's slot, then its gradients into
-        ``outputs = (grad_x_TND, grad_k_TND)`` and ``grad_w`` (``locals_``: scratch vectors)."""
-        x_ring, k_ring, g_ring, w_ring = ring
+        ``outputs = (grad_x_TND, grad_k_TND)`` and ``grad_w`` (``locals_``: scratch vectors;
+        ``g`` for the residual from ``g_tok``)."""
+        x_ring, k_ring, w_ring = ring
         grad_x_TND, grad_k_TND = outputs
         xf, kf, wf, out_x, out_k = locals_
         ahead = j + stages - 1
@@ -359,7 +362,7 @@ def get_gate_backward_kernel(
                         wf[e] = w_ring[slot, h, s + e]
                 for e in T.serial(vec):
                     dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
-                    out_x[e] = T.cast(dx + T.cast(g_ring[slot, h, s + e], T.float32) if add_residual else dx, dtype)
+                    out_x[e] = T.cast(dx + T.cast(g_tok[i % 2, h, c * vec + e], T.float32) if add_residual else dx, dtype)
                     out_k[e] = T.cast(coefs[1] * (wf[e] * xf[e] - kf[e] * coefs[3]), k_dtype)
                     grad_w[p * vec + e] += coefs[1] * xf[e] * kf[e]
                 for e in T.vectorized(vec):
@@ -384,12 +387,11 @@ def get_gate_backward_kernel(
             tid = T.get_thread_binding()
             h = tid // lanes  # this thread's stream
             lane = tid % lanes
-            g_tok = T.alloc_shared((n, d), dtype)
+            g_tok = T.alloc_shared((2, n, d), dtype)  # by token parity: the next lands while this one is read
             v_tok = T.alloc_shared((d,), v_dtype)
             w_all = T.alloc_shared((n, d) if w_resident else (1, 1), T.float32)
             x_ring = T.alloc_shared((stages, n, block), dtype)
             k_ring = T.alloc_shared((stages, n, block), k_dtype)
-            g_ring = T.alloc_shared((stages, n, block) if add_residual else (1, 1, 1), dtype)
             w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
@@ -403,13 +405,13 @@ def get_gate_backward_kernel(
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
 
-            sources, ring = (x_TND, k_TND, g_TND, w_ND), (x_ring, k_ring, g_ring, w_ring)
+            sources, ring = (x_TND, k_TND, w_ND), (x_ring, k_ring, w_ring)
             outputs, locals_ = (grad_x_TND, grad_k_TND), (xf, kf, wf, out_x, out_k)
             # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
             first = T.Cast(T.int64, cta)
-            stage_token(g_TND, v_TD, g_tok, v_tok, first, tid)
+            stage_token(g_TND, v_TD, g_tok, v_tok, first, 0, tid)
             if w_resident:
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
@@ -436,7 +438,7 @@ def get_gate_backward_kernel(
                         for e in T.serial(vec):
                             xf[e] = T.float32(0)  # grad_v's sums (xf is free until phase 2)
                             for hh in T.unroll(n):
-                                xf[e] += gates[hh] * T.cast(g_tok[hh, c * vec + e], T.float32)
+                                xf[e] += gates[hh] * T.cast(g_tok[i % 2, hh, c * vec + e], T.float32)
                             out_v[e] = T.cast(xf[e], v_dtype)
                         for e in T.vectorized(vec):
                             grad_v_TD[row, c * vec + e] = out_v[e]
@@ -445,13 +447,15 @@ def get_gate_backward_kernel(
                     c = p * lanes + lane
                     if c < nv:
                         for e in T.serial(vec):
-                            dgate[0] += T.cast(g_tok[h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
+                            dgate[0] += T.cast(g_tok[i % 2, h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
-                T.sync_threads()  # the partials are written and g_tok / v_tok read: the next token may land
+                # The partials are written, v_tok read, and the other g_tok buffer (the token
+                # before's) read by every thread: the next token may land.
+                T.sync_threads()
                 if following < num_tokens:
-                    stage_token(g_TND, v_TD, g_tok, v_tok, following, tid)
+                    stage_token(g_TND, v_TD, g_tok, v_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
                 for w in T.unroll(1, warps_per_stream):
@@ -469,10 +473,10 @@ def get_gate_backward_kernel(
                 # Groups newer than step j's: stages - 1 steps, and the next token's g/v group
                 # while j < stages - 1 (it was committed after those steps' groups).
                 for j in T.unroll(stages - 1):
-                    step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                    step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
                          stages)
                 for j in T.unroll(stages - 1, tiles):
-                    step(sources, ring, w_all, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                    step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
                          stages - 1)
             for p in T.unroll(per_thread):
                 c = p * lanes + lane
@@ -594,7 +598,7 @@ def gate_backward(
         grad_v.zero_()
         zeros = torch.zeros_like(wh_ND, memory_format=torch.contiguous_format)
         return grad_x, grad_k, grad_v, zeros, zeros.clone()
-    plan = backward_plan(x_TND, k_TND, v_TD, add_residual, **plan_options)
+    plan = backward_plan(x_TND, k_TND, v_TD, **plan_options)
     if plan is None:
         raise ValueError(
             f"x_TND: N = {n}, D = {d} in {x_TND.dtype} (k {k_TND.dtype}, v {v_TD.dtype}) is beyond the backward "

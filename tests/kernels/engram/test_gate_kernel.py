@@ -19,6 +19,7 @@ from kernels.engram.gate_kernel import (
     ULP,
     backward_excess,
     backward_fits,
+    backward_plan,
     gate,
     gate_backward,
     get_gate_backward_kernel,
@@ -103,14 +104,19 @@ def check_backward(t, d, n, dtypes, add_residual, seed, **plan_options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("w_resident", [True, False])
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("tile", [1, 2, 7])
-@pytest.mark.parametrize("warps", [8, 16])
-def test_backward_plans_agree(warps, tile, stages, w_resident, seed):
-    """Every layout the plan can choose (the sweep's variants), at D = 7168 where the ring's
-    steps (7 to 14 a token) and their slots wrap unevenly, one token into the next."""
-    check_backward(600, 7168, 4, DTYPES["bf16"], True, seed, warps=warps, tile=tile, stages=stages,
+@pytest.mark.parametrize("d, warps, tile, stages, w_resident", [
+    (7168, 8, 2, 3, False), (7168, 8, 3, 2, False), (7168, 8, 1, 6, False), (7168, 16, 1, 3, False),
+    (4096, 8, 2, 3, True), (4096, 8, 2, 4, True), (4096, 8, 1, 2, True),
+])
+def test_backward_plans_agree(d, warps, tile, stages, w_resident, seed):
+    """Every layout the plan can choose (the sweep's variants), N = 4, where the ring's steps (4 to
+    14 a token, the last one short for tile 3) and their slots wrap unevenly, one token into the
+    next; ``w`` resident fits beside two tokens' ``g`` at D = 4096, not 7168. Each is the layout
+    asked for, not a fallback."""
+    args = gate_inputs(1, 4, d, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
+    plan = backward_plan(*args[:3], warps=warps, tile=tile, stages=stages, w_resident=w_resident)
+    assert (plan.lanes * 4 // 32, plan.tile, plan.stages, plan.w_resident) == (warps, tile, stages, w_resident)
+    check_backward(600, d, 4, DTYPES["bf16"], True, seed, warps=warps, tile=tile, stages=stages,
                    w_resident=w_resident)
 
 
