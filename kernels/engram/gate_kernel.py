@@ -20,6 +20,7 @@ writes each row's ``(rstd_x, rstd_k, raw)`` (12 bytes), from which the backward
 Shape suffixes (as in :mod:`kernels.engram.reference`): T tokens, N mHC streams, D hidden size.
 """
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -185,6 +186,7 @@ class BackwardPlan(NamedTuple):
     tile: int
     stages: int
     w_resident: bool
+    g_buffers: int = 2
 
     @property
     def lanes(self) -> int:
@@ -199,12 +201,12 @@ class BackwardPlan(NamedTuple):
         return -(-self.per_thread // self.tile)
 
     def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
-        """Two tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident, the ring, the
-        partials."""
+        """``g_buffers`` tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident, the ring,
+        the partials."""
         n, d = self.n, self.nv * self.vec
         per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
-        rows = d * (2 * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
+        rows = d * (self.g_buffers * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
         return rows + ring + 4 * n * self.warps_per_stream
 
 
@@ -223,13 +225,13 @@ BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREA
 def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = 2,
 ) -> BackwardPlan | None:
     """The backward's :class:`BackwardPlan` for these inputs on their device, or None where the
     kernel cannot take them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an
-    even D), more weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or shared memory
-    beyond the device's (``w`` resident first if ``w_resident``, then streamed; the most stages
-    up to ``stages`` that fit)."""
+    even D), more weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or shared
+    memory beyond the device's. The options are preferences, given up in this order until the CTA
+    fits: ``g_buffers``, then ``w_resident``, then the tile, then the stages."""
     _, n, d = x_TND.shape
     vec = vector_width(d, x_TND.dtype.itemsize)
     if d == 0 or any(vec * t.dtype.itemsize < 4 for t in (x_TND, k_TND, v_TD)):
@@ -239,13 +241,13 @@ def backward_plan(
     per_thread = -(-(d // vec) // lanes)
     if n * lanes > 1024 or per_thread * vec > min(THREAD_ACCUMULATORS, ACCUMULATOR_REGISTERS // (n * lanes)):
         return None
-    tile = min(tile, per_thread)
     limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
-    for resident in (w_resident, not w_resident):
-        for s in range(min(stages, -(-per_thread // tile) + 1), 1, -1):
-            plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, tile, s, resident)
-            if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
-                return plan
+    for buffers, resident in itertools.product((g_buffers, 3 - g_buffers), (w_resident, not w_resident)):
+        for t in range(min(tile, per_thread), 0, -1):
+            for s in range(min(stages, -(-per_thread // t) + 1), 1, -1):
+                plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, t, s, resident, buffers)
+                if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
+                    return plan
     return None
 
 
@@ -253,6 +255,7 @@ def backward_plan(
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
     warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES, w_resident: bool = True,
+    g_buffers: int = 2,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -362,7 +365,7 @@ def get_gate_backward_kernel(
                         wf[e] = w_ring[slot, h, s + e]
                 for e in T.serial(vec):
                     dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
-                    out_x[e] = T.cast(dx + T.cast(g_tok[i % 2, h, c * vec + e], T.float32) if add_residual else dx, dtype)
+                    out_x[e] = T.cast(dx + T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32) if add_residual else dx, dtype)
                     out_k[e] = T.cast(coefs[1] * (wf[e] * xf[e] - kf[e] * coefs[3]), k_dtype)
                     grad_w[p * vec + e] += coefs[1] * xf[e] * kf[e]
                 for e in T.vectorized(vec):
@@ -387,7 +390,7 @@ def get_gate_backward_kernel(
             tid = T.get_thread_binding()
             h = tid // lanes  # this thread's stream
             lane = tid % lanes
-            g_tok = T.alloc_shared((2, n, d), dtype)  # by token parity: the next lands while this one is read
+            g_tok = T.alloc_shared((g_buffers, n, d), dtype)  # two: the next token lands while this one is read
             v_tok = T.alloc_shared((d,), v_dtype)
             w_all = T.alloc_shared((n, d) if w_resident else (1, 1), T.float32)
             x_ring = T.alloc_shared((stages, n, block), dtype)
@@ -430,7 +433,7 @@ def get_gate_backward_kernel(
                 following = row + num_ctas
                 for hh in T.unroll(n):
                     gate_of(stats_TN3[row, hh, 2], stats_TN3[row, hh, 0], stats_TN3[row, hh, 1], gates, hh)
-                T.ptx_wait_group(tiles)
+                T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
                 T.sync_threads()  # every thread's part of g_tok / v_tok has landed
                 for r in T.unroll(-(-nv // threads)):
                     c = r * threads + tid
@@ -438,7 +441,7 @@ def get_gate_backward_kernel(
                         for e in T.serial(vec):
                             xf[e] = T.float32(0)  # grad_v's sums (xf is free until phase 2)
                             for hh in T.unroll(n):
-                                xf[e] += gates[hh] * T.cast(g_tok[i % 2, hh, c * vec + e], T.float32)
+                                xf[e] += gates[hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
                             out_v[e] = T.cast(xf[e], v_dtype)
                         for e in T.vectorized(vec):
                             grad_v_TD[row, c * vec + e] = out_v[e]
@@ -447,14 +450,15 @@ def get_gate_backward_kernel(
                     c = p * lanes + lane
                     if c < nv:
                         for e in T.serial(vec):
-                            dgate[0] += T.cast(g_tok[i % 2, h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
+                            dgate[0] += T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
                 # The partials are written, v_tok read, and the other g_tok buffer (the token
-                # before's) read by every thread: the next token may land.
+                # before's) read by every thread: the next token may land (one buffer: after the
+                # residual has read this token's).
                 T.sync_threads()
-                if following < num_tokens:
+                if g_buffers == 2 and following < num_tokens:
                     stage_token(g_TND, v_TD, g_tok, v_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
@@ -478,6 +482,11 @@ def get_gate_backward_kernel(
                 for j in T.unroll(stages - 1, tiles):
                     step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
                          stages - 1)
+                if g_buffers == 1:
+                    T.sync_threads()
+                    if following < num_tokens:
+                        stage_token(g_TND, v_TD, g_tok, v_tok, following, 0, tid)
+                    T.ptx_commit_group()
             for p in T.unroll(per_thread):
                 c = p * lanes + lane
                 if c < nv:
@@ -611,7 +620,7 @@ def gate_backward(
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
     kernel = get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), plan.warps_per_stream,
-                                      plan.tile, plan.stages, plan.w_resident)
+                                      plan.tile, plan.stages, plan.w_resident, plan.g_buffers)
     kernel(*args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
