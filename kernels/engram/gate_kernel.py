@@ -201,13 +201,13 @@ class BackwardPlan(NamedTuple):
         return -(-self.per_thread // self.tile)
 
     def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
-        """``g_buffers`` tokens' ``g`` (every stream), a token's ``v`` and statistics, ``w`` if
-        resident, the ring, the partials."""
+        """``g_buffers`` tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident, the ring,
+        the partials."""
         n, d = self.n, self.nv * self.vec
         per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
         rows = d * (self.g_buffers * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
-        return rows + ring + 4 * n * (self.warps_per_stream + 3)
+        return rows + ring + 4 * n * self.warps_per_stream
 
 
 # Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
@@ -267,19 +267,17 @@ def get_gate_backward_kernel(
     each thread keeps the weight gradients of its columns in registers, so ``x`` and ``k`` are read
     once. Per token, two phases:
 
-    1. the token's ``g`` (every stream), ``v`` and row statistics, staged in shared memory by
-       ``cp.async`` during the token before (statistics loaded at the token's start would put an
-       L2 round trip before its first barrier), give ``grad_v = sum_h gate_h g_h`` and each
-       stream's ``dL/dgate = sum g*v`` (warp shuffles, then the stream's warps in order); a
-       barrier, and the next token's ``g`` starts loading into the other of two buffers (the
+    1. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
+       the token before, give ``grad_v = sum_h gate_h g_h`` (from the forward's statistics alone)
+       and each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the stream's warps in order);
+       a barrier, and the next token's ``g`` starts loading into the other of two buffers (the
        residual below still reads this one; ``g`` read again from L2 instead came from memory:
-       1076 vs 964 us at D = 7168), its ``v`` and statistics into the one buffer each;
+       1076 vs 964 us at D = 7168) and its ``v`` into the one ``v`` buffer;
     2. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
        the next token; each thread stages only what it reads back, so the ring needs
-       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers.
-
-    The per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound, not bits)."""
+       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
+       reassociation bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec = vector_width(d, T.dtype(dtype).bytes)
@@ -306,12 +304,8 @@ def get_gate_backward_kernel(
     fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
-    def stage_token(token_sources, token_buffers, row, buf, tid):
-        """The token's g (all streams), v and statistics (``token_sources = (g_TND, v_TD,
-        stats_TN3)``) into ``token_buffers = (g_tok, v_tok, stats_tok)`` (g_tok[buf]), spread over
-        all threads."""
-        g_TND, v_TD, stats_TN3 = token_sources
-        g_tok, v_tok, stats_tok = token_buffers
+    def stage_token(g_TND, v_TD, g_tok, v_tok, row, buf, tid):
+        """The token's g (all streams) and v into g_tok[buf] / v_tok, spread over all threads."""
         for r in T.unroll(-(-n * nv // threads)):
             f = r * threads + tid
             if f < n * nv:
@@ -320,8 +314,6 @@ def get_gate_backward_kernel(
             c = r * threads + tid
             if c < nv:
                 fetch_v(v_tok[c * vec], v_TD[row, c * vec])
-        if tid < 3 * n:
-            T.ptx_cp_async(T.access_ptr(stats_tok[tid], "w", 1), T.access_ptr(stats_TN3[row, tid // 3, tid % 3], "r", 1), 1)
 
     @T.macro
     def stage_tile(sources, ring, row, j, slot, h, lane):
@@ -405,8 +397,6 @@ def get_gate_backward_kernel(
             k_ring = T.alloc_shared((stages, n, block), k_dtype)
             w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
-            stats_tok = T.alloc_shared((3 * n,), T.float32)  # the token's (rstd_x, rstd_k, raw) a stream
-            own = T.alloc_local((3,), T.float32)  # this thread's stream's, read before the next token lands
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
             gates = T.alloc_local((n,), T.float32)
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
@@ -419,13 +409,12 @@ def get_gate_backward_kernel(
             out_v = T.alloc_local((vec,), v_dtype)
 
             sources, ring = (x_TND, k_TND, w_ND), (x_ring, k_ring, w_ring)
-            token_sources, token_buffers = (g_TND, v_TD, stats_TN3), (g_tok, v_tok, stats_tok)
             outputs, locals_ = (grad_x_TND, grad_k_TND), (xf, kf, wf, out_x, out_k)
             # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
             first = T.Cast(T.int64, cta)
-            stage_token(token_sources, token_buffers, first, 0, tid)
+            stage_token(g_TND, v_TD, g_tok, v_tok, first, 0, tid)
             if w_resident:
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
@@ -442,12 +431,10 @@ def get_gate_backward_kernel(
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
                 following = row + num_ctas
-                T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
-                T.sync_threads()  # every thread's part of the token's rows has landed
                 for hh in T.unroll(n):
-                    gate_of(stats_tok[3 * hh + 2], stats_tok[3 * hh], stats_tok[3 * hh + 1], gates, hh)
-                for q in T.unroll(3):
-                    own[q] = stats_tok[3 * h + q]
+                    gate_of(stats_TN3[row, hh, 2], stats_TN3[row, hh, 0], stats_TN3[row, hh, 1], gates, hh)
+                T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
+                T.sync_threads()  # every thread's part of g_tok / v_tok has landed
                 for r in T.unroll(-(-nv // threads)):
                     c = r * threads + tid
                     if c < nv:
@@ -467,17 +454,17 @@ def get_gate_backward_kernel(
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
-                # The partials are written, v_tok and stats_tok read, and the other g_tok buffer
-                # (the token before's) read by every thread: the next token may land (one buffer:
-                # after the residual has read this token's).
+                # The partials are written, v_tok read, and the other g_tok buffer (the token
+                # before's) read by every thread: the next token may land (one buffer: after the
+                # residual has read this token's).
                 T.sync_threads()
                 if g_buffers == 2 and following < num_tokens:
-                    stage_token(token_sources, token_buffers, following, (i + 1) % 2, tid)
+                    stage_token(g_TND, v_TD, g_tok, v_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
                 for w in T.unroll(1, warps_per_stream):
                     dgate[0] += partial_NW[h, w]
-                rstd_x, rstd_k, raw = own[0], own[1], own[2]
+                rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
                 coefs[0] = gates[h]
                 scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
                 live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
@@ -498,7 +485,7 @@ def get_gate_backward_kernel(
                 if g_buffers == 1:
                     T.sync_threads()
                     if following < num_tokens:
-                        stage_token(token_sources, token_buffers, following, 0, tid)
+                        stage_token(g_TND, v_TD, g_tok, v_tok, following, 0, tid)
                     T.ptx_commit_group()
             for p in T.unroll(per_thread):
                 c = p * lanes + lane
