@@ -28,10 +28,8 @@ BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, a ring of
 # cp.async slots; shipped: 8 warps, tile 2, 3 stages, w resident where it fits); labelled by the
 # plan each resolves to on the device
-GATE_BACKWARD_PLANS = [dict(w_resident=False), dict(stages=2), dict(stages=4), dict(tile=4, stages=2),
-                       dict(tile=4, stages=3), dict(tile=8, stages=2), dict(tile=1, stages=6), dict(tile=3, stages=2),
-                       dict(tile=2, stages=2, g_buffers=1), dict(tile=3, stages=2, g_buffers=1),
-                       dict(warps=16, tile=1, stages=3)]
+GATE_BACKWARD_PLANS = [dict(tile=4, stages=2), dict(stages=4), dict(tile=2, stages=2, g_buffers=1),
+                       dict(tile=3, stages=2)]
 # session 9: per-token scales read from global memory (shipped, with the cast's tile) or staged in
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]

@@ -398,7 +398,8 @@ def get_gate_backward_kernel(
             w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
-            gates = T.alloc_local((n,), T.float32)
+            gates_N = T.alloc_shared((n,), T.float32)  # the token's gates, for grad_v
+            own = T.alloc_local((3,), T.float32)  # this thread's stream's (rstd_x, rstd_k, raw), a token ahead
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             dgate = T.alloc_local((1,), T.float32)
             xf = T.alloc_local((vec,), T.float32)
@@ -428,11 +429,25 @@ def get_gate_backward_kernel(
                 T.ptx_commit_group()
             for e in T.unroll(per_thread * vec):
                 grad_w[e] = T.float32(0)
+            for q in T.unroll(3):
+                own[q] = stats_TN3[first, h, q]
             for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
                 row = T.Cast(T.int64, cta + i * num_ctas)
                 following = row + num_ctas
-                for hh in T.unroll(n):
-                    gate_of(stats_TN3[row, hh, 2], stats_TN3[row, hh, 0], stats_TN3[row, hh, 1], gates, hh)
+                # The stream's coefficients but dL/dgate, from its statistics (loaded a token
+                # ahead): scalar chains of IEEE divisions and roots, done once a thread and before
+                # the barrier, so that after the reduction one product is left.
+                rstd_x, rstd_k, raw = own[0], own[1], own[2]
+                gate_of(raw, rstd_x, rstd_k, coefs, 0)
+                scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
+                live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
+                root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
+                slope = T.ieee_mul(T.ieee_mul(coefs[0], T.ieee_sub(T.float32(1), coefs[0])), T.float32(0.5))
+                coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))  # dL/draw per dL/dgate
+                coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
+                coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
+                if lane == 0:
+                    gates_N[h] = coefs[0]
                 T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
                 T.sync_threads()  # every thread's part of g_tok / v_tok has landed
                 for r in T.unroll(-(-nv // threads)):
@@ -441,7 +456,7 @@ def get_gate_backward_kernel(
                         for e in T.serial(vec):
                             xf[e] = T.float32(0)  # grad_v's sums (xf is free until phase 2)
                             for hh in T.unroll(n):
-                                xf[e] += gates[hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
+                                xf[e] += gates_N[hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
                             out_v[e] = T.cast(xf[e], v_dtype)
                         for e in T.vectorized(vec):
                             grad_v_TD[row, c * vec + e] = out_v[e]
@@ -454,26 +469,20 @@ def get_gate_backward_kernel(
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
-                # The partials are written, v_tok read, and the other g_tok buffer (the token
+                # The partials are written; gates_N, v_tok and the other g_tok buffer (the token
                 # before's) read by every thread: the next token may land (one buffer: after the
                 # residual has read this token's).
                 T.sync_threads()
+                if following < num_tokens:
+                    for q in T.unroll(3):
+                        own[q] = stats_TN3[following, h, q]
                 if g_buffers == 2 and following < num_tokens:
                     stage_token(g_TND, v_TD, g_tok, v_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
                 for w in T.unroll(1, warps_per_stream):
                     dgate[0] += partial_NW[h, w]
-                rstd_x, rstd_k, raw = stats_TN3[row, h, 0], stats_TN3[row, h, 1], stats_TN3[row, h, 2]
-                coefs[0] = gates[h]
-                scale = T.ieee_fdiv(T.ieee_mul(rstd_x, rstd_k), T.float32(math.sqrt(d)))  # dot = raw * scale
-                live = T.abs(T.ieee_mul(raw, scale)) >= T.float32(clamp)
-                slope = T.ieee_mul(T.ieee_mul(T.ieee_mul(dgate[0], coefs[0]), T.ieee_sub(T.float32(1), coefs[0])),
-                                   T.float32(0.5))
-                root = T.ieee_fsqrt(T.ieee_fdiv(scale, T.if_then_else(live, T.abs(raw), T.float32(1))))
-                coefs[1] = T.if_then_else(live, T.ieee_mul(slope, root), T.float32(0))
-                coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
-                coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
+                coefs[1] = T.ieee_mul(dgate[0], coefs[1])  # dL/draw
                 # Groups newer than step j's: stages - 1 steps, and the next token's g/v group
                 # while j < stages - 1 (it was committed after those steps' groups).
                 for j in T.unroll(stages - 1):
