@@ -207,7 +207,7 @@ class BackwardPlan(NamedTuple):
         per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
         rows = d * (self.g_buffers * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
-        return rows + ring + 4 * n * self.warps_per_stream
+        return rows + ring + 4 * n * (self.warps_per_stream + 2)
 
 
 # Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
@@ -265,19 +265,23 @@ def get_gate_backward_kernel(
 
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``;
     each thread keeps the weight gradients of its columns in registers, so ``x`` and ``k`` are read
-    once. Per token, two phases:
+    once. Per token:
 
-    1. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
-       the token before, give ``grad_v = sum_h gate_h g_h`` (from the forward's statistics alone)
-       and each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the stream's warps in order);
-       a barrier, and the next token's ``g`` starts loading into the other of two buffers (the
-       residual below still reads this one; ``g`` read again from L2 instead came from memory:
-       1076 vs 964 us at D = 7168) and its ``v`` into the one ``v`` buffer;
-    2. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
+    1. before the first barrier, each thread derives its stream's gate and every coefficient but
+       ``dL/dgate`` from the row statistics it loaded a token ahead (chains of IEEE divisions and
+       roots: behind the barrier, or for every stream, they cost up to 13%);
+    2. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
+       the token before, give each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the
+       stream's warps in order); a second barrier, and the next token's ``g`` starts loading into
+       the other of two buffers (the residual below still reads this one; ``g`` read again from L2
+       instead came from memory: 1076 vs 964 us at D = 7168), its ``v`` into the one ``v`` buffer;
+    3. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
        the next token; each thread stages only what it reads back, so the ring needs
-       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers. The per-element arithmetic may contract into FMAs (the gradients are held to a
-       reassociation bound, not bits)."""
+       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers,
+       and ``grad_v = sum_h gate_h g_h`` from the staged ``g``, a share of it a step.
+
+    The per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec = vector_width(d, T.dtype(dtype).bytes)
@@ -287,6 +291,7 @@ def get_gate_backward_kernel(
     per_thread = -(-nv // lanes)
     tiles = -(-per_thread // tile)
     block = tile * lanes * vec  # a stream's columns a ring slot
+    rounds = -(-nv // threads)  # grad_v's vectors a thread
     gate_of = gate_value(d, clamp)
 
     def fetch(elem_bytes: int):
@@ -331,21 +336,33 @@ def get_gate_backward_kernel(
                     fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
 
     @T.macro
-    def step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
-             wait):
+    def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid, wait):
         """Pipeline step j of the CTA's i-th token: stage the step ``stages - 1`` ahead (into
-        the next token past the last), wait for step j's slot, then its gradients into
-        ``outputs = (grad_x_TND, grad_k_TND)`` and ``grad_w`` (``locals_``: scratch vectors;
-        ``g`` for the residual from ``g_tok``)."""
+        the next token past the last); its share of ``grad_v`` (``token = (w_all, g_tok,
+        gates_N)``), which needs no slot; wait for step j's slot, then its gradients into
+        ``outputs = (grad_x_TND, grad_k_TND, grad_v_TD)`` and ``grad_w`` (``locals_``: scratch
+        vectors; ``g`` for the residual from ``g_tok``)."""
         x_ring, k_ring, w_ring = ring
-        grad_x_TND, grad_k_TND = outputs
-        xf, kf, wf, out_x, out_k = locals_
+        w_all, g_tok, gates_N = token
+        grad_x_TND, grad_k_TND, grad_v_TD = outputs
+        xf, kf, wf, out_x, out_k, out_v = locals_
+        h, lane = tid // lanes, tid % lanes
         ahead = j + stages - 1
         if ahead < tiles:
             stage_tile(sources, ring, row, ahead, (i * tiles + ahead) % stages, h, lane)
         elif following < num_tokens:
             stage_tile(sources, ring, following, ahead - tiles, (i * tiles + ahead) % stages, h, lane)
         T.ptx_commit_group()
+        for r in T.unroll(rounds):  # grad_v's rounds spread over the steps
+            c = r * threads + tid
+            if r * tiles // rounds == j and c < nv:
+                for e in T.serial(vec):
+                    xf[e] = T.float32(0)
+                    for hh in T.unroll(n):
+                        xf[e] += gates_N[i % 2, hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
+                    out_v[e] = T.cast(xf[e], v_dtype)
+                for e in T.vectorized(vec):
+                    grad_v_TD[row, c * vec + e] = out_v[e]
         T.ptx_wait_group(wait)
         slot = (i * tiles + j) % stages
         for q in T.unroll(tile):
@@ -398,7 +415,7 @@ def get_gate_backward_kernel(
             w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
-            gates_N = T.alloc_shared((n,), T.float32)  # the token's gates, for grad_v
+            gates_N = T.alloc_shared((2, n), T.float32)  # the token's gates for grad_v, by token parity
             own = T.alloc_local((3,), T.float32)  # this thread's stream's (rstd_x, rstd_k, raw), a token ahead
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             dgate = T.alloc_local((1,), T.float32)
@@ -410,7 +427,8 @@ def get_gate_backward_kernel(
             out_v = T.alloc_local((vec,), v_dtype)
 
             sources, ring = (x_TND, k_TND, w_ND), (x_ring, k_ring, w_ring)
-            outputs, locals_ = (grad_x_TND, grad_k_TND), (xf, kf, wf, out_x, out_k)
+            token, outputs = (w_all, g_tok, gates_N), (grad_x_TND, grad_k_TND, grad_v_TD)
+            locals_ = (xf, kf, wf, out_x, out_k, out_v)
             # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
@@ -447,19 +465,9 @@ def get_gate_backward_kernel(
                 coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
                 coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
                 if lane == 0:
-                    gates_N[h] = coefs[0]
+                    gates_N[i % 2, h] = coefs[0]
                 T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
                 T.sync_threads()  # every thread's part of g_tok / v_tok has landed
-                for r in T.unroll(-(-nv // threads)):
-                    c = r * threads + tid
-                    if c < nv:
-                        for e in T.serial(vec):
-                            xf[e] = T.float32(0)  # grad_v's sums (xf is free until phase 2)
-                            for hh in T.unroll(n):
-                                xf[e] += gates_N[hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
-                            out_v[e] = T.cast(xf[e], v_dtype)
-                        for e in T.vectorized(vec):
-                            grad_v_TD[row, c * vec + e] = out_v[e]
                 dgate[0] = T.float32(0)
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
@@ -486,10 +494,10 @@ def get_gate_backward_kernel(
                 # Groups newer than step j's: stages - 1 steps, and the next token's g/v group
                 # while j < stages - 1 (it was committed after those steps' groups).
                 for j in T.unroll(stages - 1):
-                    step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid,
                          stages)
                 for j in T.unroll(stages - 1, tiles):
-                    step(sources, ring, w_all, g_tok, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, h, lane,
+                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid,
                          stages - 1)
                 if g_buffers == 1:
                     T.sync_threads()
