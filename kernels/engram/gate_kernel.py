@@ -213,8 +213,9 @@ class BackwardPlan(NamedTuple):
 # Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
 BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
-BACKWARD_STAGES = 3
-BACKWARD_W_RESIDENT = True  # preferred where it fits beside a ring of two slots or more
+BACKWARD_STAGES = 2
+BACKWARD_W_RESIDENT = True
+BACKWARD_G_BUFFERS = 1
 # The weight gradients' registers: at most half the SM's register file, and 128 a thread.
 ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
 # Barriers are explicit (two a token): the ring is thread-private, and TileLang's automatic ones
@@ -225,7 +226,7 @@ BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREA
 def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = 2,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ) -> BackwardPlan | None:
     """The backward's :class:`BackwardPlan` for these inputs on their device, or None where the
     kernel cannot take them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an
@@ -254,8 +255,8 @@ def backward_plan(
 @tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
-    warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES, w_resident: bool = True,
-    g_buffers: int = 2,
+    warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -272,9 +273,11 @@ def get_gate_backward_kernel(
        roots: behind the barrier, or for every stream, they cost up to 13%);
     2. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
        the token before, give each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the
-       stream's warps in order); a second barrier, and the next token's ``g`` starts loading into
-       the other of two buffers (the residual below still reads this one; ``g`` read again from L2
-       instead came from memory: 1076 vs 964 us at D = 7168), its ``v`` into the one ``v`` buffer;
+       stream's warps in order); a second barrier, and the next token's ``v`` starts loading
+       (into the one ``v`` buffer), and with two ``g`` buffers its ``g`` into the other (the
+       residual below still reads this one; ``g`` read again from L2 instead came from memory:
+       1076 vs 964 us at D = 7168); with one, its ``g`` loads after a third barrier at the token's
+       end;
     3. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
        the next token; each thread stages only what it reads back, so the ring needs
@@ -309,12 +312,16 @@ def get_gate_backward_kernel(
     fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
-    def stage_token(g_TND, v_TD, g_tok, v_tok, row, buf, tid):
-        """The token's g (all streams) and v into g_tok[buf] / v_tok, spread over all threads."""
+    def stage_g(g_TND, g_tok, row, buf, tid):
+        """The token's g (all streams) into g_tok[buf], spread over all threads."""
         for r in T.unroll(-(-n * nv // threads)):
             f = r * threads + tid
             if f < n * nv:
                 fetch_x(g_tok[buf, f // nv, f % nv * vec], g_TND[row, f // nv, f % nv * vec])
+
+    @T.macro
+    def stage_v(v_TD, v_tok, row, tid):
+        """The token's v into v_tok, spread over all threads."""
         for r in T.unroll(-(-nv // threads)):
             c = r * threads + tid
             if c < nv:
@@ -433,7 +440,8 @@ def get_gate_backward_kernel(
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
             first = T.Cast(T.int64, cta)
-            stage_token(g_TND, v_TD, g_tok, v_tok, first, 0, tid)
+            stage_g(g_TND, g_tok, first, 0, tid)
+            stage_v(v_TD, v_tok, first, tid)
             if w_resident:
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
@@ -484,8 +492,10 @@ def get_gate_backward_kernel(
                 if following < num_tokens:
                     for q in T.unroll(3):
                         own[q] = stats_TN3[following, h, q]
-                if g_buffers == 2 and following < num_tokens:
-                    stage_token(g_TND, v_TD, g_tok, v_tok, following, (i + 1) % 2, tid)
+                if following < num_tokens:
+                    stage_v(v_TD, v_tok, following, tid)
+                    if g_buffers == 2:
+                        stage_g(g_TND, g_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
                 for w in T.unroll(1, warps_per_stream):
@@ -502,7 +512,7 @@ def get_gate_backward_kernel(
                 if g_buffers == 1:
                     T.sync_threads()
                     if following < num_tokens:
-                        stage_token(g_TND, v_TD, g_tok, v_tok, following, 0, tid)
+                        stage_g(g_TND, g_tok, following, 0, tid)
                     T.ptx_commit_group()
             for p in T.unroll(per_thread):
                 c = p * lanes + lane
