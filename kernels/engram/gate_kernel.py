@@ -273,16 +273,16 @@ def get_gate_backward_kernel(
        roots: behind the barrier, or for every stream, they cost up to 13%);
     2. the token's ``g`` (every stream) and ``v``, staged in shared memory by ``cp.async`` during
        the token before, give each stream's ``dL/dgate = sum g*v`` (warp shuffles, then the
-       stream's warps in order) and ``grad_v = sum_h gate_h g_h``; a second barrier, and the next
-       token's ``v`` starts loading, and with two ``g`` buffers its ``g`` into the other (the
+       stream's warps in order); a second barrier, and the next token's ``v`` starts loading
+       (into the one ``v`` buffer), and with two ``g`` buffers its ``g`` into the other (the
        residual below still reads this one; ``g`` read again from L2 instead came from memory:
-       1076 vs 964 us at D = 7168);
+       1076 vs 964 us at D = 7168); with one, its ``g`` loads after a third barrier at the token's
+       end;
     3. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
-       the next token; each thread stages only what it reads back (``g`` too: the columns whose
-       ``dL/dgate`` and residual it takes), so the ring needs ``cp.async.wait_group`` and no
-       barrier. ``grad_x``, ``grad_k`` are stored from registers; with one ``g`` buffer, each
-       step's columns of the next token's ``g`` start loading once its residual has read them.
+       the next token; each thread stages only what it reads back, so the ring needs
+       ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers,
+       and ``grad_v = sum_h gate_h g_h`` from the staged ``g``, a share of it a step.
 
     The per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
@@ -312,13 +312,12 @@ def get_gate_backward_kernel(
     fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
-    def stage_g(g_TND, g_tok, row, buf, h, lane, first, count):
-        """This thread's vectors ``first, ..., first + count - 1`` of the token's g (its stream's,
-        the columns it reads back for dL/dgate and the residual) into g_tok[buf]."""
-        for q in T.unroll(count):
-            c = (first + q) * lanes + lane
-            if first + q < per_thread and c < nv:
-                fetch_x(g_tok[buf, h, c * vec], g_TND[row, h, c * vec])
+    def stage_g(g_TND, g_tok, row, buf, tid):
+        """The token's g (all streams) into g_tok[buf], spread over all threads."""
+        for r in T.unroll(-(-n * nv // threads)):
+            f = r * threads + tid
+            if f < n * nv:
+                fetch_x(g_tok[buf, f // nv, f % nv * vec], g_TND[row, f // nv, f % nv * vec])
 
     @T.macro
     def stage_v(v_TD, v_tok, row, tid):
@@ -346,14 +345,14 @@ def get_gate_backward_kernel(
     @T.macro
     def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid, wait):
         """Pipeline step j of the CTA's i-th token: stage the step ``stages - 1`` ahead (into
-        the next token past the last), wait for step j's slot, then its gradients into ``outputs =
-        (grad_x_TND, grad_k_TND)`` and ``grad_w`` (``locals_``: scratch vectors; ``token = (w_all,
-        g_tok, g_TND)``: ``g`` for the residual from ``g_tok``, where with one buffer the next
-        token's columns then start loading)."""
+        the next token past the last); its share of ``grad_v`` (``token = (w_all, g_tok,
+        gates_N)``), which needs no slot; wait for step j's slot, then its gradients into
+        ``outputs = (grad_x_TND, grad_k_TND, grad_v_TD)`` and ``grad_w`` (``locals_``: scratch
+        vectors; ``g`` for the residual from ``g_tok``)."""
         x_ring, k_ring, w_ring = ring
-        w_all, g_tok, g_TND = token
-        grad_x_TND, grad_k_TND = outputs
-        xf, kf, wf, out_x, out_k = locals_
+        w_all, g_tok, gates_N = token
+        grad_x_TND, grad_k_TND, grad_v_TD = outputs
+        xf, kf, wf, out_x, out_k, out_v = locals_
         h, lane = tid // lanes, tid % lanes
         ahead = j + stages - 1
         if ahead < tiles:
@@ -361,6 +360,16 @@ def get_gate_backward_kernel(
         elif following < num_tokens:
             stage_tile(sources, ring, following, ahead - tiles, (i * tiles + ahead) % stages, h, lane)
         T.ptx_commit_group()
+        for r in T.unroll(rounds):  # grad_v's rounds spread over the steps
+            c = r * threads + tid
+            if r * tiles // rounds == j and c < nv:
+                for e in T.serial(vec):
+                    xf[e] = T.float32(0)
+                    for hh in T.unroll(n):
+                        xf[e] += gates_N[i % 2, hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
+                    out_v[e] = T.cast(xf[e], v_dtype)
+                for e in T.vectorized(vec):
+                    grad_v_TD[row, c * vec + e] = out_v[e]
         T.ptx_wait_group(wait)
         slot = (i * tiles + j) % stages
         for q in T.unroll(tile):
@@ -387,8 +396,6 @@ def get_gate_backward_kernel(
                     grad_x_TND[row, h, c * vec + e] = out_x[e]
                 for e in T.vectorized(vec):
                     grad_k_TND[row, h, c * vec + e] = out_k[e]
-        if g_buffers == 1 and following < num_tokens:
-            stage_g(g_TND, g_tok, following, 0, h, lane, j * tile, tile)  # read: the next token's may land
 
     @T.prim_func
     def gate_backward_kernel(
@@ -415,7 +422,7 @@ def get_gate_backward_kernel(
             w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
-            gates_N = T.alloc_shared((n,), T.float32)  # the token's gates, for grad_v
+            gates_N = T.alloc_shared((2, n), T.float32)  # the token's gates for grad_v, by token parity
             own = T.alloc_local((3,), T.float32)  # this thread's stream's (rstd_x, rstd_k, raw), a token ahead
             coefs = T.alloc_local((4,), T.float32)  # gate, dL/draw, raw rstd_x^2 / D, raw rstd_k^2 / D
             dgate = T.alloc_local((1,), T.float32)
@@ -427,13 +434,13 @@ def get_gate_backward_kernel(
             out_v = T.alloc_local((vec,), v_dtype)
 
             sources, ring = (x_TND, k_TND, w_ND), (x_ring, k_ring, w_ring)
-            token, outputs = (w_all, g_tok, g_TND), (grad_x_TND, grad_k_TND)
-            locals_ = (xf, kf, wf, out_x, out_k)
+            token, outputs = (w_all, g_tok, gates_N), (grad_x_TND, grad_k_TND, grad_v_TD)
+            locals_ = (xf, kf, wf, out_x, out_k, out_v)
             # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
             first = T.Cast(T.int64, cta)
-            stage_g(g_TND, g_tok, first, 0, h, lane, 0, per_thread)
+            stage_g(g_TND, g_tok, first, 0, tid)
             stage_v(v_TD, v_tok, first, tid)
             if w_resident:
                 for p in T.unroll(per_thread):
@@ -466,7 +473,7 @@ def get_gate_backward_kernel(
                 coefs[2] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_x, rstd_x)), T.float32(d))
                 coefs[3] = T.ieee_fdiv(T.ieee_mul(raw, T.ieee_mul(rstd_k, rstd_k)), T.float32(d))
                 if lane == 0:
-                    gates_N[h] = coefs[0]
+                    gates_N[i % 2, h] = coefs[0]
                 T.ptx_wait_group(tiles if g_buffers == 2 else 0)  # one buffer: g/v's group is the newest
                 T.sync_threads()  # every thread's part of g_tok / v_tok has landed
                 dgate[0] = T.float32(0)
@@ -478,19 +485,9 @@ def get_gate_backward_kernel(
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
-                for r in T.unroll(rounds):
-                    c = r * threads + tid
-                    if c < nv:
-                        for e in T.serial(vec):
-                            xf[e] = T.float32(0)  # grad_v's sums (xf is free until the steps)
-                            for hh in T.unroll(n):
-                                xf[e] += gates_N[hh] * T.cast(g_tok[i % g_buffers, hh, c * vec + e], T.float32)
-                            out_v[e] = T.cast(xf[e], v_dtype)
-                        for e in T.vectorized(vec):
-                            grad_v_TD[row, c * vec + e] = out_v[e]
-                # The partials are written; gates_N, v_tok and every stream's g_tok (grad_v) read
-                # by every thread: the next token may land, its g in the other buffer (one buffer:
-                # a thread's columns once its residual has read them, step by step).
+                # The partials are written; gates_N, v_tok and the other g_tok buffer (the token
+                # before's) read by every thread: the next token may land (one buffer: after the
+                # residual has read this token's).
                 T.sync_threads()
                 if following < num_tokens:
                     for q in T.unroll(3):
@@ -498,7 +495,7 @@ def get_gate_backward_kernel(
                 if following < num_tokens:
                     stage_v(v_TD, v_tok, following, tid)
                     if g_buffers == 2:
-                        stage_g(g_TND, g_tok, following, (i + 1) % 2, h, lane, 0, per_thread)
+                        stage_g(g_TND, g_tok, following, (i + 1) % 2, tid)
                 T.ptx_commit_group()
                 dgate[0] = partial_NW[h, 0]
                 for w in T.unroll(1, warps_per_stream):
@@ -513,7 +510,10 @@ def get_gate_backward_kernel(
                     step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid,
                          stages - 1)
                 if g_buffers == 1:
-                    T.ptx_commit_group()  # the last step's g (the token start waits for every group)
+                    T.sync_threads()
+                    if following < num_tokens:
+                        stage_g(g_TND, g_tok, following, 0, tid)
+                    T.ptx_commit_group()
             for p in T.unroll(per_thread):
                 c = p * lanes + lane
                 if c < nv:
