@@ -28,8 +28,7 @@ BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, a ring of
 # cp.async slots; shipped: 8 warps, tile 2, 2 stages, w resident, one g buffer where they fit);
 # labelled by the plan each resolves to on the device
-GATE_BACKWARD_PLANS = [dict(contiguous=True), dict(contiguous=True, tile=1, stages=3),
-                       dict(contiguous=True, g_buffers=2, tile=3), dict(g_buffers=2, tile=3)]
+GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g_buffers=2, stages=4), dict(tile=4)]
 # session 9: per-token scales read from global memory (shipped, with the cast's tile) or staged in
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
@@ -151,7 +150,7 @@ def variants(op: str, inp) -> dict[str, object]:
         for options in GATE_BACKWARD_PLANS:
             plan = backward_plan(*args[:3], **options)
             label = (f"warps={plan.threads // 32} tile={plan.tile} stages={plan.stages} w_resident={plan.w_resident} "
-                     f"g_buffers={plan.g_buffers} contiguous={plan.contiguous}")
+                     f"g_buffers={plan.g_buffers}")
             found[label] = functools.partial(gate_backward, *args, **options)
         return found
     if op == "topk_route":  # session 9: the kept groups compacted (shipped) or in place

@@ -187,7 +187,6 @@ class BackwardPlan(NamedTuple):
     stages: int
     w_resident: bool
     g_buffers: int = 2
-    contiguous: bool = False  # CTA c takes a block of consecutive tokens, not c, c + C, ...
 
     @property
     def lanes(self) -> int:
@@ -227,7 +226,7 @@ BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREA
 def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, contiguous: bool = False,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ) -> BackwardPlan | None:
     """The backward's :class:`BackwardPlan` for these inputs on their device, or None where the
     kernel cannot take them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an
@@ -247,7 +246,7 @@ def backward_plan(
     for buffers, resident in itertools.product((g_buffers, 3 - g_buffers), (w_resident, not w_resident)):
         for t in range(min(tile, per_thread), 0, -1):
             for s in range(min(stages, -(-per_thread // t) + 1), 1, -1):
-                plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, t, s, resident, buffers, contiguous)
+                plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, t, s, resident, buffers)
                 if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
                     return plan
     return None
@@ -257,7 +256,7 @@ def backward_plan(
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
     warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, contiguous: bool = False,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ):
     """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
@@ -344,7 +343,7 @@ def get_gate_backward_kernel(
                     fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
 
     @T.macro
-    def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, has_next, tid, wait):
+    def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid, wait):
         """Pipeline step j of the CTA's i-th token: stage the step ``stages - 1`` ahead (into
         the next token past the last); its share of ``grad_v`` (``token = (w_all, g_tok,
         gates_N)``), which needs no slot; wait for step j's slot, then its gradients into
@@ -358,7 +357,7 @@ def get_gate_backward_kernel(
         ahead = j + stages - 1
         if ahead < tiles:
             stage_tile(sources, ring, row, ahead, (i * tiles + ahead) % stages, h, lane)
-        elif has_next:
+        elif following < num_tokens:
             stage_tile(sources, ring, following, ahead - tiles, (i * tiles + ahead) % stages, h, lane)
         T.ptx_commit_group()
         for r in T.unroll(rounds):  # grad_v's rounds spread over the steps
@@ -440,14 +439,9 @@ def get_gate_backward_kernel(
             # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
             # its first steps one group each, then empty groups: the count a token start waits past
             # is always ``tiles``.
-            per_cta = T.ceildiv(num_tokens, num_ctas)
-            first = T.Cast(T.int64, cta * per_cta if contiguous else cta)
-            count = T.max(0, T.min(per_cta, num_tokens - cta * per_cta)) if contiguous else \
-                T.ceildiv(num_tokens - cta, num_ctas)
-            stride = 1 if contiguous else num_ctas
-            if count > 0:
-                stage_g(g_TND, g_tok, first, 0, tid)
-                stage_v(v_TD, v_tok, first, tid)
+            first = T.Cast(T.int64, cta)
+            stage_g(g_TND, g_tok, first, 0, tid)
+            stage_v(v_TD, v_tok, first, tid)
             if w_resident:
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
@@ -455,20 +449,17 @@ def get_gate_backward_kernel(
                         fetch_w(w_all[h, c * vec], w_ND[h, c * vec])
             T.ptx_commit_group()
             for j in T.unroll(stages - 1):
-                if count > 0:
-                    stage_tile(sources, ring, first, j, j, h, lane)
+                stage_tile(sources, ring, first, j, j, h, lane)
                 T.ptx_commit_group()
             for _ in T.unroll(tiles - (stages - 1)):
                 T.ptx_commit_group()
             for e in T.unroll(per_thread * vec):
                 grad_w[e] = T.float32(0)
-            if count > 0:
-                for q in T.unroll(3):
-                    own[q] = stats_TN3[first, h, q]
-            for i in T.serial(count):
-                row = first + i * stride
-                following = row + stride
-                has_next = i + 1 < count
+            for q in T.unroll(3):
+                own[q] = stats_TN3[first, h, q]
+            for i in T.serial(T.ceildiv(num_tokens - cta, num_ctas)):
+                row = T.Cast(T.int64, cta + i * num_ctas)
+                following = row + num_ctas
                 # The stream's coefficients but dL/dgate, from its statistics (loaded a token
                 # ahead): scalar chains of IEEE divisions and roots, done once a thread and before
                 # the barrier, so that after the reduction one product is left.
@@ -498,10 +489,10 @@ def get_gate_backward_kernel(
                 # before's) read by every thread: the next token may land (one buffer: after the
                 # residual has read this token's).
                 T.sync_threads()
-                if has_next:
+                if following < num_tokens:
                     for q in T.unroll(3):
                         own[q] = stats_TN3[following, h, q]
-                if has_next:
+                if following < num_tokens:
                     stage_v(v_TD, v_tok, following, tid)
                     if g_buffers == 2:
                         stage_g(g_TND, g_tok, following, (i + 1) % 2, tid)
@@ -513,14 +504,14 @@ def get_gate_backward_kernel(
                 # Groups newer than step j's: stages - 1 steps, and the next token's g/v group
                 # while j < stages - 1 (it was committed after those steps' groups).
                 for j in T.unroll(stages - 1):
-                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, has_next, tid,
+                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid,
                          stages)
                 for j in T.unroll(stages - 1, tiles):
-                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, has_next, tid,
+                    step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid,
                          stages - 1)
                 if g_buffers == 1:
                     T.sync_threads()
-                    if has_next:
+                    if following < num_tokens:
                         stage_g(g_TND, g_tok, following, 0, tid)
                     T.ptx_commit_group()
             for p in T.unroll(per_thread):
@@ -656,8 +647,7 @@ def gate_backward(
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
     kernel = get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), plan.warps_per_stream,
-                                      plan.tile, plan.stages, plan.w_resident, plan.g_buffers,
-                                      plan.contiguous)
+                                      plan.tile, plan.stages, plan.w_resident, plan.g_buffers)
     kernel(*args, grad_x, grad_k, grad_v, grad_w_CND)
     grad_w_ND = grad_w_CND.sum(0)
     # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
