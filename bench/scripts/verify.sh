@@ -14,6 +14,8 @@
 #                bfloat16 streams, then float32 streams under autocast (as training runs them).
 #   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
 #                (bench/scripts/sweep.py; $SWEEP_OPS picks the ops, $SWEEP_SHAPE the shape: large, small).
+#   paired       ours and tile-kernels timed in alternating rounds (bench/scripts/paired.py) for the
+#                entries a single run calls a tie ($PAIRED_OPS picks the ops).
 #   profile-mhc  the mHC sublayer's GPU time by kernel, T = 8192, N = 4, D = 4096 (GPU 0).
 #   moe-layer    the DeepSeek-V3 MoE layer forward+backward on one GPU (EP 1), TileLang kernels vs the
 #                references (EP_KERNELS), issue #3's end-to-end number.
@@ -71,6 +73,9 @@ for step in "$@"; do
           --shape deepseek-v3 --modes weak --max-ep 1 --warmup 2 --iters 5 --out "$out/moe-$k" --commit "$commit"
         grep "EP " "$out/moe-layer-$k.log" | tail -2 | cut -c1-200
       done ;;
+    paired)
+      LIMIT=240 run paired python3 bench/scripts/paired.py --out "$out/paired.json" ${PAIRED_OPS:+--ops $PAIRED_OPS}
+      grep -v INFO "$out/paired.log" | tail -12 ;;
     profile-mhc)
       LIMIT=120 run profile-mhc python3 bench/scripts/profile_mhc.py
       grep -v INFO "$out/profile-mhc.log" | head -40 | cut -c1-200 ;;
