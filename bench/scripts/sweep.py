@@ -33,7 +33,7 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
-PRE_APPLY_VARIANTS = [(64, 1), (128, 2), (64, 2), (256, 2), (64, 4)]  # (threads, vectors a thread); shipped (256, 1)
+PRE_APPLY_THREADS = [128, 512]  # shipped: 256
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 
@@ -133,8 +133,8 @@ def variants(op: str, inp) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        return {f"threads={k} vectors={v}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v))
-                for k, v in PRE_APPLY_VARIANTS}
+        return {f"threads={k}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k))
+                for k in PRE_APPLY_THREADS}
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
