@@ -212,10 +212,10 @@ class BackwardPlan(NamedTuple):
 
 # Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
-BACKWARD_TILE = 3  # vectors a thread stages a pipeline step
+BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
 BACKWARD_STAGES = 2
 BACKWARD_W_RESIDENT = True
-BACKWARD_G_BUFFERS = 2
+BACKWARD_G_BUFFERS = 1
 # The weight gradients' registers: at most half the SM's register file, and 128 a thread.
 ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
 # Barriers are explicit (two a token): the ring is thread-private, and TileLang's automatic ones
