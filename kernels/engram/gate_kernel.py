@@ -226,13 +226,14 @@ BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREA
 def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, shared_memory: int | None = None,
 ) -> BackwardPlan | None:
-    """The backward's :class:`BackwardPlan` for these inputs on their device, or None where the
-    kernel cannot take them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an
-    even D), more weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or shared
-    memory beyond the device's. The options are preferences, given up in this order until the CTA
-    fits: ``g_buffers``, then ``w_resident``, then the tile, then the stages."""
+    """The backward's :class:`BackwardPlan` for these inputs, or None where the kernel cannot take
+    them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an even D), more
+    weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or more shared memory than
+    a CTA gets (``shared_memory`` bytes; by default what their device gives one). The options are
+    preferences, given up until the CTA fits: fewer stages first, then a smaller tile, then ``w``
+    resident or not, then the number of ``g`` buffers."""
     _, n, d = x_TND.shape
     vec = vector_width(d, x_TND.dtype.itemsize)
     if d == 0 or any(vec * t.dtype.itemsize < 4 for t in (x_TND, k_TND, v_TD)):
@@ -242,7 +243,7 @@ def backward_plan(
     per_thread = -(-(d // vec) // lanes)
     if n * lanes > 1024 or per_thread * vec > min(THREAD_ACCUMULATORS, ACCUMULATOR_REGISTERS // (n * lanes)):
         return None
-    limit = torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
+    limit = shared_memory or torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin
     for buffers, resident in itertools.product((g_buffers, 3 - g_buffers), (w_resident, not w_resident)):
         for t in range(min(tile, per_thread), 0, -1):
             for s in range(min(stages, -(-per_thread // t) + 1), 1, -1):

@@ -18,6 +18,7 @@ from kernels.engram import reference
 from kernels.engram.gate_kernel import (
     ULP,
     backward_excess,
+    BackwardPlan,
     backward_fits,
     backward_plan,
     gate,
@@ -143,6 +144,31 @@ def test_shapes_beyond_the_backward_take_the_reference(n, d, dtype, seed):
     with pytest.raises(ValueError, match=rf"^x_TND: N = {n}, D = {d} in torch.bfloat16 .* is beyond the backward"):
         gate_backward(*args, torch.ones_like(args[0]), torch.ones(2, n, 3, device="cuda"))
     assert torch.equal(engram.gate(*args), reference.gate(*args))
+
+
+H100_SHARED = 232448  # bytes a CTA may take on an H100 (shared_memory_per_block_optin)
+
+
+def test_backward_plan_picks_the_measured_layout_where_it_fits():
+    """On an H100's shared memory: the measured default (one ``g`` buffer, ``w`` resident, tile 2,
+    2 stages) at both DeepSeek-V4 widths; float32 streams at D = 7168 give up ``w`` resident; a
+    tighter CTA gives up stages, then the tile; shapes beyond registers or ``cp.async`` get none."""
+
+    def plan(n, d, dtype=BF16, **options):
+        x, v = torch.empty(1, n, d, dtype=dtype, device="meta"), torch.empty(1, d, dtype=dtype, device="meta")
+        return backward_plan(x, x, v, shared_memory=options.pop("shared_memory", H100_SHARED), **options)
+
+    for d in (4096, 7168):
+        got = plan(4, d)
+        assert got == BackwardPlan(4, 8, d // 8, 2, d // 512, 2, 2, True, 1), got
+        assert got.threads == 256 and got.shared_bytes(BF16, BF16, BF16) <= H100_SHARED
+    assert plan(4, 7168, F32)._replace(w_resident=True) == BackwardPlan(4, 4, 1792, 2, 28, 2, 2, True, 1)
+    assert not plan(4, 7168, F32).w_resident
+    roomy = plan(4, 4096, tile=2, stages=3)
+    assert roomy.stages == 3
+    tight = roomy._replace(tile=1, stages=2).shared_bytes(BF16, BF16, BF16)
+    assert plan(4, 4096, tile=2, stages=3, shared_memory=tight) == roomy._replace(tile=1, stages=2)
+    assert plan(8, 8192) is None and plan(4, 7) is None and plan(4, 7, F32) is not None
 
 
 def test_wrapper_names_bad_arguments():
