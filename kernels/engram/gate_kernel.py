@@ -33,6 +33,7 @@ from kernels.quant.tiles import (
     PASS_CONFIGS,
     aligned,
     check_cuda,
+    sm_count,
     tl_dtype,
     vector_width,
 )
@@ -642,8 +643,7 @@ def gate_backward(
             "kernel: a thread's weight gradients must fit its registers, the token's rows shared memory, and "
             "every vector 4 bytes (use kernels.engram.reference.gate)"
         )
-    sms = torch.cuda.get_device_properties(x_TND.device).multi_processor_count
-    grad_w_CND = torch.empty((min(t, sms), n, d), dtype=torch.float32, device=x_TND.device)
+    grad_w_CND = torch.empty((min(t, sm_count(x_TND.device)), n, d), dtype=torch.float32, device=x_TND.device)
     w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
     args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]

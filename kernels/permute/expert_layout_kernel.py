@@ -35,7 +35,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.routing.topk_route_kernel import check_cuda
+from kernels.quant.tiles import check_cuda
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES, ExpertLayout, max_rows

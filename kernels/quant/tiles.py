@@ -10,6 +10,7 @@ Shape letters: M/N tile rows/columns, G scale groups.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tilelang
@@ -47,6 +48,12 @@ def check_cuda(name: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_cuda:
         raise ValueError(f"{name}: expected a tensor on a CUDA device, got one on {t.device}")
     return t
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (persistent and bounded grids size themselves by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:

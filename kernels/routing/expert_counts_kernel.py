@@ -18,10 +18,10 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.quant.tiles import check_cuda
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES
-from .topk_route_kernel import check_cuda
 
 THREADS = 256
 ROUTES_PER_THREAD = 16

@@ -50,6 +50,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.quant.tiles import check_cuda, sm_count
 from kernels.validate import check_positive, check_tensor
 
 from .reference import SCORINGS
@@ -435,18 +436,7 @@ def topk_route(
 def grid_size(num_tokens: int, with_counts: bool, device: torch.device, ctas_per_sm: int = COUNT_CTAS_PER_SM) -> int:
     """The router's CTAs: one token a warp, or with counts at most ``ctas_per_sm`` CTAs an SM."""
     ctas = -(-num_tokens // WARPS)
-    return min(ctas, _sm_count(device) * ctas_per_sm) if with_counts else ctas
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def check_cuda(name: str, t: torch.Tensor) -> None:
-    """A tensor on a CUDA device; shared by the kernel wrappers."""
-    if not t.is_cuda:
-        raise ValueError(f"{name}: expected a tensor on a CUDA device, got one on {t.device}")
+    return min(ctas, sm_count(device) * ctas_per_sm) if with_counts else ctas
 
 
 def check_cuda_contiguous(name: str, t: torch.Tensor) -> None:
