@@ -177,7 +177,8 @@ class BackwardPlan(NamedTuple):
     warps, whose threads own ``per_thread`` vectors of that stream (``vec`` elements, 16 bytes of
     ``x``'s dtype or fewer; thread ``l`` of a stream vectors ``l, l + lanes, ...``), ``tile`` of them
     a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w`` in shared memory
-    for the whole kernel instead of streaming it through the ring with ``x`` and ``k``."""
+    for the whole kernel instead of streaming it through the ring with ``x`` and ``k``; with
+    ``g_buffers = 2`` the next token's ``g`` loads while this one's is read."""
 
     n: int
     vec: int
@@ -211,7 +212,8 @@ class BackwardPlan(NamedTuple):
         return rows + ring + 4 * n * (self.warps_per_stream + 2)
 
 
-# Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10).
+# Measured (bench/scripts/sweep.py, H100, T = 8192, N = 4; kernels/mhc/NOTES.md, session 10): one g
+# buffer beside w resident 533.8 / 925.6 us at D = 4096 / 7168, two (w streamed at 7168) 535.2 / 937.0.
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
 BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
 BACKWARD_STAGES = 2
@@ -219,8 +221,8 @@ BACKWARD_W_RESIDENT = True
 BACKWARD_G_BUFFERS = 1
 # The weight gradients' registers: at most half the SM's register file, and 128 a thread.
 ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
-# Barriers are explicit (two a token): the ring is thread-private, and TileLang's automatic ones
-# would hold the SM's one CTA together at every shared access.
+# Barriers are explicit (two a token, three with one g buffer): the ring is thread-private, and
+# TileLang's automatic ones would hold the SM's one CTA together at every shared access.
 BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
@@ -286,7 +288,8 @@ def get_gate_backward_kernel(
        ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers,
        and ``grad_v = sum_h gate_h g_h`` from the staged ``g``, a share of it a step.
 
-    The per-element arithmetic may contract into FMAs (the gradients are held to a reassociation bound, not bits)."""
+    The per-element arithmetic may contract into FMAs (the gradients are held to a reassociation
+    bound, not bits)."""
     num_tokens = T.dynamic("num_tokens")
     num_ctas = T.dynamic("num_ctas")
     vec = vector_width(d, T.dtype(dtype).bytes)
