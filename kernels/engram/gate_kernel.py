@@ -394,7 +394,8 @@ def get_gate_backward_kernel(
                         wf[e] = w_ring[slot, h, s + e]
                 for e in T.serial(vec):
                     dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
-                    out_x[e] = T.cast(dx + T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32) if add_residual else dx, dtype)
+                    residual = T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32)
+                    out_x[e] = T.cast(dx + residual if add_residual else dx, dtype)
                     out_k[e] = T.cast(coefs[1] * (wf[e] * xf[e] - kf[e] * coefs[3]), k_dtype)
                     grad_w[p * vec + e] += coefs[1] * xf[e] * kf[e]
                 for e in T.vectorized(vec):
@@ -486,7 +487,8 @@ def get_gate_backward_kernel(
                     c = p * lanes + lane
                     if c < nv:
                         for e in T.serial(vec):
-                            dgate[0] += T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32) * T.cast(v_tok[c * vec + e], T.float32)
+                            gf = T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32)
+                            dgate[0] += gf * T.cast(v_tok[c * vec + e], T.float32)
                 dgate[0] = T.warp_reduce_sum(dgate[0])
                 if tid % WARP == 0:
                     partial_NW[h, lane // WARP] = dgate[0]
