@@ -499,7 +499,6 @@ def get_gate_backward_kernel(
                 if following < num_tokens:
                     for q in T.unroll(3):
                         own[q] = stats_TN3[following, h, q]
-                if following < num_tokens:
                     stage_v(v_TD, v_tok, following, tid)
                     if g_buffers == 2:
                         stage_g(g_TND, g_tok, following, (i + 1) % 2, tid)
@@ -626,8 +625,9 @@ def gate_backward(
     """TileLang backward of :func:`kernels.engram.reference.gate`: ``(grad_x, grad_k, grad_v,
     grad_wh, grad_we)`` in the dtypes of their inputs, for ``g_TND = dL/dout`` (``x_TND``'s dtype)
     and the forward's row statistics ``stats_TN3`` (``gate(..., return_stats=True)``). Same inputs
-    as :func:`gate`; ``plan_options`` (``warps``, ``tile``, ``stages``, ``w_resident``) go to
-    :func:`backward_plan` (tuning, bench/scripts/sweep.py; the defaults are measured)."""
+    as :func:`gate`; ``plan_options`` (``warps``, ``tile``, ``stages``, ``w_resident``,
+    ``g_buffers``) go to :func:`backward_plan` (tuning, bench/scripts/sweep.py; the defaults are
+    measured)."""
     check_gate_args(x_TND, k_TND, v_TD, wh_ND, we_ND, clamp, 0.0, values=False)
     check_cuda("x_TND", x_TND)
     check_tensor("g_TND", g_TND, dtype=x_TND.dtype, shape=x_TND.shape, device=x_TND.device)
