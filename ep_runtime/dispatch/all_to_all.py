@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
-from kernels.quant import cast_back, per_token_cast
+from kernels.quant import per_token_cast
 from kernels.reduce import weighted_reduce
 from kernels.validate import check_index_range
 
-from .autograd import CombineFn, DispatchFn
+from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 
 
@@ -113,7 +113,8 @@ class AllToAllDispatcher:
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
         """Moves each token once to every rank of its experts. Returns the route (without a
         layout), the received rows' routes to local experts ([R, K], -1 elsewhere), the rows
-        ([R, D]) and their weights ([R, K], 0 elsewhere). Not differentiable."""
+        ([R, D], or ``Fp8Rows`` when ``fp8``) and their weights ([R, K], 0 elsewhere). Not
+        differentiable."""
         idx_TK = topk_idx_TK.long()
         dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
         ranks_W = torch.arange(self.world, device=x_TD.device)
@@ -132,14 +133,15 @@ class AllToAllDispatcher:
         weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
         return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK
 
-    def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+    def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor | Fp8Rows:
         """The tokens' rows at the ranks of their experts; as FP8 e4m3 with per-token 1x128 scales
-        travelling alongside when ``fp8`` (cast once per token, before the rows are copied)."""
+        travelling alongside when ``fp8`` (cast once per token, before the rows are copied; cast
+        back where they are expanded)."""
         if not self.fp8:
             return self.scatter(x_TD, route)
-        q_TD, sf_TG = per_token_cast(x_TD)
+        q_TD, sf_TG = per_token_cast(x_TD, group=FP8_GROUP)
         q_RD = self.scatter(q_TD.view(torch.uint8), route).view(torch.float8_e4m3fn)
-        return cast_back(q_RD, self.scatter(sf_TG, route), block=(1, 128), out_dtype=x_TD.dtype)
+        return Fp8Rows(q_RD=q_RD, sf_RG=self.scatter(sf_TG, route), dtype=x_TD.dtype)
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)

@@ -3,8 +3,9 @@
 A backend supplies the transport over a route it planned (``scatter``: each token's row to every
 rank that holds one of its experts; ``gather_home``: each received row back to its token's home
 rank, summed there in float32) and moves the tokens forward itself (fused with its FP8 cast, its
-route planning); the local work around the transport (expand into the experts' layout, weighted
-reduce) and every backward are the same for all backends and use the kernel ops. The backward
+route planning); the local work around the transport (expand into the experts' layout, fused with
+the FP8 cast back when the rows travelled as FP8; weighted reduce) and every backward are the same
+for all backends and use the kernel ops. The backward
 of dispatch is an unweighted combine, the backward of combine a dispatch.
 
 Every collective of a layer's backward runs inside one of two autograd nodes, combine's then
@@ -16,14 +17,36 @@ Shape letters as in ``protocol``: T tokens, K routes, D hidden, R received rows,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kernels.permute import expand
+from kernels.permute import ExpertLayout, expand
+from kernels.quant import expand_cast_back
 from kernels.reduce import weighted_reduce, weighted_reduce_backward
 
 from .protocol import Route
+
+FP8_GROUP = 128  # columns per scale of tokens that travel as FP8 (DeepSeek's 1x128)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Rows as FP8 dispatch moves them: ``q_RD`` [R, D] e4m3 and ``sf_RG`` [R, ceil(D / 128)]
+    float32 per-token scales, standing for rows of ``dtype``."""
+
+    q_RD: torch.Tensor
+    sf_RG: torch.Tensor
+    dtype: torch.dtype
+
+
+def expand_rows(rows_RD: torch.Tensor | Fp8Rows, layout: ExpertLayout) -> torch.Tensor:
+    """Received rows into the local experts' layout, in the tokens' dtype (FP8 rows dequantized
+    on the way, in one pass: ``kernels.quant.expand_cast_back``)."""
+    if isinstance(rows_RD, Fp8Rows):
+        return expand_cast_back(rows_RD.q_RD, rows_RD.sf_RG, layout, group=FP8_GROUP, out_dtype=rows_RD.dtype)
+    return expand(rows_RD, layout)
 
 
 class Transport(Protocol):
@@ -38,12 +61,13 @@ class Transport(Protocol):
 
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
-    given the rows the backend already moved (``x_RD``, ``weights_RK``: no gradient of their own)."""
+    given the rows the backend already moved (``x_RD``, a tensor or ``Fp8Rows``, and
+    ``weights_RK``: no gradient of their own)."""
 
     @staticmethod
     def forward(ctx, x_TD, weights_TK, x_RD, weights_RK, route: Route, transport: Transport):
         ctx.route, ctx.transport = route, transport
-        return expand(x_RD, route.layout), weights_RK.clone()
+        return expand_rows(x_RD, route.layout), weights_RK.clone()
 
     @staticmethod
     def backward(ctx, grad_PD, grad_weights_RK):

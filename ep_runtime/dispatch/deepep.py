@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
-from kernels.quant import cast_back, per_token_cast
+from kernels.quant import per_token_cast
 
-from .autograd import CombineFn, DispatchFn
+from .autograd import CombineFn, DispatchFn, Fp8Rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 
 
@@ -76,7 +76,7 @@ class DeepEPDispatcher:
                 x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=idx_TK, topk_weights=topk_weights_TK)
             if self.fp8:
-                recv_x = cast_back(*recv_x, block=(1, 128), out_dtype=x_TD.dtype)
+                recv_x = Fp8Rows(q_RD=recv_x[0], sf_RG=recv_x[1], dtype=x_TD.dtype)
         layout = expert_layout(recv_idx_RK, self.num_local_experts, alignment=self.alignment)
         route = BufferRoute(handle=handle, layout=layout, num_tokens=x_TD.shape[0], hidden=x_TD.shape[1])
         x_PD, weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, recv_x, recv_weights_RK, route, self)

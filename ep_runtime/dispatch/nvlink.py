@@ -43,15 +43,13 @@ import torch.distributed as dist
 
 from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows
 from kernels.permute import ExpertLayout, expert_layout, max_rows
-from kernels.quant import cast_back, per_token_cast
+from kernels.quant import per_token_cast
 from kernels.validate import check_positive
 
 from .all_to_all import sum_home
-from .autograd import CombineFn, DispatchFn
+from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 from .symmetric import SymmetricHeap, aligned, make_heap
-
-FP8_GROUP = 128
 
 
 @dataclass(frozen=True)
@@ -139,17 +137,19 @@ class NVLinkDispatcher:
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
-        """Moves tokens, routes and weights in one barrier; plans the way back. Returns the route
-        (with the local experts' layout), the received rows ([R, D], x's dtype; a view of the
-        heap, valid until the next transport call) and their weights to local experts ([R, K]).
-        Not differentiable."""
+        """Moves tokens, routes and weights in one barrier; plans the way back. ``x_TD`` is [T, D],
+        or ``Fp8Rows`` (sent as they are: the rows a two-stage route's rail received). Returns the
+        route (with the local experts' layout), the received rows ([R, D] in x's dtype, or
+        ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport
+        call) and their weights to local experts ([R, K]). Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
         idx_TK, weights_TK = topk_idx_TK.to(torch.int32), topk_weights_TK
         num_tokens, topk = idx_TK.shape
         send = plan_send(idx_TK, weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-        if self.fp8:
-            q_TD, sf_TG = per_token_cast(x_TD, group=FP8_GROUP)
-            payload = [(q_TD.view(torch.uint8), torch.uint8), (sf_TG, torch.float32)]
+        if self.fp8 and not isinstance(x_TD, Fp8Rows):
+            x_TD = Fp8Rows(*per_token_cast(x_TD, group=FP8_GROUP), dtype=x_TD.dtype)
+        if isinstance(x_TD, Fp8Rows):
+            payload = [(x_TD.q_RD.view(torch.uint8), torch.uint8), (x_TD.sf_RG, torch.float32)]
         else:
             payload = [(x_TD, x_TD.dtype)]
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
@@ -166,9 +166,8 @@ class NVLinkDispatcher:
                             max_tokens=t_max)
         layout = expert_layout(recv.local_idx_RK, e_local, alignment=self.alignment,
                                num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
-        if self.fp8:
-            x_RD = cast_back(data[0].views[me].view(torch.float8_e4m3fn), data[1].views[me], block=(1, FP8_GROUP),
-                             out_dtype=x_TD.dtype)
+        if isinstance(x_TD, Fp8Rows):
+            x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
         else:
             x_RD = data[0].views[me]
 

@@ -212,6 +212,30 @@ def expand_per_token_cast(
     return per_token_cast(expand(x_TD, layout), group=group, round_sf=round_sf, pack_sf=pack_sf)
 
 
+def expand_cast_back(
+    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """:func:`cast_back` of per-token scales fused with :func:`kernels.permute.expand`: FP8 rows as
+    they arrive from a dispatch, dequantized into the layout's rows (padding rows hold zeros).
+
+    Args:
+        q_TD: ``[T, D]`` float8_e4m3fn, on the layout's device. Rows no route points to may hold
+            anything (unused rows of a receive buffer); they are never read into the result.
+        sf_TG: ``[T, ceil(D / group)]`` float32 scales, or uint8 exponents (packed).
+        layout: the :class:`kernels.permute.ExpertLayout` of the rows' routes.
+        group: columns per scale.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``x_PD`` ``[P, D]`` in ``out_dtype``: row p is ``cast_back(q, sf)[src_P[p] // K]``, zeros where
+        ``src_P[p]`` is -1; rows past ``offsets_E[-1]`` are unspecified, as in ``expand``.
+    """
+    check_tensor("q_TD", q_TD, dtype=E4M3, ndim=2)
+    check_positive("group", group)
+    return expand(cast_back(q_TD, sf_TG, block=(1, group), out_dtype=out_dtype), layout)
+
+
 def _blockwise_cast(
     x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,144 @@
+"""Expand fused with the FP8 cast back: e4m3 rows with per-token scales (as a dispatch receives
+them) dequantized straight into their rows of the expert-major layout (see
+:func:`kernels.quant.reference.expand_cast_back` for the function).
+
+A scatter from the rows, like :mod:`kernels.permute.expand_quant_kernel`: a CTA stages its rows'
+layout positions (``pos_TK``) in shared memory; if none of its rows has a route it stops there (a
+receive buffer's unused rows cost no reads), else it loads ``[tile_m, tile_n]`` of ``q_TD`` (whole
+scale groups, 8-byte e4m3 loads for 16-byte bf16 stores, as in
+:mod:`kernels.quant.cast_back_kernel`), multiplies by each vector's scale in float32 once, and
+stores the result to each of its rows' K layout rows. Against ``cast_back`` then ``expand``, this
+never writes or re-reads the [T, D] rows in ``out_dtype``, and reads only the rows in use.
+
+Padding rows (``src_P == -1``) inside the segments are zeroed by the grid's first CTAs,
+``PAD_ROWS`` rows each; rows past the last segment (``offsets_E[-1]``) are left unwritten, as in
+``expand``. This relies on ``pos_TK`` and ``src_P`` being each other's inverse, as in every
+:class:`ExpertLayout` from ``expert_layout``; values are not checked on the host (no host sync):
+rows outside ``[0, P)`` are treated as -1.
+
+Shape suffixes: T rows in (tokens), K routes per row, P layout rows, D hidden, G scale groups,
+E experts, M tile rows, N tile columns.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.permute.reference import ExpertLayout
+from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    blockwise_tile,
+    check_cuda,
+    row_major,
+    supports_block,
+    tl_dtype,
+    unpack_scale,
+    vector_layout,
+    vector_width,
+)
+from kernels.validate import check_dtype, check_positive, check_tensor
+
+PAD_ROWS = 64  # layout rows a padding CTA checks (and zeroes where src_P is -1)
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool, out_dtype: str):
+    """``(q_TD, sf_TG, pos_TK, src_P, offsets_E, x_PD)`` kernel: row t's e4m3 values times its
+    scale per ``group`` columns (uint8 exponents when ``packed``), in ``out_dtype``, stored to rows
+    ``pos_TK[t, :]``; zeros where ``src_P`` is -1 before ``offsets_E[-1]``."""
+    num_tokens, num_rows, num_experts = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_experts")
+    vec = vector_width(hidden, T.dtype(out_dtype).bytes)  # sized by the output, as in cast_back
+    tile_m, tile_n, threads = blockwise_tile(hidden, (1, group), vec)
+    tile_g = tile_n // group
+    sf_dtype = "uint8" if packed else "float32"
+
+    @T.prim_func
+    def expand_cast_back(
+        q_TD: T.Tensor[(num_tokens, hidden), "float8_e4m3fn"],
+        sf_TG: T.Tensor[(num_tokens, T.ceildiv(hidden, group)), sf_dtype],
+        pos_TK: T.Tensor[(num_tokens, topk), "int32"],
+        src_P: T.Tensor[(num_rows,), "int32"],
+        offsets_E: T.Tensor[(num_experts,), "int32"],
+        x_PD: T.Tensor[(num_rows, hidden), out_dtype],
+    ):
+        pad_blocks = T.ceildiv(num_rows, PAD_ROWS)
+        tiles_n = T.ceildiv(hidden, tile_n)
+        with T.Kernel((pad_blocks + T.ceildiv(num_tokens, tile_m)) * tiles_n, threads=threads) as pid:
+            bm, pn = row_major(pid, tiles_n)
+            q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
+            x_frag = T.alloc_fragment((tile_m, tile_n), out_dtype)
+            pos_MK = T.alloc_shared((tile_m, topk), "int32")
+            routed = T.alloc_shared((1,), "int32")  # 1 once any of the tile's rows has a route
+            pad_M = T.alloc_shared((PAD_ROWS,), "int32")  # 1 = a padding row of this CTA
+            layout = vector_layout(tile_m, tile_n, threads, vec)
+            T.annotate_layout({q_frag: layout, x_frag: layout})
+            if bm < pad_blocks:
+                used = offsets_E[num_experts - 1]
+                for r in T.Parallel(PAD_ROWS):
+                    row = bm * PAD_ROWS + r
+                    pad_M[r] = T.if_then_else(row < used, T.if_then_else(src_P[row] < 0, 1, 0), 0)
+                for r, j in T.Parallel(PAD_ROWS, tile_n):
+                    if pad_M[r] == 1:
+                        x_PD[bm * PAD_ROWS + r, pn * tile_n + j] = T.cast(0, out_dtype)
+            else:
+                tm = bm - pad_blocks
+                routed[0] = 0
+                for i, k in T.Parallel(tile_m, topk):
+                    token = tm * tile_m + i
+                    row = T.if_then_else(token < num_tokens, pos_TK[token, k], -1)
+                    pos_MK[i, k] = T.if_then_else(row < num_rows, row, -1)
+                for i, k in T.Parallel(tile_m, topk):
+                    if pos_MK[i, k] >= 0:
+                        routed[0] = 1  # every writer stores the same value
+                if routed[0] == 1:
+                    T.copy(q_TD[tm * tile_m, pn * tile_n], q_frag, disable_tma=True)
+                    for i, j in T.Parallel(tile_m, tile_n):
+                        sf = unpack_scale(sf_TG[tm * tile_m + i, pn * tile_g + j // group], packed)
+                        x_frag[i, j] = T.cast(T.cast(q_frag[i, j], "float32") * sf, out_dtype)
+                    for k in T.unroll(topk):
+                        for i, j in T.Parallel(tile_m, tile_n):
+                            if pos_MK[i, k] >= 0:
+                                x_PD[pos_MK[i, k], pn * tile_n + j] = x_frag[i, j]
+
+    return expand_cast_back
+
+
+def expand_cast_back(
+    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The TileLang twin of :func:`kernels.quant.reference.expand_cast_back` (same arguments, same
+    bits in every row up to ``offsets_E[-1]``).
+
+    Args:
+        q_TD: ``[T, D]`` float8_e4m3fn on the layout's CUDA device (copied first if not contiguous).
+        sf_TG: ``[T, ceil(D / group)]`` float32, or uint8 exponents.
+        layout: the :class:`ExpertLayout` of the rows' routes.
+        group: columns per scale, a power of two from 2 to 1024.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``x_PD`` ``[P, D]`` in ``out_dtype``, unwritten past ``offsets_E[-1]``.
+    """
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
+    num_tokens, topk = layout.pos_TK.shape
+    check_tensor("q_TD", q_TD, dtype=E4M3, shape=(num_tokens, None), device=layout.src_P.device)
+    check_cuda("q_TD", q_TD)
+    check_positive("group", group)
+    if not supports_block((1, group)):
+        raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
+    d = q_TD.shape[1]
+    check_tensor("sf_TG", sf_TG, dtype=SCALE_DTYPES, shape=(num_tokens, -(-d // group)), device=q_TD.device)
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    p = layout.num_rows
+    x_PD = torch.empty((p, d), dtype=out_dtype, device=q_TD.device)
+    if p == 0 or d == 0:
+        return x_PD
+    if num_tokens == 0:  # every row is padding
+        return x_PD.zero_()
+    kernel = get_expand_cast_back_kernel(d, topk, group, sf_TG.dtype == torch.uint8, tl_dtype(out_dtype))
+    kernel(q_TD.contiguous(), sf_TG.contiguous(), layout.pos_TK.to(torch.int32).contiguous(),
+           layout.src_P.to(torch.int32).contiguous(), layout.offsets_E.to(torch.int32).contiguous(), x_PD)
+    return x_PD
