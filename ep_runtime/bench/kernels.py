@@ -93,8 +93,8 @@ MHC_OPS = ("mhc_pre_apply", "mhc_post", "mhc_pre_fused", "engram_gate", "mhc_pre
 MEMORY_BOUND = {
     "expand", "unexpand", "per_token_cast", "per_block_cast", "per_channel_cast", "cast_back", "swiglu",
     "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
-    "expand_per_token_cast", "mhc_pre_apply", "mhc_post", "engram_gate", "mhc_pre_apply_backward", "mhc_post_backward",
-    "engram_gate_backward",
+    "expand_per_token_cast", "expand_cast_back", "mhc_pre_apply", "mhc_post", "engram_gate", "mhc_pre_apply_backward",
+    "mhc_post_backward", "engram_gate_backward",
 }  # mhc_pre_fused: its projection is 24 float32 FMAs per element read (the FMA pipe, not memory)
 
 
@@ -515,6 +515,25 @@ def _case_expand_per_token_cast(inp: Inputs, tk) -> Case:
     )
 
 
+def _case_expand_cast_back(inp: Inputs, tk) -> Case:
+    from kernels import permute, quant
+    from kernels.quant import reference
+
+    if not hasattr(quant, "expand_cast_back"):
+        raise _Missing("kernels.quant has no expand_cast_back")
+    q, sf, layout = inp.q_TD, inp.sf_TG, inp.layout
+    p, (t, d) = layout.num_rows, q.shape
+    in_bytes = _nbytes(q, sf, layout.pos_TK, layout.src_P)
+    return Case(
+        "expand_cast_back", lambda: quant.expand_cast_back(q, sf, layout), reference.expand_cast_back, (q, sf, layout),
+        bytes=in_bytes + p * d * 2,
+        bytes_note="read e4m3 [T,D] + f32 scales [T,D/128] once + pos, src; write bf16 [P,D] (padding rows included)",
+        unfused=lambda: permute.expand(quant.cast_back(q, sf, block=(1, 128)), layout),
+        unfused_bytes=in_bytes + t * d * 2 + t * d * 2 + p * d * 2,
+        unfused_note="cast_back (writes bf16 [T,D]), then expand (reads it)",
+    )
+
+
 def _case_mhc_pre_apply(inp: StreamInputs, tk) -> Case:
     from kernels import mhc
     from kernels.mhc import reference
@@ -697,6 +716,7 @@ CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "weighted_reduce_fp8": _case_weighted_reduce_fp8,
     "batched_transpose": _case_batched_transpose,
     "expand_per_token_cast": _case_expand_per_token_cast,
+    "expand_cast_back": _case_expand_cast_back,
     "mhc_pre_apply": _case_mhc_pre_apply,
     "mhc_post": _case_mhc_post,
     "mhc_pre_fused": _case_mhc_pre_fused,
