@@ -403,7 +403,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-worker", type=float, help="ray launcher: default 1 if the cluster has GPUs")
     p.add_argument("--shape", choices=sorted(SHAPES), help="layer shape: small (default on CPU), deepseek-v3 "
                    "(hidden 7168, 256 experts, top-8, 4096 tokens per rank, FP8 dispatch; default on GPU)")
-    for name in ("hidden", "experts", "topk", "expert-hidden", "tokens-per-rank"):
+    for name in ("hidden", "experts", "topk", "expert-hidden", "tokens-per-rank", "alignment"):
         p.add_argument(f"--{name}", type=int, help="override the shape's value")
     p.add_argument("--fp8-dispatch", action=argparse.BooleanOptionalAction, default=None,
                    help="tokens travel as FP8 e4m3 with 1x128 scales (default: the shape's)")
@@ -425,7 +425,7 @@ def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
     values = dict(SHAPES[shape])
     for key, value in (("hidden", a.hidden), ("num_experts", a.experts), ("topk", a.topk),
                        ("expert_hidden", a.expert_hidden), ("tokens_per_rank", a.tokens_per_rank),
-                       ("fp8_dispatch", a.fp8_dispatch)):
+                       ("alignment", a.alignment), ("fp8_dispatch", a.fp8_dispatch)):
         if value is not None:
             values[key] = value
     if values["num_experts"] % values["num_groups"]:  # an override of the experts: one group
