@@ -30,7 +30,7 @@ PRESETS = {
     # (ep-runtime bench pipeline on two H200s).
     "v3-layer": lambda: ModelConfig(
         hidden=7168, num_layers=4, num_heads=56, max_seq_len=4096,
-        moe=MoEConfig(num_experts=32, expert_hidden=2048, num_shared_experts=1, alignment=128,
+        moe=MoEConfig(num_experts=32, expert_hidden=2048, num_shared_experts=1,
                       router=RouterConfig(topk=8, num_groups=8, topk_groups=4, routed_scaling_factor=2.5))),
 }
 

@@ -52,7 +52,11 @@ class MoEConfig:
     num_experts: int = 8
     expert_hidden: int = 64
     num_shared_experts: int = 1
-    alignment: int = 8  # rows per expert segment are padded to this (128 for grouped GEMM on GPU)
+    # Rows per expert segment are padded to this. 8 is what torch._grouped_mm needs in bf16 (its
+    # weight gradient sums over rows, 16-byte aligned); 128 is DeepGEMM's FP8 contiguous layout, and
+    # costs padding rows that every pass over the layout writes or reads (MoE layer 38.7 vs 36.3 ms at
+    # the DeepSeek-V3 shape on an H100; bench/results/h100/2026-11-25-s11).
+    alignment: int = 8
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
     dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)

@@ -234,7 +234,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, help="default 7168 on GPU, 128 on CPU")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--alignment", type=int, default=128)
+    p.add_argument("--alignment", type=int, default=8,
+                   help="rows per expert segment (default 8, what the bf16 grouped GEMM needs; 128 before session 11)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
     p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
     p.add_argument("--profile", action="store_true", help="print a profile of nvlink dispatch + combine (GPU)")
