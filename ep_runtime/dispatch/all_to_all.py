@@ -93,6 +93,9 @@ class AllToAllDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
         return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
 
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+        return self.gather_home(weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype), route)
+
     def _exchange(self, rows: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         if self.group is None:
             return rows

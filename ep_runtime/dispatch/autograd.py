@@ -2,11 +2,12 @@
 
 A backend supplies the transport over a route it planned (``scatter``: each token's row to every
 rank that holds one of its experts; ``gather_home``: each received row back to its token's home
-rank, summed there in float32) and moves the tokens forward itself (fused with its FP8 cast, its
-route planning); the local work around the transport (expand into the experts' layout, fused with
-the FP8 cast back when the rows travelled as FP8; weighted reduce) and every backward are the same
-for all backends and use the kernel ops. The backward
-of dispatch is an unweighted combine, the backward of combine a dispatch.
+rank, summed there in float32; ``reduce_home``: a weighted reduce of each received row's routes,
+then ``gather_home``, which a backend may fuse into one pass) and moves the tokens forward itself
+(fused with its FP8 cast, its route planning); the local work around the transport (expand into
+the experts' layout, fused with the FP8 cast back when the rows travelled as FP8) and every
+backward are the same for all backends and use the kernel ops. The backward of dispatch is an
+unweighted combine, the backward of combine a dispatch.
 
 Every collective of a layer's backward runs inside one of two autograd nodes, combine's then
 dispatch's (the tokens and their router weights travel in the same node), so all ranks issue their
@@ -24,7 +25,7 @@ import torch
 
 from kernels.permute import ExpertLayout, expand
 from kernels.quant import expand_cast_back
-from kernels.reduce import weighted_reduce, weighted_reduce_backward
+from kernels.reduce import weighted_reduce_backward
 
 from .protocol import Route
 
@@ -58,6 +59,12 @@ class Transport(Protocol):
         """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32."""
         ...
 
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route) -> torch.Tensor:
+        """Combine's forward: each received row's routes in ``y_PD`` reduced with their weights
+        (float32 sums, in y's dtype; ``kernels.reduce.weighted_reduce``), then home as
+        ``gather_home`` brings them (a backend may fuse the two)."""
+        ...
+
 
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
@@ -74,8 +81,7 @@ class DispatchFn(torch.autograd.Function):
         route, transport = ctx.route, ctx.transport
         pos_RK = route.layout.pos_TK
         routed_RK = pos_RK >= 0
-        grad_RD = weighted_reduce(grad_PD.contiguous(), pos_RK, routed_RK.float())
-        grad_TD = transport.gather_home(grad_RD, route)
+        grad_TD = transport.reduce_home(grad_PD.contiguous(), routed_RK.float(), route)
         grad_weights_TK = None
         if ctx.needs_input_grad[1]:  # the same on every rank, so the collectives stay in step
             if grad_weights_RK is None:
@@ -92,8 +98,7 @@ class CombineFn(torch.autograd.Function):
     def forward(ctx, y_PD, weights_RK, route: Route, transport: Transport):
         ctx.route, ctx.transport = route, transport
         ctx.save_for_backward(y_PD, weights_RK)
-        out_RD = weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype)
-        return transport.gather_home(out_RD, route)
+        return transport.reduce_home(y_PD, weights_RK, route)
 
     @staticmethod
     def backward(ctx, grad_TD):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
 from kernels.quant import per_token_cast
+from kernels.reduce import weighted_reduce
 
 from .autograd import CombineFn, DispatchFn, Fp8Rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
@@ -65,6 +66,9 @@ class DeepEPDispatcher:
             rows = torch.zeros(rows_RX.shape[0], 8, dtype=torch.bfloat16, device=rows_RX.device)
             return self.buffer.combine(rows, route.handle, topk_weights=rows_RX.contiguous())[1]
         return self.buffer.combine(rows_RX.contiguous(), route.handle)[0]
+
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: BufferRoute) -> torch.Tensor:
+        return self.gather_home(weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype), route)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)

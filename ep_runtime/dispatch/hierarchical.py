@@ -64,6 +64,9 @@ class HierarchicalDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
         return self.rail.gather_home(self.node.gather_home(rows_RX, route.node), route.rail)
 
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
+        return self.rail.gather_home(self.node.reduce_home(y_PD, weights_RK, route.node), route.rail)
+
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
         if x_TD.shape[0] > self.max_tokens:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows
+from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows, reduce_put
 from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import per_token_cast
 from kernels.validate import check_positive
@@ -122,6 +122,18 @@ class NVLinkDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_RX.shape[1], rows_RX.dtype))
         put_rows(rows_RX.contiguous(), route.back_RW, region)
+        return self._sum_home(region, route)
+
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute) -> torch.Tensor:
+        """Each received row reduced over its local experts and stored straight into its home
+        rank's region, in one kernel (``kernels.comm.reduce_put``): the reduced rows never land
+        in this rank's memory."""
+        (region,) = self._regions((self.num_recv_rows, y_PD.shape[1], y_PD.dtype))
+        reduce_put(y_PD, route.layout.pos_TK, weights_RK, route.back_RW, region)
+        return self._sum_home(region, route)
+
+    def _sum_home(self, region: PeerRegion, route: PeerRoute) -> torch.Tensor:
+        """After the rows' stores: the barrier, then each token's rows summed home."""
         self.heap.barrier()
         return sum_home(region.views[self.rank], route.home_TW)
 

@@ -3,6 +3,8 @@
 ``put_rows`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
+``reduce_put`` (combine's weighted reduce stored straight into the peers' regions) takes the
+peer variant of ``kernels.reduce``'s weighted-reduce kernel on the same terms as ``put_rows``.
 ``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
 TileLang kernels where ``use_tilelang`` says so, the reference otherwise.
 """
@@ -14,7 +16,7 @@ from kernels.select import use_tilelang
 from . import reference
 from .reference import PeerRegion, ReceivePlan, SendPlan
 
-__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "plan_receive", "plan_send", "put_rows"]
+__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "plan_receive", "plan_send", "put_rows", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -24,6 +26,16 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
         return kernel(src_NX, dest_NW, region)
     return reference.put_rows(src_NX, dest_NW, region)
+
+
+def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
+               region: PeerRegion) -> None:
+    """See :func:`kernels.comm.reference.reduce_put`."""
+    if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device) and getattr(region, "delta_W", None) is not None:
+        from kernels.reduce.weighted_reduce_kernel import reduce_put as kernel
+
+        return kernel(y_PD, pos_RK, weights_RK, dest_RW, region)
+    return reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region)
 
 
 def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, **sizes) -> SendPlan:

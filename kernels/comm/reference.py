@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_tensor
 
 
@@ -47,6 +48,22 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     for w, view in enumerate(region.views):
         rows = (dest_NW[:, w] >= 0).nonzero().squeeze(1)
         view[dest_NW[rows, w].long()] = src_NX[rows]
+
+
+def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
+               region: PeerRegion) -> None:
+    """Combine's reduce and its transport in one pass: row r's routes reduced
+    (:func:`kernels.reduce.reference.weighted_reduce`: float32 sums, in the region's dtype) and put
+    into row ``dest_RW[r, w]`` of rank w's copy of ``region`` (:func:`put_rows`).
+
+    Args:
+        y_PD: [P, D] expert outputs, float32, bfloat16 or float16, on the region's device.
+        pos_RK: [R, K] int32 or int64 rows of ``y_PD`` (-1: none); weights_RK: [R, K] float32.
+        dest_RW: [R, W] int32 or int64 destination rows, -1 for none.
+        region: ``[M, D]`` copies, one per rank.
+    """
+    dtype = region.views[0].dtype if isinstance(region, PeerRegion) and region.views else None
+    put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=dtype), dest_RW, region)
 
 
 def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:

@@ -24,9 +24,13 @@ import torch
 from tilelang import language as T
 
 from kernels.reduce.reference import check_weighted_reduce_args
+from kernels.validate import check_tensor
 from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, aligned, check_cuda, row_major, tl_dtype, unpack_scale
 
 MAX_THREADS = 256
+# The peer variant's stores lie outside the buffer it is given (other ranks' copies of a region);
+# every access it makes is guarded by hand instead.
+PEER_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
@@ -39,6 +43,49 @@ def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
     return vec, threads, tiles
 
 
+def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool):
+    """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
+    row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below."""
+    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
+    dequantize = y_dtype == "float8_e4m3fn"
+    one_scale = group % vec == 0  # a thread's vector lies in one scale group
+
+    @T.macro
+    def reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf):
+        rows = T.alloc_local((topk,), "int64")
+        weights = T.alloc_local((topk,), "float32")
+        scales = T.alloc_local((topk,), "float32")
+        y_buf = T.alloc_local((topk * vec,), y_dtype)
+        acc = T.alloc_local((vec,), "float32")
+        for k in T.unroll(topk):
+            rows[k] = T.Cast("int64", pos_TK[t, k])
+            if rows[k] >= num_rows:  # values are not checked on the host: out of range reads as -1
+                rows[k] = -1
+            weights[k] = weights_TK[t, k]
+        for k in T.unroll(topk):  # every load in flight before the first add
+            if rows[k] >= 0:
+                for j in T.vectorized(vec):
+                    y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
+                if dequantize and one_scale:
+                    scales[k] = unpack_scale(sf_PG[rows[k], c * vec // group], packed)
+        for j in T.unroll(vec):
+            acc[j] = T.float32(0)
+        for k in T.unroll(topk):
+            if rows[k] >= 0:
+                for j in T.unroll(vec):
+                    y = T.cast(y_buf[k * vec + j], "float32")
+                    if dequantize:
+                        if one_scale:
+                            y = T.ieee_mul(y, scales[k])
+                        else:
+                            y = T.ieee_mul(y, unpack_scale(sf_PG[rows[k], (c * vec + j) // group], packed))
+                    acc[j] = T.ieee_add(acc[j], T.ieee_mul(weights[k], y))
+        for j in T.unroll(vec):
+            out_buf[j] = T.cast(acc[j], out_dtype)
+
+    return vec, threads, tiles, reduce_row
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_weighted_reduce_kernel(
     num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool
@@ -46,10 +93,7 @@ def get_weighted_reduce_kernel(
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
     (pass any ``[P, G]`` tensor of the scale dtype otherwise)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
-    num_vectors = num_cols // vec
-    dequantize = y_dtype == "float8_e4m3fn"
-    one_scale = group % vec == 0  # a thread's vector lies in one scale group
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed)
     sf_dtype = "uint8" if packed else "float32"
 
     @T.prim_func
@@ -63,42 +107,54 @@ def get_weighted_reduce_kernel(
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
-            rows = T.alloc_local((topk,), "int64")
-            weights = T.alloc_local((topk,), "float32")
-            scales = T.alloc_local((topk,), "float32")
-            y_buf = T.alloc_local((topk * vec,), y_dtype)
-            acc = T.alloc_local((vec,), "float32")
             out_buf = T.alloc_local((vec,), out_dtype)
-            for k in T.unroll(topk):
-                rows[k] = T.Cast("int64", pos_TK[t, k])
-                if rows[k] >= num_rows:  # values are not checked on the host: out of range reads as -1
-                    rows[k] = -1
-                weights[k] = weights_TK[t, k]
-            if c < num_vectors:
-                for k in T.unroll(topk):  # every load in flight before the first add
-                    if rows[k] >= 0:
-                        for j in T.vectorized(vec):
-                            y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
-                        if dequantize and one_scale:
-                            scales[k] = unpack_scale(sf_PG[rows[k], c * vec // group], packed)
-                for j in T.unroll(vec):
-                    acc[j] = T.float32(0)
-                for k in T.unroll(topk):
-                    if rows[k] >= 0:
-                        for j in T.unroll(vec):
-                            y = T.cast(y_buf[k * vec + j], "float32")
-                            if dequantize:
-                                if one_scale:
-                                    y = T.ieee_mul(y, scales[k])
-                                else:
-                                    y = T.ieee_mul(y, unpack_scale(sf_PG[rows[k], (c * vec + j) // group], packed))
-                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(weights[k], y))
-                for j in T.unroll(vec):
-                    out_buf[j] = T.cast(acc[j], out_dtype)
+            if c < num_cols // vec:
+                reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
                 for j in T.vectorized(vec):
                     out_TD[t, c * vec + j] = out_buf[j]
 
     return weighted_reduce
+
+
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
+def get_weighted_reduce_put_kernel(
+    num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int
+):
+    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV)`` kernel: row t's reduction
+    stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's copy
+    as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it, as
+    in ``kernels.comm.put_rows``) instead of to an output of its own; -1 and rows outside the
+    region go nowhere."""
+    num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed)
+    sf_dtype = "uint8" if packed else "float32"
+    vector_bytes = vec * T.dtype(out_dtype).bytes
+    nv = num_cols // vec
+
+    @T.prim_func
+    def weighted_reduce_put(
+        y_PD: T.Tensor[(num_rows, num_cols), y_dtype],
+        sf_PG: T.Tensor[(num_rows, T.ceildiv(num_cols, group)), sf_dtype],
+        pos_TK: T.Tensor[(num_tokens, topk), "int32"],
+        weights_TK: T.Tensor[(num_tokens, topk), "float32"],
+        dest_TW: T.Tensor[(num_tokens, world), "int32"],
+        delta_W: T.Tensor[(world,), "int64"],
+        dst_CV: T.Tensor[(num_dst * nv, vec), out_dtype],
+    ):
+        with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            t, pn = row_major(pid, tiles)
+            c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
+            out_buf = T.alloc_local((vec,), out_dtype)
+            row = T.alloc_var(T.int64)
+            if c < num_cols // vec:
+                reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
+                for w in T.serial(world):
+                    row = T.Cast("int64", dest_TW[t, w])
+                    if row >= 0 and row < num_dst:
+                        for j in T.vectorized(vec):
+                            dst_CV[delta_W[w] // vector_bytes + row * nv + c, j] = out_buf[j]
+
+    return weighted_reduce_put
 
 
 def weighted_reduce(
@@ -127,3 +183,30 @@ def weighted_reduce(
     )
     kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD
+
+
+def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
+               region) -> None:
+    """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
+    weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
+    ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
+    first = region.views[0]
+    check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, first.dtype, values=False)
+    check_cuda("y_PD", y_PD)
+    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
+                 device=y_PD.device)
+    if region.delta_W is None:
+        raise ValueError("region.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
+    if not first.is_contiguous() or first.data_ptr() % VECTOR_BYTES or first.shape[1] != y_PD.shape[1]:
+        raise ValueError(f"region.views[0]: expected a contiguous [M, {y_PD.shape[1]}] tensor starting on a "
+                         f"16-byte boundary, got shape {tuple(first.shape)}")
+    r, k = pos_RK.shape
+    p, d = y_PD.shape
+    if r == 0 or d == 0:
+        return
+    vec = reduce_tile(d, y_PD.element_size())[0]
+    sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
+    kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world)
+    kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
+           dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec))
+

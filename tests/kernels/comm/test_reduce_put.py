@@ -1,0 +1,89 @@
+"""reduce_put (combine's weighted reduce stored straight into the peers' regions): the reference
+against a plain loop, the TileLang kernel against the reference bit for bit (on one GPU: the
+"ranks" are separate allocations reached through their address offsets, as in test_put_rows), its
+argument errors and its sm_90a compile."""
+
+import pytest
+import torch
+
+from kernels import lowering
+from kernels.comm import PeerRegion, reference
+from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_put_kernel, reduce_put
+from kernels.testing import poison_allocator, random_bits, reduce_routes
+
+
+def _inputs(r: int, k: int, p: int, d: int, world: int, dtype: torch.dtype, seed: int, device="cpu"):
+    """Expert outputs [P, D], routes of R received rows, and one home row each (-1 for some):
+    a received row returns to one rank, as in a combine."""
+    g = torch.Generator().manual_seed(seed)
+    y_PD = torch.randn(p, d, generator=g).to(dtype)
+    pos_RK, weights_RK = reduce_routes(r, k, p, seed=seed)
+    dest_RW = torch.full((r, world), -1, dtype=torch.int32)
+    home = torch.randint(0, world, (r,), generator=g)
+    slot = torch.randperm(max(2 * r, 4), generator=g)[:r].to(torch.int32)
+    dest_RW[torch.arange(r), home] = torch.where(torch.rand(r, generator=g) < 0.3, -1, slot)
+    return [t.to(device) for t in (y_PD, pos_RK, weights_RK, dest_RW)]
+
+
+def test_reference_matches_a_loop(seed):
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(12, 3, 20, 5, 3, torch.float32, seed)
+    views = tuple(torch.zeros(30, 5) for _ in range(3))
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=views))
+    want = [torch.zeros(30, 5) for _ in range(3)]
+    for r in range(12):
+        row = torch.zeros(5)
+        for k in range(3):
+            if pos_RK[r, k] >= 0:
+                row += weights_RK[r, k] * y_PD[pos_RK[r, k]]
+        for w in range(3):
+            if dest_RW[r, w] >= 0:
+                want[w][dest_RW[r, w]] = row
+    for got, expected in zip(views, want):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+CASES = [  # (received rows, K, P, D, dtype, world): combine at DeepSeek-V3 and tiny shapes
+    (300, 8, 900, 7168, torch.bfloat16, 2),
+    (257, 8, 700, 7168, torch.bfloat16, 8),
+    (33, 2, 40, 64, torch.float32, 3),
+    (40, 4, 50, 100, torch.float16, 2),
+    (0, 8, 16, 7168, torch.bfloat16, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,k,p,d,dtype,world", CASES)
+def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed):
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
+    rows = max(2 * r, 4)
+    poison_allocator("cuda")
+    start = [random_bits(rows, d, dtype=dtype, device="cuda", seed=seed + 1 + w) for w in range(world)]
+    got = tuple(t.clone() for t in start)
+    delta = torch.tensor([t.data_ptr() - got[0].data_ptr() for t in got], dtype=torch.int64, device="cuda")
+    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta))
+    want = tuple(t.clone() for t in start)
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=want))
+    torch.cuda.synchronize()
+    for w in range(world):
+        assert torch.equal(got[w].view(torch.uint8), want[w].view(torch.uint8)), w
+
+
+@pytest.mark.gpu
+def test_bad_input_names_the_argument():
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(4, 2, 8, 64, 2, torch.bfloat16, 0, device="cuda")
+    views = tuple(torch.zeros(8, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    region = PeerRegion(views=views, delta_W=torch.zeros(2, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match="^region.delta_W: expected"):
+        reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=views))
+    with pytest.raises(ValueError, match="^dest_RW: expected"):
+        reduce_put(y_PD, pos_RK, weights_RK, dest_RW[:, :1], region)
+    with pytest.raises(ValueError, match="^region.views"):
+        reduce_put(y_PD[:, :32], pos_RK, weights_RK, dest_RW, region)
+
+
+def test_compiles_for_sm90a():
+    """Combine's reduce at DeepSeek-V3's shape for 2 and 8 ranks, and the tiny model's."""
+    with lowering.compile_only():
+        for spec in [(7168, 8, "bfloat16", "bfloat16", 128, False, 2), (7168, 8, "bfloat16", "bfloat16", 128, False, 8),
+                     (64, 2, "float32", "float32", 128, False, 2)]:
+            assert "__fmul_rn" in lowering.kernel_source(get_weighted_reduce_put_kernel(*spec)), spec
