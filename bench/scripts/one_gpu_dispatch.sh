@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
 # One device call on ONE GPU for the dispatch path (issue #9) while no two-GPU machine is lent:
-# whether two processes can share symmetric memory on one GPU, the GPU tests of the kernels the
-# path runs, the kernel benchmark of the receiver's expand, and the nvlink dispatch + combine at
-# EP 1 (every kernel of the path; its stores go to its own heap), at COMMIT and, when OLD is set, at
-# OLD in a worktree beside it (same GPU, same run: the before/after).
+# the GPU tests of the kernels the path runs ($GPU_TESTS), their kernel benchmarks ($KERNEL_OPS),
+# and the nvlink dispatch + combine at EP 1 (every kernel of the path; its stores go to its own
+# heap), at COMMIT and, when OLD is set, at OLD in a worktree beside it (same GPU, same run: the
+# before/after). Two processes cannot share one GPU's symmetric memory (torch 2.11 refuses:
+# bench/scripts/symm_one_gpu.py), so the cross-rank path needs two GPUs.
 #   bash bench/scripts/one_gpu_dispatch.sh COMMIT        (from the checkout's root, on the GPU machine)
 set -u
 commit=${1:?commit}
 source bench/scripts/lib.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-LIMIT=60 run symm-one-gpu torchrun --standalone --nproc-per-node 2 bench/scripts/symm_one_gpu.py
-grep "^rank" "$out/symm-one-gpu.log"
 LIMIT=240 run pytest-gpu python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider ${GPU_TESTS:-\
-  tests/kernels/permute/test_expand_cast_back_kernel.py tests/runtime/test_nvlink_gpu.py}
+  tests/kernels/permute/test_expand_cast_back_kernel.py tests/kernels/comm tests/kernels/reduce tests/runtime/test_nvlink_gpu.py}
 tail -2 "$out/pytest-gpu.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-gpu.log"
 for shape in large small; do
   LIMIT=150 run kernels-$shape python3 -m ep_runtime.cli bench kernels --shapes $shape --skip-compile \
-    --ops ${KERNEL_OPS:-expand,cast_back,expand_cast_back} --out "$out/kernels-$shape.json" --commit "$commit"
+    --ops ${KERNEL_OPS:-expand,cast_back,expand_cast_back,weighted_reduce,weighted_reduce_fp8} --out "$out/kernels-$shape.json" --commit "$commit"
   grep -E "^(large|small) |speedup" "$out/kernels-$shape.log" | cut -c1-160
 done
 dispatch() {  # NAME: bench dispatch at EP 1 from the current directory
   LIMIT=150 run "$1" torchrun --standalone --nproc-per-node 1 -m ep_runtime.bench.dispatch --tokens 8192,256 \
-    --iters 30 --profile --out "$out/$1" --commit "$2"
+    --iters 30 ${PROFILE:+--profile} --out "$out/$1" --commit "$2"
   grep -A12 "dispatch/combine on" "$out/$1.log" | grep -E "tokens|nvlink"
 }
 dispatch dispatch-ep1 "$commit"
