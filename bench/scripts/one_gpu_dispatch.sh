@@ -25,6 +25,10 @@ dispatch() {  # NAME: bench dispatch at EP 1 from the current directory
 }
 dispatch dispatch-ep1 "$commit"
 if [ -n "${OLD:-}" ]; then
-  git worktree add -f /tmp/old "$OLD" > /dev/null 2>&1 && here=$PWD && cd /tmp/old &&
-    PYTHONPATH=/tmp/gpu-site:/tmp/old dispatch dispatch-ep1-old "$OLD"; cd "$here"
+  here=$PWD
+  if git worktree add -f /tmp/old "$OLD" > "$out/worktree.log" 2>&1; then
+    cd /tmp/old && PYTHONPATH=/tmp/gpu-site:/tmp/old dispatch dispatch-ep1-old "$OLD"; cd "$here"
+  else
+    cat "$out/worktree.log"
+  fi
 fi
