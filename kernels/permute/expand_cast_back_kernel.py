@@ -26,20 +26,19 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.permute.expand_quant_kernel import check_token_rows
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
-    check_cuda,
     row_major,
-    supports_block,
     tl_dtype,
     unpack_scale,
     vector_layout,
     vector_width,
 )
-from kernels.validate import check_dtype, check_positive, check_tensor
+from kernels.validate import check_dtype, check_tensor
 
 PAD_ROWS = 16  # layout rows a padding CTA checks (and zeroes where src_P is -1), whole rows each
 
@@ -132,15 +131,8 @@ def expand_cast_back(
     Returns:
         ``x_PD`` ``[P, D]`` in ``out_dtype``, unwritten past ``offsets_E[-1]``.
     """
-    if not isinstance(layout, ExpertLayout):
-        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
-    num_tokens, topk = layout.pos_TK.shape
-    check_tensor("q_TD", q_TD, dtype=E4M3, shape=(num_tokens, None), device=layout.src_P.device)
-    check_cuda("q_TD", q_TD)
-    check_positive("group", group)
-    if not supports_block((1, group)):
-        raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
-    d = q_TD.shape[1]
+    topk = check_token_rows("q_TD", q_TD, layout, dtype=E4M3, group=group)
+    num_tokens, d = q_TD.shape
     check_tensor("sf_TG", sf_TG, dtype=SCALE_DTYPES, shape=(num_tokens, -(-d // group)), device=q_TD.device)
     check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
     p = layout.num_rows

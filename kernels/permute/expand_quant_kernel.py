@@ -40,6 +40,20 @@ from kernels.validate import check_positive, check_tensor
 PAD_ROWS = 64  # layout rows a padding CTA checks (and zeroes where src_P is -1)
 
 
+def check_token_rows(name: str, rows_TD: torch.Tensor, layout: ExpertLayout, *, dtype, group: int) -> int:
+    """The checks of a fused expand's arguments: ``layout`` an :class:`ExpertLayout`, ``rows_TD``
+    one CUDA row of ``dtype`` per token of it, ``group`` a power of two from 2 to 1024. Returns K."""
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
+    num_tokens, topk = layout.pos_TK.shape
+    check_tensor(name, rows_TD, dtype=dtype, shape=(num_tokens, None), device=layout.src_P.device)
+    check_cuda(name, rows_TD)
+    check_positive("group", group)
+    if not supports_block((1, group)):
+        raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
+    return topk
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: int, round_sf: bool, pack_sf: bool,
                                      tile: tuple[int, int, int] | None = None, vec: int | None = None):
@@ -126,14 +140,7 @@ def expand_per_token_cast(
         ``q_PD`` ``[P, D]`` float8_e4m3fn and ``sf_PG`` ``[P, ceil(D / group)]`` float32 (uint8
         exponents when ``pack_sf``).
     """
-    if not isinstance(layout, ExpertLayout):
-        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
-    num_tokens, topk = layout.pos_TK.shape
-    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, shape=(num_tokens, None), device=layout.src_P.device)
-    check_cuda("x_TD", x_TD)
-    check_positive("group", group)
-    if not supports_block((1, group)):
-        raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
+    topk = check_token_rows("x_TD", x_TD, layout, dtype=FLOAT_DTYPES, group=group)
     if pack_sf and not round_sf:
         raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
     p, d = layout.num_rows, x_TD.shape[1]
