@@ -15,14 +15,16 @@ cost in proportion to it. Calls alternate between two halves of the heap: a rank
 rows while a peer still reads call n's, never call n - 1's (every rank read those before it
 entered call n's barrier).
 
-Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``) and its
+Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: cast and
+stored with its metadata and the counts by one kernel, ``kernels.comm.put_tokens``) and its
 routes and router weights; the receiver builds its experts' layout from the routes in the blocks'
-first ``count`` rows. The bookkeeping on both sides (slots, counts, what each received row is and
-where it returns) is two launches on the sending side and one on the receiving side
-(``kernels.comm.plan_send`` / ``plan_receive``). Combine reduces each received row over its local
-experts (``weighted_reduce``), puts it back into block ``me`` of its home rank at the row it came from,
-and the home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank
-order, float32).
+first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cast_back``). The
+bookkeeping on both sides (slots, counts, what each received row is and where it returns) is two
+launches on the sending side and one on the receiving side (``kernels.comm.plan_send`` /
+``plan_receive``). Combine reduces each received row over its local experts and stores it straight
+into block ``me`` of its home rank at the row it came from (``kernels.comm.reduce_put``), and the
+home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank order,
+float32).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -41,9 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, plan_receive, plan_send, put_rows, reduce_put
+from kernels.comm import PeerRegion, TokenRegions, plan_receive, plan_send, put_rows, put_tokens, reduce_put
 from kernels.permute import ExpertLayout, expert_layout, max_rows
-from kernels.quant import per_token_cast
 from kernels.validate import check_positive
 
 from .all_to_all import sum_home
@@ -158,19 +159,21 @@ class NVLinkDispatcher:
         idx_TK, weights_TK = topk_idx_TK.to(torch.int32), topk_weights_TK
         num_tokens, topk = idx_TK.shape
         send = plan_send(idx_TK, weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-        if self.fp8 and not isinstance(x_TD, Fp8Rows):
-            x_TD = Fp8Rows(*per_token_cast(x_TD, group=FP8_GROUP), dtype=x_TD.dtype)
-        if isinstance(x_TD, Fp8Rows):
-            payload = [(x_TD.q_RD.view(torch.uint8), torch.uint8), (x_TD.sf_RG, torch.float32)]
-        else:
-            payload = [(x_TD, x_TD.dtype)]
+        fp8 = self.fp8 or isinstance(x_TD, Fp8Rows)
+        hidden = (x_TD.q_RD if isinstance(x_TD, Fp8Rows) else x_TD).shape[1]
+        widths = [(hidden, torch.uint8), (-(-hidden // FP8_GROUP), torch.float32)] if fp8 else [(hidden, x_TD.dtype)]
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
-                                *((self.num_recv_rows, rows.shape[1], dtype) for rows, dtype in payload))
+                                *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        put_rows(send.count_W[:, None], self.count_dest_WW, counts)
-        put_rows(send.meta_TM, send.dest_TW, meta)
-        for (rows, _), region in zip(payload, data):
-            put_rows(rows.contiguous(), send.dest_TW, region)
+        if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
+            put_tokens(x_TD, send.dest_TW, send.meta_TM, send.count_W,
+                       TokenRegions(q=data[0], sf=data[1], meta=meta, counts=counts), rank=me, group=FP8_GROUP)
+        else:
+            put_rows(send.count_W[:, None], self.count_dest_WW, counts)
+            put_rows(send.meta_TM, send.dest_TW, meta)
+            rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
+            for rows_TX, region in zip(rows, data):
+                put_rows(rows_TX.contiguous(), send.dest_TW, region)
         self.heap.barrier()
 
         # What arrived: block w's first count[w] rows.
@@ -178,7 +181,7 @@ class NVLinkDispatcher:
                             max_tokens=t_max)
         layout = expert_layout(recv.local_idx_RK, e_local, alignment=self.alignment,
                                num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
-        if isinstance(x_TD, Fp8Rows):
+        if fp8:
             x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
         else:
             x_RD = data[0].views[me]

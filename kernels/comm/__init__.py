@@ -3,8 +3,10 @@
 ``put_rows`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
-``reduce_put`` (combine's weighted reduce stored straight into the peers' regions) takes the
-peer variant of ``kernels.reduce``'s weighted-reduce kernel on the same terms as ``put_rows``.
+``put_tokens`` (dispatch's FP8 cast, its rows, metadata and counts stored into the peers'
+regions in one launch) and ``reduce_put`` (combine's weighted reduce stored straight into the
+peers' regions; the peer variant of ``kernels.reduce``'s weighted-reduce kernel) take their
+kernels on the same terms as ``put_rows``.
 ``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
 TileLang kernels where ``use_tilelang`` says so, the reference otherwise.
 """
@@ -14,9 +16,10 @@ import torch
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, SendPlan
+from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions
 
-__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "plan_receive", "plan_send", "put_rows", "reduce_put"]
+__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_rows", "put_tokens",
+           "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -26,6 +29,16 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
         return kernel(src_NX, dest_NW, region)
     return reference.put_rows(src_NX, dest_NW, region)
+
+
+def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor, count_W: torch.Tensor,
+               regions: TokenRegions, *, rank: int, group: int = 128) -> None:
+    """See :func:`kernels.comm.reference.put_tokens`."""
+    if isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device) and getattr(regions.q, "delta_W", None) is not None:
+        from .put_tokens_kernel import put_tokens as kernel
+
+        return kernel(x_TD, dest_TW, meta_TX, count_W, regions, rank=rank, group=group)
+    return reference.put_tokens(x_TD, dest_TW, meta_TX, count_W, regions, rank=rank, group=group)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,

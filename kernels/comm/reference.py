@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.quant.reference import per_token_cast
 from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_tensor
 
@@ -48,6 +49,42 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     for w, view in enumerate(region.views):
         rows = (dest_NW[:, w] >= 0).nonzero().squeeze(1)
         view[dest_NW[rows, w].long()] = src_NX[rows]
+
+
+@dataclass(frozen=True, eq=False)
+class TokenRegions:
+    """Where :func:`put_tokens` writes, per rank: e4m3 rows ``q`` [M, D] (uint8 bits), their
+    float32 scales ``sf`` [M, ceil(D / group)], metadata rows ``meta`` [M, X] int32 and per-sender
+    row counts ``counts`` [W, 1] int32."""
+
+    q: PeerRegion
+    sf: PeerRegion
+    meta: PeerRegion
+    counts: PeerRegion
+
+
+def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor, count_W: torch.Tensor,
+               regions: TokenRegions, *, rank: int, group: int = 128) -> None:
+    """Dispatch's sending side in one pass: each token cast to e4m3 with per-token scales
+    (:func:`kernels.quant.reference.per_token_cast`, 1 x ``group``) and put, with its metadata
+    row, into row ``dest_TW[t, w]`` of rank w's regions; ``count_W[w]`` into row ``rank`` of rank
+    w's counts (every rank, -1 rows included: what a receiver reads to know what arrived).
+
+    Args:
+        x_TD: [T, D] float32, bfloat16 or float16 tokens.
+        dest_TW: [T, W] int32 destination rows, -1 for none (as :func:`put_rows`).
+        meta_TX: [T, X] int32, what travels with each token (its routes and weights' bits).
+        count_W: [W] int32, the tokens going to each rank.
+        regions: the four regions written.
+        rank: this rank (its row of every counts region).
+    """
+    q_TD, sf_TG = per_token_cast(x_TD, group=group)
+    put_rows(q_TD.view(torch.uint8), dest_TW, regions.q)
+    put_rows(sf_TG, dest_TW, regions.sf)
+    put_rows(meta_TX, dest_TW, regions.meta)
+    count_dest_WW = torch.full((regions.counts.world, regions.counts.world), -1, dtype=torch.int32, device=x_TD.device)
+    count_dest_WW.fill_diagonal_(rank)
+    put_rows(count_W[:, None], count_dest_WW, regions.counts)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
