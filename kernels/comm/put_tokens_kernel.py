@@ -25,12 +25,11 @@ from tilelang import language as T
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.quant.tiles import (
     blockwise_tile,
+    cast_per_token,
     check_cuda,
     row_major,
-    scale_and_inverse,
     supports_block,
     tl_dtype,
-    to_e4m3,
     vector_layout,
     vector_width,
 )
@@ -85,13 +84,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_
                     x_frag[i, j] = x_TD[pm * tile_m + i, pn * tile_n + j]
                 else:
                     x_frag[i, j] = T.cast(0, dtype)
-            T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_g, group]), amax, dim=2)
-            for i, g in T.Parallel(tile_m, tile_g):
-                sf, inv = scale_and_inverse(T.cast(amax[i, g], "float32"), False, False)
-                sf_frag[i, g] = sf
-                inv_frag[i, g] = inv
-            for i, j in T.Parallel(tile_m, tile_n):
-                q_frag[i, j] = to_e4m3(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
+            cast_per_token(x_frag, amax, sf_frag, inv_frag, q_frag, group, False, False)
             q_MVE = T.reshape(q_frag, [tile_m, tile_v, vec])
             for w in T.unroll(world):
                 for i, v, e in T.Parallel(tile_m, tile_v, vec):

@@ -26,7 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.permute.expand_quant_kernel import check_token_rows
+from kernels.permute import expand_quant_kernel  # a module, not a name: kernels.quant imports both
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
 from kernels.quant.tiles import (
@@ -131,7 +131,7 @@ def expand_cast_back(
     Returns:
         ``x_PD`` ``[P, D]`` in ``out_dtype``, unwritten past ``offsets_E[-1]``.
     """
-    topk = check_token_rows("q_TD", q_TD, layout, dtype=E4M3, group=group)
+    topk = expand_quant_kernel.check_token_rows("q_TD", q_TD, layout, dtype=E4M3, group=group)
     num_tokens, d = q_TD.shape
     check_tensor("sf_TG", sf_TG, dtype=SCALE_DTYPES, shape=(num_tokens, -(-d // group)), device=q_TD.device)
     check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)

@@ -26,12 +26,12 @@ from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
+    cast_per_token,
     check_cuda,
     row_major,
     scale_and_inverse,
     supports_block,
     tl_dtype,
-    to_e4m3,
     vector_layout,
     vector_width,
 )
@@ -105,13 +105,7 @@ def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: 
                     row = T.if_then_else(token < num_tokens, pos_TK[token, k], -1)
                     pos_MK[i, k] = T.if_then_else(row < num_rows, row, -1)
                 T.copy(x_TD[tm * tile_m, pn * tile_n], x_frag, disable_tma=True)
-                T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_g, group]), amax, dim=2)
-                for i, g in T.Parallel(tile_m, tile_g):
-                    sf, inv = scale_and_inverse(T.cast(amax[i, g], "float32"), round_sf, pack_sf)
-                    sf_frag[i, g] = sf
-                    inv_frag[i, g] = inv
-                for i, j in T.Parallel(tile_m, tile_n):
-                    q_frag[i, j] = to_e4m3(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
+                cast_per_token(x_frag, amax, sf_frag, inv_frag, q_frag, group, round_sf, pack_sf)
                 for k in T.unroll(topk):
                     for i, j in T.Parallel(tile_m, tile_n):
                         if pos_MK[i, k] >= 0:

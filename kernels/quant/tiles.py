@@ -130,6 +130,21 @@ def scale_and_inverse(amax, round_sf: bool, pack_sf: bool):
 
 
 @T.macro
+def cast_per_token(x_frag, amax, sf_frag, inv_frag, q_frag, group: int, round_sf: bool, pack_sf: bool):
+    """A ``[M, N]`` tile cast to e4m3 in registers, one scale per row per ``group`` columns:
+    ``amax`` / ``sf_frag`` / ``inv_frag`` ``[M, N / group]`` get each group's amax (in x's dtype),
+    its scale as stored and its quantizing multiplier; ``q_frag`` the e4m3 values."""
+    tile_m, tile_g = amax.shape
+    T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_g, group]), amax, dim=2)
+    for i, g in T.Parallel(tile_m, tile_g):
+        sf, inv = scale_and_inverse(T.cast(amax[i, g], "float32"), round_sf, pack_sf)
+        sf_frag[i, g] = sf
+        inv_frag[i, g] = inv
+    for i, j in T.Parallel(tile_m, x_frag.shape[1]):
+        q_frag[i, j] = to_e4m3(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
+
+
+@T.macro
 def unpack_scale(sf, packed: bool):
     """A stored scale as float32: uint8 exponent codes ``e + 127`` become ``2**e``."""
     if packed:
