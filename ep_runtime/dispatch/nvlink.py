@@ -156,9 +156,8 @@ class NVLinkDispatcher:
         ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport
         call) and their weights to local experts ([R, K]). Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
-        idx_TK, weights_TK = topk_idx_TK.to(torch.int32), topk_weights_TK
-        num_tokens, topk = idx_TK.shape
-        send = plan_send(idx_TK, weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
+        num_tokens, topk = topk_idx_TK.shape
+        send = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
         fp8 = self.fp8 or isinstance(x_TD, Fp8Rows)
         hidden = (x_TD.q_RD if isinstance(x_TD, Fp8Rows) else x_TD).shape[1]
         widths = [(hidden, torch.uint8), (-(-hidden // FP8_GROUP), torch.float32)] if fp8 else [(hidden, x_TD.dtype)]

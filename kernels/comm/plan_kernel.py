@@ -16,6 +16,8 @@ nowhere, as -1 does (so does the reference).
 Shape suffixes: T tokens, K routes, W ranks, M = 2K words of metadata, R = W * T_max rows.
 """
 
+import functools
+
 import tilelang
 import torch
 from tilelang import language as T
@@ -41,16 +43,17 @@ def _destinations(idx_TK, token, num_tokens, goes_W, world: int, topk: int, e_lo
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_plan_send_kernel(world: int, topk: int):
+def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32"):
     """Pass 1, ``(idx_TK, weight_bits_TK, dest_TW, meta_TM, block_BW, e_local)``: per CTA of
     ``SEND_THREADS`` tokens, each token's slot among the CTA's tokens per rank (into ``dest_TW``,
-    -1 where it does not go), the CTA's count per rank (``block_BW``), and the metadata rows."""
+    -1 where it does not go), the CTA's count per rank (``block_BW``), and the metadata rows (ids
+    as int32). ``index_dtype``: int32, or int64 as the router returns them (no conversion launch)."""
     num_tokens = T.dynamic("num_tokens")
     strides = [1 << i for i in range((SEND_THREADS - 1).bit_length())]
 
     @T.prim_func
     def plan_send_kernel(
-        idx_TK: T.Tensor[(num_tokens, topk), T.int32],
+        idx_TK: T.Tensor[(num_tokens, topk), index_dtype],
         weight_bits_TK: T.Tensor[(num_tokens, topk), T.int32],
         dest_TW: T.Tensor[(num_tokens, world), T.int32],
         meta_TM: T.Tensor[(num_tokens, 2 * topk), T.int32],
@@ -80,7 +83,7 @@ def get_plan_send_kernel(world: int, topk: int):
                 block_BW[b, tid] = scan_XW[SEND_THREADS - 1, tid]
             if token < num_tokens:
                 for k in T.unroll(topk):
-                    meta_TM[token, k] = idx_TK[token, k]
+                    meta_TM[token, k] = T.Cast("int32", idx_TK[token, k])
                     meta_TM[token, topk + k] = weight_bits_TK[token, k]
                 for w in T.unroll(world):
                     dest_TW[token, w] = T.if_then_else(goes_W[w] == 1, scan_XW[tid, w] - 1, -1)
@@ -169,19 +172,20 @@ def get_plan_receive_kernel(world: int, topk: int):
 def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_local_experts: int, world: int,
               rank: int, max_tokens: int) -> SendPlan:
     """The TileLang twin of :func:`kernels.comm.reference.plan_send` (same values)."""
-    check_tensor("topk_idx_TK", topk_idx_TK, dtype=torch.int32, ndim=2)
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
                  device=topk_idx_TK.device)
     num_tokens, topk = topk_idx_TK.shape
-    new = topk_idx_TK.new_empty
+    new = functools.partial(torch.empty, dtype=torch.int32, device=topk_idx_TK.device)
     plan = SendPlan(dest_TW=new((num_tokens, world)), home_TW=new((num_tokens, world)), count_W=new((world,)),
                     meta_TM=new((num_tokens, 2 * topk)))
     if num_tokens == 0:
         plan.count_W.zero_()
         return plan
     block_BW = new((-(-num_tokens // SEND_THREADS), world))
-    get_plan_send_kernel(world, topk)(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32),
-                                      plan.dest_TW, plan.meta_TM, block_BW, num_local_experts)
+    kernel = get_plan_send_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch."))
+    kernel(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), plan.dest_TW, plan.meta_TM, block_BW,
+           num_local_experts)
     get_plan_place_kernel(world)(plan.dest_TW, plan.home_TW, block_BW, plan.count_W, rank, max_tokens)
     return plan
 

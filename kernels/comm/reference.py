@@ -158,11 +158,12 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     ``e // num_local_experts``), into slot ``s`` = its index among this rank's tokens bound there.
 
     Args:
-        topk_idx_TK: [T, K] int32 expert ids, -1 for none (values are not checked).
+        topk_idx_TK: [T, K] int32 or int64 expert ids, -1 for none (values are not checked; they
+            travel as int32).
         topk_weights_TK: [T, K] float32.
         num_local_experts, world, rank, max_tokens: E_local, W, this rank, T_max (>= T).
     """
-    check_tensor("topk_idx_TK", topk_idx_TK, dtype=torch.int32, ndim=2)
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
                  device=topk_idx_TK.device)
     ranks_W = torch.arange(world, dtype=torch.int32, device=topk_idx_TK.device)
@@ -173,7 +174,7 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + slot_TW, -1).contiguous(),
                     home_TW=torch.where(goes_TW, ranks_W * max_tokens + slot_TW, -1).contiguous(),
                     count_W=goes_WT.sum(1, dtype=torch.int32),
-                    meta_TM=torch.cat([topk_idx_TK, topk_weights_TK.view(torch.int32)], 1))
+                    meta_TM=torch.cat([topk_idx_TK.to(torch.int32), topk_weights_TK.view(torch.int32)], 1))
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,

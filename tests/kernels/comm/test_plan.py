@@ -56,12 +56,22 @@ def test_receive_plan_matches_a_loop(seed):
         assert plan.back_RW[r].tolist() == [me * t_max + i if valid and c == src else -1 for c in range(world)]
 
 
+def test_send_plan_takes_the_routers_int64_ids(seed):
+    idx, w = routes(40, 4, 3, 5, seed)
+    args = dict(num_local_experts=5, world=3, rank=2, max_tokens=50)
+    want, got = reference.plan_send(idx, w, **args), reference.plan_send(idx.long(), w, **args)
+    for name in ("dest_TW", "home_TW", "count_W", "meta_TM"):
+        assert getattr(got, name).dtype == torch.int32 and torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("t,k,world,e_local", [(0, 8, 2, 128), (1, 8, 2, 4), (4096, 8, 2, 128), (5000, 8, 8, 32),
                                                (300, 4, 3, 5), (2049, 6, 1, 16)])
-def test_kernels_match_reference(t, k, world, e_local, seed):
+def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
     me, t_max = world - 1, max(t, 1) + 3
     idx, w = routes(t, k, world, e_local, seed, "cuda")
+    idx = idx.to(index_dtype)
     got = plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
     want = reference.plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
     for name in ("dest_TW", "home_TW", "count_W", "meta_TM"):
@@ -79,5 +89,6 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2)):
             assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k))
+            assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k, "int64"))
             assert "plan_place_kernel" in lowering.kernel_source(get_plan_place_kernel(world))
             assert "plan_receive_kernel" in lowering.kernel_source(get_plan_receive_kernel(world, k))
