@@ -19,11 +19,10 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.permute.expand_kernel import PASS_CONFIGS, THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
+from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
+from kernels.quant.tiles import PEER_PASS_CONFIGS
 
 from .reference import PeerRegion, check_put_rows_args
-
-PEER_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
@@ -71,15 +70,27 @@ def get_kernel_args(row_bytes: int, world: int) -> tuple[str, int, int, int]:
     return str(T.dtype(WORD_DTYPES[word_bytes])), vec, tile_vectors(nv), world
 
 
+def peer_copy(region: PeerRegion, name: str = "region", *, dtype: torch.dtype | None = None,
+              width: int | None = None) -> torch.Tensor:
+    """Rank 0's copy of ``region``, as every kernel that stores into peers takes it: checked to come
+    with the peers' byte offsets (``delta_W``) and to be a contiguous CUDA tensor starting on a
+    16-byte boundary (of ``dtype`` and ``width`` columns, when given)."""
+    if region.delta_W is None:
+        raise ValueError(f"{name}.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
+    first = region.views[0]
+    if (first.device.type != "cuda" or not first.is_contiguous() or first.data_ptr() % 16
+            or dtype not in (None, first.dtype) or width not in (None, first.shape[1])):
+        raise ValueError(f"{name}.views[0]: expected a contiguous CUDA tensor starting on a 16-byte boundary"
+                         f"{f', {dtype}' if dtype else ''}{f', {width} columns' if width else ''}; got "
+                         f"{first.dtype} of shape {tuple(first.shape)} on {first.device}")
+    return first
+
+
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.put_rows` (same bits). ``region`` must
     carry ``delta_W``, and its views must start on 16-byte boundaries."""
     check_put_rows_args(src_NX, dest_NW, region)
-    if region.delta_W is None:
-        raise ValueError("region.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
-    first = region.views[0]
-    if first.device.type != "cuda" or not first.is_contiguous() or first.data_ptr() % 16:
-        raise ValueError("region.views[0]: expected a contiguous CUDA tensor starting on a 16-byte boundary")
+    first = peer_copy(region)
     if src_NX.shape[0] * src_NX.shape[1] == 0:
         return
     src_NVX = _as_vectors(src_NX)

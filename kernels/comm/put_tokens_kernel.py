@@ -24,6 +24,7 @@ from tilelang import language as T
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.quant.tiles import (
+    PEER_PASS_CONFIGS,
     blockwise_tile,
     cast_per_token,
     check_cuda,
@@ -35,11 +36,11 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_tensor
 
-from .put_rows_kernel import PEER_PASS_CONFIGS
+from .put_rows_kernel import peer_copy
 from .reference import TokenRegions
 
 
-@tilelang.jit(pass_configs={**PEER_PASS_CONFIGS, tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_width: int):
     """``(x_TD, dest_TW, delta_W, meta_TX, count_W, q_CE, sf_F, meta_F, counts_F, rank)`` kernel
     for tokens of ``hidden`` values of ``dtype``, one float32 scale per ``group`` columns, W =
@@ -105,18 +106,6 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_
     return put_tokens
 
 
-def _first(region, name: str, dtype: torch.dtype, width: int) -> torch.Tensor:
-    """Rank 0's copy of ``region``, checked: contiguous, on CUDA, 16-byte aligned, ``width`` wide."""
-    first = region.views[0]
-    if (first.device.type != "cuda" or not first.is_contiguous() or first.data_ptr() % 16 or first.dtype != dtype
-            or first.shape[1] != width):
-        raise ValueError(f"regions.{name}: expected contiguous CUDA [M, {width}] {dtype} copies on 16-byte boundaries, "
-                         f"got {first.dtype} of shape {tuple(first.shape)} on {first.device}")
-    if region.delta_W is None:
-        raise ValueError(f"regions.{name}.delta_W: expected the peers' byte offsets (a symmetric heap's region)")
-    return first
-
-
 def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor, count_W: torch.Tensor,
                regions: TokenRegions, *, rank: int, group: int = 128) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.put_tokens` (same bytes in every region).
@@ -132,10 +121,10 @@ def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor,
     check_tensor("count_W", count_W, dtype=torch.int32, shape=(world,), device=x_TD.device)
     if meta_TX.shape[0] != t:
         raise ValueError(f"meta_TX: expected {t} rows, got shape {tuple(meta_TX.shape)}")
-    q = _first(regions.q, "q", torch.uint8, d)
-    sf = _first(regions.sf, "sf", torch.float32, -(-d // group))
-    meta = _first(regions.meta, "meta", torch.int32, meta_TX.shape[1])
-    counts = _first(regions.counts, "counts", torch.int32, 1)
+    q = peer_copy(regions.q, "regions.q", dtype=torch.uint8, width=d)
+    sf = peer_copy(regions.sf, "regions.sf", dtype=torch.float32, width=-(-d // group))
+    meta = peer_copy(regions.meta, "regions.meta", dtype=torch.int32, width=meta_TX.shape[1])
+    counts = peer_copy(regions.counts, "regions.counts", dtype=torch.int32, width=1)
     kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, meta_TX.shape[1])
     vec = vector_width(d, x_TD.element_size())
     kernel(x_TD.contiguous(), dest_TW.contiguous(), regions.q.delta_W, meta_TX.contiguous(), count_W,

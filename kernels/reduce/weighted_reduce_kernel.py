@@ -25,12 +25,18 @@ from tilelang import language as T
 
 from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.validate import check_tensor
-from kernels.quant.tiles import PASS_CONFIGS, VECTOR_BYTES, aligned, check_cuda, row_major, tl_dtype, unpack_scale
+from kernels.quant.tiles import (
+    PASS_CONFIGS,
+    PEER_PASS_CONFIGS,
+    VECTOR_BYTES,
+    aligned,
+    check_cuda,
+    row_major,
+    tl_dtype,
+    unpack_scale,
+)
 
 MAX_THREADS = 256
-# The peer variant's stores lie outside the buffer it is given (other ranks' copies of a region);
-# every access it makes is guarded by hand instead.
-PEER_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
@@ -190,16 +196,13 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
-    first = region.views[0]
-    check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, first.dtype, values=False)
+    from kernels.comm.put_rows_kernel import peer_copy  # here: kernels.comm's reference imports kernels.reduce
+
+    check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, region.views[0].dtype, values=False)
     check_cuda("y_PD", y_PD)
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
                  device=y_PD.device)
-    if region.delta_W is None:
-        raise ValueError("region.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
-    if not first.is_contiguous() or first.data_ptr() % VECTOR_BYTES or first.shape[1] != y_PD.shape[1]:
-        raise ValueError(f"region.views[0]: expected a contiguous [M, {y_PD.shape[1]}] tensor starting on a "
-                         f"16-byte boundary, got shape {tuple(first.shape)}")
+    first = peer_copy(region, width=y_PD.shape[1])
     r, k = pos_RK.shape
     p, d = y_PD.shape
     if r == 0 or d == 0:

@@ -94,7 +94,7 @@ def test_bad_input_names_the_argument():
         put_tokens(x_TD, dest_TW[:, :1], meta_TX, count_W, regions, rank=0)
     with pytest.raises(ValueError, match="^meta_TX: expected"):
         put_tokens(x_TD, dest_TW, meta_TX[:3], count_W, regions, rank=0)
-    with pytest.raises(ValueError, match="^regions.q: expected"):
+    with pytest.raises(ValueError, match=r"^regions.q.views\[0\]: expected"):
         put_tokens(x_TD[:, :128], dest_TW, meta_TX, count_W, regions, rank=0)
     with pytest.raises(ValueError, match="^group: expected"):
         put_tokens(x_TD, dest_TW, meta_TX, count_W, regions, rank=0, group=96)
