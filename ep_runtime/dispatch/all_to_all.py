@@ -67,8 +67,7 @@ def sum_home(rows_SX: torch.Tensor, home_TW: torch.Tensor) -> torch.Tensor:
     """Each token's returned rows summed in float32 in rank order, in the rows' dtype: the home sum
     of every backend (all_to_all, nvlink, the DeepEP facade), the same bits on every run (no
     atomics)."""
-    ones_TW = torch.ones(home_TW.shape, dtype=torch.float32, device=rows_SX.device)
-    out_TX = weighted_reduce(rows_SX.flatten(1), home_TW, ones_TW)
+    out_TX = weighted_reduce(rows_SX.flatten(1), home_TW, None)
     return out_TX.view(home_TW.shape[0], *rows_SX.shape[1:])
 
 

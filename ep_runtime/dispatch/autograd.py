@@ -69,12 +69,14 @@ class Transport(Protocol):
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
     given the rows the backend already moved (``x_RD``, a tensor or ``Fp8Rows``, and
-    ``weights_RK``: no gradient of their own)."""
+    ``weights_RK``: no gradient of their own). ``weights_RK`` comes back as it is (autograd makes
+    the output a view of it, no copy), so a backend hands over a tensor of its own, never a view
+    of a buffer it reuses."""
 
     @staticmethod
     def forward(ctx, x_TD, weights_TK, x_RD, weights_RK, route: Route, transport: Transport):
         ctx.route, ctx.transport = route, transport
-        return expand_rows(x_RD, route.layout), weights_RK.clone()
+        return expand_rows(x_RD, route.layout), weights_RK
 
     @staticmethod
     def backward(ctx, grad_PD, grad_weights_RK):

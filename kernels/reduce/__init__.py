@@ -17,7 +17,7 @@ from kernels.select import use_tilelang
 def weighted_reduce(
     y_PD: torch.Tensor,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
     *,
     sf_PG: torch.Tensor | None = None,
     group: int = 128,

@@ -20,7 +20,7 @@ from kernels.validate import check_dtype, check_index_range, check_positive, che
 def weighted_reduce(
     y_PD: torch.Tensor,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
     *,
     sf_PG: torch.Tensor | None = None,
     group: int = 128,
@@ -34,7 +34,8 @@ def weighted_reduce(
     Args:
         y_PD: ``[P, D]`` float32, bfloat16 or float16; or float8_e4m3fn together with ``sf_PG``.
         pos_TK: ``[T, K]`` int32 or int64, the layout row of each route, or -1 for none.
-        weights_TK: ``[T, K]`` float32 router weights (ignored where ``pos_TK`` is -1).
+        weights_TK: ``[T, K]`` float32 router weights (ignored where ``pos_TK`` is -1); None for
+            weights of 1 (a plain sum of the rows: combine's home sum).
         sf_PG: ``[P, ceil(D / group)]`` per-token scales of an e4m3 ``y_PD``, float32 or uint8
             exponents (packed UE8M0); rows are dequantized (``q.float() * sf``) before the sum.
             Only with an e4m3 ``y_PD``.
@@ -54,7 +55,8 @@ def weighted_reduce(
     for route in range(k):
         has_route_T = pos_TK[:, route] >= 0
         rows = pos_TK[has_route_T, route]
-        out_TD[has_route_T] += weights_TK[has_route_T, route, None] * y_PD[rows].float()
+        term = y_PD[rows].float()
+        out_TD[has_route_T] += term if weights_TK is None else weights_TK[has_route_T, route, None] * term
     return out_TD.to(out_dtype)
 
 
@@ -109,7 +111,8 @@ def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype
     check_tensor("y_PD", y_PD, dtype=(*FLOAT_DTYPES, E4M3), ndim=2)
     p, d = y_PD.shape
     check_tensor("pos_TK", pos_TK, dtype=(torch.int32, torch.int64), ndim=2, device=y_PD.device)
-    check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=pos_TK.shape, device=y_PD.device)
+    if weights_TK is not None:
+        check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=pos_TK.shape, device=y_PD.device)
     if values:
         check_index_range("pos_TK", pos_TK, p)
     check_positive("group", group)

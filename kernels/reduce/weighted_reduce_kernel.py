@@ -49,9 +49,11 @@ def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
     return vec, threads, tiles
 
 
-def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool):
+def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
+                 unit: bool = False):
     """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
-    row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below."""
+    row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
+    every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits)."""
     vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
     dequantize = y_dtype == "float8_e4m3fn"
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
@@ -67,7 +69,8 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
             rows[k] = T.Cast("int64", pos_TK[t, k])
             if rows[k] >= num_rows:  # values are not checked on the host: out of range reads as -1
                 rows[k] = -1
-            weights[k] = weights_TK[t, k]
+            if not unit:
+                weights[k] = weights_TK[t, k]
         for k in T.unroll(topk):  # every load in flight before the first add
             if rows[k] >= 0:
                 for j in T.vectorized(vec):
@@ -85,7 +88,7 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
                             y = T.ieee_mul(y, scales[k])
                         else:
                             y = T.ieee_mul(y, unpack_scale(sf_PG[rows[k], (c * vec + j) // group], packed))
-                    acc[j] = T.ieee_add(acc[j], T.ieee_mul(weights[k], y))
+                    acc[j] = T.ieee_add(acc[j], y if unit else T.ieee_mul(weights[k], y))
         for j in T.unroll(vec):
             out_buf[j] = T.cast(acc[j], out_dtype)
 
@@ -94,12 +97,14 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_weighted_reduce_kernel(
-    num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool
+    num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool,
+    unit: bool = False,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
-    (pass any ``[P, G]`` tensor of the scale dtype otherwise)."""
+    (pass any ``[P, G]`` tensor of the scale dtype otherwise), ``weights_TK`` only without ``unit``
+    (weights of 1)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed)
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit)
     sf_dtype = "uint8" if packed else "float32"
 
     @T.prim_func
@@ -166,14 +171,15 @@ def get_weighted_reduce_put_kernel(
 def weighted_reduce(
     y_PD: torch.Tensor,
     pos_TK: torch.Tensor,
-    weights_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
     *,
     sf_PG: torch.Tensor | None = None,
     group: int = 128,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.weighted_reduce` (same arguments, same
-    bits); tensors must be on a CUDA device and are copied first if not contiguous."""
+    bits); tensors must be on a CUDA device and are copied first if not contiguous. Weights of 1
+    (``weights_TK`` None) are compiled in: no tensor of ones is made (a fill launch)."""
     out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, values=False)
     check_cuda("y_PD", y_PD)
     p, d = y_PD.shape
@@ -184,8 +190,12 @@ def weighted_reduce(
     if t == 0 or d == 0 or k == 0 or p == 0:  # no token, or no row any route could read
         return torch.zeros((t, d), dtype=out_dtype, device=y_PD.device)
     out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+    unit = weights_TK is None
+    if unit:
+        weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
     kernel = get_weighted_reduce_kernel(
-        d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8
+        d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
+        unit,
     )
     kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD

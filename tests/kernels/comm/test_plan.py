@@ -7,11 +7,14 @@ import torch
 from kernels import lowering
 from kernels.comm import reference
 from kernels.comm.plan_kernel import (
+    ONE_CTA_TOKENS,
+    SEND_THREADS,
     get_plan_place_kernel,
     get_plan_receive_kernel,
     get_plan_send_kernel,
     plan_receive,
     plan_send,
+    send_threads,
 )
 
 
@@ -67,7 +70,7 @@ def test_send_plan_takes_the_routers_int64_ids(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("t,k,world,e_local", [(0, 8, 2, 128), (1, 8, 2, 4), (4096, 8, 2, 128), (5000, 8, 8, 32),
-                                               (300, 4, 3, 5), (2049, 6, 1, 16)])
+                                               (300, 4, 3, 5), (2049, 6, 1, 16), (1024, 8, 8, 32), (1025, 8, 2, 128)])
 def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
     me, t_max = world - 1, max(t, 1) + 3
     idx, w = routes(t, k, world, e_local, seed, "cuda")
@@ -85,10 +88,12 @@ def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
 
 
 def test_compiles_for_sm90a():
-    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2."""
+    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2; plan_send as a CTA of a
+    large batch and as the one CTA of 128 (the small batch) and 1024 tokens."""
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2)):
-            assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k))
-            assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k, "int64"))
+            for threads in (SEND_THREADS, send_threads(128), send_threads(ONE_CTA_TOKENS)):
+                assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k, "int32", threads))
+                assert "plan_send_kernel" in lowering.kernel_source(get_plan_send_kernel(world, k, "int64", threads))
             assert "plan_place_kernel" in lowering.kernel_source(get_plan_place_kernel(world))
             assert "plan_receive_kernel" in lowering.kernel_source(get_plan_receive_kernel(world, k))

@@ -59,6 +59,14 @@ def test_matches_slow_loop(t, k, p, d, dtype, index_dtype):
     assert out_default.dtype == dtype and torch.equal(out_default, expected.to(dtype))
 
 
+def test_no_weights_sum_the_rows():
+    """``weights_TK=None`` (combine's home sum) is the sum with weights of 1, bit for bit."""
+    y_PD = torch.randn(30, 64).bfloat16()
+    pos_TK, _ = make_routes(20, 4, 30, torch.int32)
+    out = weighted_reduce(y_PD, pos_TK, None, out_dtype=torch.float32)
+    assert torch.equal(out, slow_weighted_reduce(y_PD, pos_TK, torch.ones(pos_TK.shape)))
+
+
 def test_masked_routes_contribute_nothing():
     y_PD = torch.randn(4, 16)
     pos_TK = torch.tensor([[-1, -1, -1], [2, -1, 0], [-1, 3, -1]])

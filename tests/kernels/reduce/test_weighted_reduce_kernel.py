@@ -39,6 +39,17 @@ def test_matches_reference_bit_for_bit(t, k, p, d, dtype, index_dtype, out_dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t,k,p,d,dtype,index_dtype,out_dtype", CASES[1:3] + CASES[5:])
+def test_weights_of_one_match_reference_bit_for_bit(t, k, p, d, dtype, index_dtype, out_dtype, seed):
+    """``weights_TK=None``: the kernel compiled without weights, against the reference's sum."""
+    y_PD = torch.randn(p, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    pos_TK, _ = reduce_routes(t, k, p, dtype=index_dtype, seed=seed)
+    poison_allocator("cuda")
+    out = weighted_reduce(y_PD.cuda(), pos_TK.cuda(), None, out_dtype=out_dtype)
+    assert_same_bits(out, reference.weighted_reduce(y_PD, pos_TK, None, out_dtype=out_dtype))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["fp32_sf", "packed_sf"])
 @pytest.mark.parametrize("t,k,p,d,group", [(25, 4, 40, 300, 128), (33, 8, 90, 256, 64), (200, 8, 600, 7168, 128)])
 def test_fp8_dequantization_matches_reference(t, k, p, d, group, packed, seed):
@@ -84,12 +95,18 @@ SPECIALIZATIONS = [  # (num_cols, topk, y, index, out, group, packed): combine a
     (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, True),
     (300, 6, "float32", "int64", "float32", 128, False),
 ]
+HOME_SUMS = [  # combine's home sum (weights of 1, int32 rows): two ranks at hidden 7168, the tiny model's 64
+    (7168, 2, "bfloat16", "int32", "bfloat16", 128, False, True),
+    (64, 2, "float32", "int32", "float32", 128, False, True),
+]
 
 
 def test_compiles_for_sm90a():
     with lowering.compile_only():
         for spec in SPECIALIZATIONS:
             assert "__fmul_rn" in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
+        for spec in HOME_SUMS:  # no product left: the rows are added as they are
+            assert "__fmul_rn" not in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
 
 
 @pytest.mark.gpu
