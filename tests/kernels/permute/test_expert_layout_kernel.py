@@ -1,5 +1,7 @@
 """The sync-free expert-layout kernels against the reference on the same CUDA device, and their
-sm_90a compile. Every output is compared bit for bit (counts, offsets, positions, inverse)."""
+sm_90a compile. Every output is compared bit for bit (counts, offsets, positions, inverse). Up to
+512 tokens of top-8 (``ONE_CTA_ROUTES``) and 512 experts the layout is the one-CTA kernel; more
+tokens, or 1024 experts, take the three passes."""
 
 import pytest
 import torch
@@ -7,7 +9,9 @@ import torch
 from kernels.lowering import compile_only
 from kernels.permute import reference
 from kernels.permute.expert_layout_kernel import (
+    ONE_CTA_ROUTES,
     expert_layout,
+    get_expert_layout_one_cta_kernel,
     get_expert_layout_rank_kernel,
     get_expert_layout_scan_kernel,
     get_expert_layout_scatter_kernel,
@@ -29,7 +33,7 @@ def check_layout(idx_TK, num_experts, alignment, num_rows):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("alignment", [1, 8, 128])
 @pytest.mark.parametrize("num_experts, topk", [(256, 8), (8, 2), (1, 1), (72, 3), (1024, 4)])
-@pytest.mark.parametrize("num_tokens", [0, 1, 37, 4099, 16384])
+@pytest.mark.parametrize("num_tokens", [0, 1, 37, ONE_CTA_ROUTES // 8, 4099, 16384])
 def test_expert_layout_matches_reference(seed, num_tokens, num_experts, topk, alignment, index_dtype):
     idx_TK = routes(num_tokens, topk, num_experts, dtype=index_dtype, device="cuda", seed=seed)
     check_layout(idx_TK, num_experts, alignment, reference.max_rows(num_tokens, topk, num_experts, alignment) + 5)
@@ -67,13 +71,15 @@ def test_bad_input_names_the_argument():
         expert_layout(idx_TK, 8, num_rows=1000)  # not on CUDA
 
 
-@pytest.mark.parametrize("num_experts, alignment, index_dtype", [(256, 128, "int64"), (8, 8, "int64"), (72, 1, "int32")])
+@pytest.mark.parametrize("num_experts, alignment, index_dtype",
+                         [(256, 128, "int64"), (8, 8, "int64"), (72, 1, "int32"), (128, 8, "int32"), (512, 8, "int32")])
 def test_compiles_for_sm90a(num_experts, alignment, index_dtype):
     with compile_only():
         kernels = [
             get_expert_layout_rank_kernel(num_experts, index_dtype),
             get_expert_layout_scan_kernel(num_experts, alignment),
             get_expert_layout_scatter_kernel(num_experts, index_dtype),
+            get_expert_layout_one_cta_kernel(num_experts, alignment, index_dtype),
         ]
     for kernel in kernels:
         assert "expert_layout" in kernel.get_kernel_source()
