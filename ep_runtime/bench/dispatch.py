@@ -176,19 +176,25 @@ def _capture(*steps):
 
 
 def _profile(dispatch, combine, tokens: int, show: bool) -> None:
-    """Where eager dispatch + combine spend their time (kernels and host), printed if ``show``."""
+    """Where eager dispatch and combine spend their time, printed if ``show``: kernels launched per
+    call (what a small batch's latency is made of), each kernel's time, and the Python lines that
+    launched torch's own kernels (copies, fills) rather than ours."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            dispatch()
-            combine()
-        torch.cuda.synchronize()
-    if not show:
-        return
-    print(f"profile of 5 x (nvlink dispatch + combine), {tokens} tokens per rank:")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+    calls = 5
+    for name, step in (("dispatch", dispatch), ("combine", combine)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+        if not show:
+            continue
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        print(f"profile of {calls} x nvlink {name}, {tokens} tokens per rank: {len(kernels) / calls:.0f} kernels a call")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
+        print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cuda_time_total", row_limit=12))
 
 
 def _p2p_copy_ms(median_ms, nbytes: int, group, device) -> float:
