@@ -4,7 +4,9 @@
 # and the nvlink dispatch + combine at EP 1 (every kernel of the path; its stores go to its own
 # heap), at COMMIT and, when OLD is set, at OLD in a worktree beside it (same GPU, same run: the
 # before/after). Two processes cannot share one GPU's symmetric memory (torch 2.11 refuses:
-# bench/scripts/symm_one_gpu.py), so the cross-rank path needs two GPUs.
+# bench/scripts/symm_one_gpu.py), so the cross-rank path needs two GPUs. SAME_BENCH=1 runs OLD's
+# kernels under this tree's bench harness (its timer and profile), and AGAIN=1 measures COMMIT once
+# more after OLD (the spread between two runs of the same tree).
 #   bash bench/scripts/one_gpu_dispatch.sh COMMIT        (from the checkout's root, on the GPU machine)
 set -u
 commit=${1:?commit}
@@ -27,8 +29,10 @@ dispatch dispatch-ep1 "$commit"
 if [ -n "${OLD:-}" ]; then
   here=$PWD
   if git worktree add -f /tmp/old "$OLD" > "$out/worktree.log" 2>&1; then
+    [ -n "${SAME_BENCH:-}" ] && cp ep_runtime/bench/dispatch.py ep_runtime/bench/ep_scaling.py /tmp/old/ep_runtime/bench/
     cd /tmp/old && PYTHONPATH=/tmp/gpu-site:/tmp/old dispatch dispatch-ep1-old "$OLD"; cd "$here"
   else
     cat "$out/worktree.log"
   fi
+  [ -n "${AGAIN:-}" ] && dispatch dispatch-ep1-again "$commit"
 fi

@@ -26,7 +26,11 @@ travel: ``hidden`` FP8 bytes plus ``ceil(hidden / 128)`` float32 scales for disp
 ``--fp8``, ``hidden`` bf16 elements for combine; routes, weights and counts (a few bytes per row)
 and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median over ``--iters``
 (after ``--warmup``) of the slowest rank per iteration, each iteration started from a barrier,
-measured with CUDA events (host timers on CPU).
+measured with CUDA events (host timers on CPU). On GPUs the graphs and the peers are timed as the
+GPU runs them: the GPU spins ~1 ms after the barrier, so their launches are queued before it
+reaches them, as in a model's steady state (session 12; before, the graphs' times included their
+host-side launch, a few microseconds that mattered at 128 tokens). The eager entries keep the
+host's launches in their time: their Python is what an eager call costs.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ def _routing(tokens: int, num_experts: int, topk: int, seed: int, device):
     import torch
 
     g = torch.Generator(device).manual_seed(seed)
-    idx_TK = torch.rand(tokens, num_experts, generator=g, device=device).argsort(1)[:, :topk]
+    # contiguous, as a router returns them (a column slice would cost each call a copy)
+    idx_TK = torch.rand(tokens, num_experts, generator=g, device=device).argsort(1)[:, :topk].contiguous()
     weights_TK = torch.rand(tokens, topk, generator=g, device=device)
     return idx_TK, weights_TK / weights_TK.sum(1, keepdim=True)
 
@@ -75,11 +80,11 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     def sync():
         dist.barrier(group=group, **({"device_ids": [device.index]} if on_gpu else {}))
 
-    def median_ms(fn) -> float:
+    def median_ms(fn, head_start: bool = True) -> float:
         samples = []
         for i in range(a.warmup + a.iters):
             sync()
-            ms = timer.time(fn)
+            ms = timer.time(fn, head_start)
             if i >= a.warmup:
                 samples.append(ms)
         worst = torch.tensor(samples, dtype=torch.float64, device=device)
@@ -142,12 +147,13 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_
     def combine():
         d.combine(out["x_PD"], out["handle"])
 
-    times = {f"{backend}_dispatch_ms": median_ms(dispatch), f"{backend}_combine_ms": median_ms(combine)}
+    # Eager calls are timed with the host's launches (their Python is most of a small batch's time).
+    times = {f"{backend}_dispatch_ms": median_ms(dispatch, False), f"{backend}_combine_ms": median_ms(combine, False)}
     if backend != "nvlink":
         return times
     q_TD = torch.empty(x_TD.shape[0], token_bytes, dtype=torch.uint8, device=x_TD.device)
     steps = {"dispatch": dispatch, "combine": combine, "transport": lambda: d.scatter(q_TD, out["handle"].route)}
-    times["nvlink_transport_ms"] = median_ms(steps["transport"])
+    times["nvlink_transport_ms"] = median_ms(steps["transport"], False)
     if x_TD.is_cuda:
         for name, graph in zip(steps, _capture(*steps.values())):
             times[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)

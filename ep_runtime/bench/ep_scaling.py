@@ -319,18 +319,27 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
     return layer
 
 
+HEAD_START_CYCLES = 2_000_000  # ~1 ms of GPU spin before a timed call (at ~1.8 GHz)
+
+
 class _Timer:
-    """Milliseconds of ``fn()``: CUDA events on GPU (synchronised), ``perf_counter`` on CPU."""
+    """Milliseconds of ``fn()``: CUDA events on GPU (synchronised), ``perf_counter`` on CPU.
+
+    ``head_start``: the GPU spins ~1 ms before the start event, so the host has queued ``fn``'s
+    launches when the GPU reaches them and the time is the GPU's alone (a CUDA graph's replay in the
+    steady state, where the host runs ahead); without it the time includes the host's launches."""
 
     def __init__(self, device):
         self.device = device
 
-    def time(self, fn) -> float:
+    def time(self, fn, head_start: bool = False) -> float:
         import torch
 
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)
+            if head_start:
+                torch.cuda._sleep(HEAD_START_CYCLES)
             start.record()
             fn()
             end.record()

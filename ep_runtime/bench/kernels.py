@@ -55,6 +55,8 @@ from typing import Any
 
 import torch
 
+from .ep_scaling import HEAD_START_CYCLES
+
 E4M3 = torch.float8_e4m3fn
 REPO = Path(__file__).resolve().parents[2]
 
@@ -791,9 +793,6 @@ def agreement(got: Any, want: Any) -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # Timing
-
-
-HEAD_START_CYCLES = 2_000_000  # ~1 ms of GPU spin before each timed call (at ~1.8 GHz)
 
 
 class Timer:

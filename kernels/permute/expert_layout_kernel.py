@@ -123,8 +123,9 @@ def _rank_routes(topk_idx_R, rank_R, block_counts_BE, counts_WE, num_routes, blo
 @T.macro
 def _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, scan_E, e, column_B,
                   blocks: int, threads: int, num_experts: int, alignment: int):
-    """Pass 2 with a thread ``e`` per expert (``threads`` >= E, a power of two): ``counts_E``,
-    aligned end offsets, and each of ``blocks`` CTAs' first row per expert."""
+    """Pass 2 with a thread ``e`` per expert (``threads`` >= E, a power of two; the CTA's other
+    threads, if any, only keep the barriers): ``counts_E``, aligned end offsets, and each of
+    ``blocks`` CTAs' first row per expert."""
     total = T.alloc_var(T.int32)
     partial = T.alloc_var(T.int32)
     total = 0
@@ -259,7 +260,7 @@ def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dty
             _rank_routes(topk_idx_R, rank_R, block_counts_BE, counts_WE, num_routes, 0, chunk, thread, warps,
                          num_experts)
             _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, scan_E, thread, column_B, 1,
-                          ONE_CTA_THREADS, num_experts, alignment)
+                          max(WARP, 1 << (num_experts - 1).bit_length()), num_experts, alignment)
             for s in T.serial(T.ceildiv(num_rows, ONE_CTA_THREADS)):
                 if s * ONE_CTA_THREADS + thread < num_rows:
                     src_P[s * ONE_CTA_THREADS + thread] = -1
