@@ -10,7 +10,7 @@ one barrier on the stream makes everything visible. Sizes are static (``T_max``,
 of a layout over ``W * T_max`` rows), so nothing waits on the host and a CUDA graph can capture
 the steady state. The experts' work stops at the rows in use (``offsets_E[-1]``: expand, the
 SwiGLU, combine's backward), so a generous ``T_max`` costs memory, not time, there; the passes over
-the ``W * T_max`` received rows (the FP8 cast back, the weighted reduces, ``plan_receive``) still
+the ``W * T_max`` received rows (the FP8 cast back, the weighted reduces, ``receive_layout``) still
 cost in proportion to it. Calls alternate between two halves of the heap: a rank may write call n + 1's
 rows while a peer still reads call n's, never call n - 1's (every rank read those before it
 entered call n's barrier).
@@ -19,9 +19,10 @@ Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8
 stored with its metadata and the counts by one kernel, ``kernels.comm.put_tokens``) and its
 routes and router weights; the receiver builds its experts' layout from the routes in the blocks'
 first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cast_back``). The
-bookkeeping on both sides (slots, counts, what each received row is and where it returns) is two
-launches on the sending side and one on the receiving side (``kernels.comm.plan_send`` /
-``plan_receive``). Combine reduces each received row over its local experts and stores it straight
+bookkeeping on both sides (slots, counts, what each received row is and where it returns) is one
+launch a side for a small batch: ``kernels.comm.plan_send`` (two launches past 1024 tokens) and
+``receive_layout``, which also lays the received routes out for the experts (``plan_receive`` and
+the layout's four launches past 4096 received routes). Combine reduces each received row over its local experts and stores it straight
 into block ``me`` of its home rank at the row it came from (``kernels.comm.reduce_put``), and the
 home rank sums its blocks' rows per token (``weighted_reduce`` with unit weights, in rank order,
 float32).
@@ -43,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, TokenRegions, plan_receive, plan_send, put_rows, put_tokens, reduce_put
-from kernels.permute import ExpertLayout, expert_layout, max_rows
+from kernels.comm import PeerRegion, TokenRegions, plan_send, put_rows, put_tokens, receive_layout, reduce_put
+from kernels.permute import ExpertLayout, max_rows
 from kernels.validate import check_positive
 
 from .all_to_all import sum_home
@@ -176,10 +177,9 @@ class NVLinkDispatcher:
         self.heap.barrier()
 
         # What arrived: block w's first count[w] rows.
-        recv = plan_receive(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me,
-                            max_tokens=t_max)
-        layout = expert_layout(recv.local_idx_RK, e_local, alignment=self.alignment,
-                               num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
+        recv, layout = receive_layout(
+            meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
+            alignment=self.alignment, num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
         if fp8:
             x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
         else:

@@ -8,18 +8,21 @@ regions in one launch) and ``reduce_put`` (combine's weighted reduce stored stra
 peers' regions; the peer variant of ``kernels.reduce``'s weighted-reduce kernel) take their
 kernels on the same terms as ``put_rows``.
 ``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
-TileLang kernels where ``use_tilelang`` says so, the reference otherwise.
+TileLang kernels where ``use_tilelang`` says so, the reference otherwise. ``receive_layout``
+(``plan_receive`` and the local experts' layout of what arrived) is one kernel for a small batch
+(``receive_layout_kernel.fits``), the two ops otherwise.
 """
 
 import torch
 
+from kernels.permute import ExpertLayout, expert_layout
 from kernels.select import use_tilelang
 
 from . import reference
 from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions
 
 __all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_rows", "put_tokens",
-           "reduce_put"]
+           "receive_layout", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -67,3 +70,16 @@ def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, **sizes) -> Recei
 
         return kernel(meta_RM, count_W, **sizes)
     return reference.plan_receive(meta_RM, count_W, **sizes)
+
+
+def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
+                   max_tokens: int, alignment: int, num_rows: int) -> tuple[ReceivePlan, ExpertLayout]:
+    """See :func:`kernels.comm.reference.receive_layout`."""
+    if isinstance(meta_RM, torch.Tensor) and use_tilelang(meta_RM.device):
+        from .receive_layout_kernel import fits, receive_layout as kernel
+
+        if meta_RM.dim() == 2 and fits(meta_RM.shape[0] * (meta_RM.shape[1] // 2), num_local_experts):
+            return kernel(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens,
+                          alignment=alignment, num_rows=num_rows)
+    plan = plan_receive(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens)
+    return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.permute.reference import ExpertLayout, expert_layout
 from kernels.quant.reference import per_token_cast
 from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_tensor
@@ -197,3 +198,12 @@ def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_expe
                        weights_RK=torch.where(local_RK, weights_RK, 0.0),
                        back_RW=torch.where(valid_R[:, None] & (src_R[:, None] == ranks_W),
                                            rank * max_tokens + row_R[:, None], -1))
+
+
+def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
+                   max_tokens: int, alignment: int, num_rows: int) -> tuple[ReceivePlan, ExpertLayout]:
+    """A dispatch's receiving side: :func:`plan_receive`, then the local experts' layout of its
+    routes (:func:`kernels.permute.reference.expert_layout` of ``local_idx_RK`` over
+    ``num_local_experts`` experts, segments aligned to ``alignment``, ``num_rows`` rows)."""
+    plan = plan_receive(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens)
+    return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows)

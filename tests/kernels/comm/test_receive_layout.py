@@ -1,0 +1,85 @@
+"""receive_layout: a dispatch's receiving side (plan_receive, then the local experts' layout). The
+one-CTA kernel against the reference on fresh random metadata (ids of every rank, masked and out
+of range; rows past their sender's count hold garbage), bit for bit, every output poisoned first;
+the public op's two paths; sm_90a compile."""
+
+import pytest
+import torch
+
+from kernels import lowering
+from kernels.comm import receive_layout
+from kernels.comm import reference
+from kernels.comm.receive_layout_kernel import MAX_EXPERTS, MAX_ROUTES, fits, get_receive_layout_kernel
+from kernels.permute import max_rows
+from kernels.testing import poison_allocator
+
+
+def arrived(world: int, t_max: int, k: int, e_local: int, seed: int, device="cpu"):
+    """``(meta_RM, count_W)`` as a receive region holds them: ids in [-3, W * E_local + 2), random
+    weight bits, each sender's count in [0, t_max] (one rank sent nothing when W > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-3, world * e_local + 2, (world * t_max, k), generator=g, dtype=torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (world * t_max, k), generator=g, dtype=torch.int32)
+    count = torch.randint(0, t_max + 1, (world,), generator=g, dtype=torch.int32)
+    if world > 1:
+        count[1] = 0
+    return torch.cat([ids, bits], 1).to(device), count.to(device)
+
+
+def sizes(world, t_max, k, e_local, alignment):
+    return dict(num_local_experts=e_local, rank=world - 1, max_tokens=t_max, alignment=alignment,
+                num_rows=max_rows(world * t_max, k, e_local, alignment))
+
+
+def assert_same(got, want):
+    (plan, layout), (want_plan, want_layout) = got, want
+    assert torch.equal(plan.local_idx_RK.cpu(), want_plan.local_idx_RK.cpu())
+    assert torch.equal(plan.weights_RK.cpu().view(torch.int32), want_plan.weights_RK.cpu().view(torch.int32))
+    assert torch.equal(plan.back_RW.cpu(), want_plan.back_RW.cpu())
+    for name in ("counts_E", "offsets_E", "pos_TK", "src_P"):
+        assert getattr(layout, name).dtype == torch.int32, name
+        assert torch.equal(getattr(layout, name).cpu(), getattr(want_layout, name).cpu()), name
+
+
+def test_public_op_on_cpu_is_the_reference(seed):
+    meta, count = arrived(2, 40, 8, 16, seed)
+    args = sizes(2, 40, 8, 16, 8)
+    assert_same(receive_layout(meta, count, **args), reference.receive_layout(meta, count, **args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world,t_max,k,e_local,alignment", [
+    (2, 128, 8, 128, 8),  # the small batch on two ranks (DeepSeek-V3 experts)
+    (1, 256, 8, 256, 8),  # the same rows on one rank
+    (8, 64, 8, 32, 128),
+    (3, 50, 6, 5, 1),
+    (2, 256, 8, MAX_EXPERTS, 16),  # MAX_ROUTES routes, MAX_EXPERTS experts
+    (1, 1, 1, 1, 1),
+    (4, 3, 2, 64, 8),
+])
+def test_kernel_matches_reference(world, t_max, k, e_local, alignment, seed):
+    assert fits(world * t_max * k, e_local)
+    meta, count = arrived(world, t_max, k, e_local, seed)
+    args = sizes(world, t_max, k, e_local, alignment)
+    poison_allocator("cuda")
+    got = receive_layout(meta.cuda(), count.cuda(), **args)
+    assert_same(got, reference.receive_layout(meta, count, **args))
+
+
+@pytest.mark.gpu
+def test_a_larger_batch_takes_the_two_ops(seed):
+    world, t_max, k, e_local = 2, MAX_ROUTES // 8, 8, 64  # one row past what one CTA takes
+    t_max += 1
+    assert not fits(world * t_max * k, e_local)
+    meta, count = arrived(world, t_max, k, e_local, seed)
+    args = sizes(world, t_max, k, e_local, 8)
+    assert_same(receive_layout(meta.cuda(), count.cuda(), **args), reference.receive_layout(meta, count, **args))
+
+
+def test_compiles_for_sm90a():
+    """Two ranks of 128 DeepSeek-V3 experts (the small batch), one of 256, eight of 32 at
+    alignment 128; the tiny model's two ranks, top-2."""
+    with lowering.compile_only():
+        for world, k, e_local, alignment in ((2, 8, 128, 8), (1, 8, 256, 8), (8, 8, 32, 128), (2, 2, 4, 8)):
+            kernel = get_receive_layout_kernel(world, k, e_local, alignment)
+            assert "__match_any_sync" in lowering.kernel_source(kernel)
