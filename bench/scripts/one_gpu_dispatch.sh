@@ -3,7 +3,8 @@
 # the GPU tests of the kernels the path runs ($GPU_TESTS), their kernel benchmarks ($KERNEL_OPS),
 # and the nvlink dispatch + combine at EP 1 (every kernel of the path; its stores go to its own
 # heap), at COMMIT and, when OLD is set, at OLD in a worktree beside it (same GPU, same run: the
-# before/after). Two processes cannot share one GPU's symmetric memory (torch 2.11 refuses:
+# before/after; OLD may also be a folder holding an old tree, carried with the call, for a commit that
+# has not landed). Two processes cannot share one GPU's symmetric memory (torch 2.11 refuses:
 # bench/scripts/symm_one_gpu.py), so the cross-rank path needs two GPUs. SAME_BENCH=1 runs OLD's
 # kernels under this tree's bench harness (its timer and profile), and AGAIN=1 measures COMMIT once
 # more after OLD (the spread between two runs of the same tree).
@@ -28,7 +29,7 @@ dispatch() {  # NAME: bench dispatch at EP 1 from the current directory
 dispatch dispatch-ep1 "$commit"
 if [ -n "${OLD:-}" ]; then
   here=$PWD
-  if git worktree add -f /tmp/old "$OLD" > "$out/worktree.log" 2>&1; then
+  if [ -d "$OLD" ] && cp -r "$OLD" /tmp/old || git worktree add -f /tmp/old "$OLD" > "$out/worktree.log" 2>&1; then
     [ -n "${SAME_BENCH:-}" ] && cp ep_runtime/bench/dispatch.py ep_runtime/bench/ep_scaling.py /tmp/old/ep_runtime/bench/
     cd /tmp/old && PYTHONPATH=/tmp/gpu-site:/tmp/old dispatch dispatch-ep1-old "$OLD"; cd "$here"
   else

@@ -2,7 +2,7 @@
 :func:`kernels.comm.reference.plan_receive`: the bookkeeping around a dispatch's stores, one launch
 each instead of a few dozen small ones (what bounds a small batch's latency).
 
-``plan_send`` is a thread per token. A CTA scans (Hillis-Steele, every rank at once) which ranks
+``plan_send`` is a thread per token. A CTA scans (``kernels.scan``, every rank at once) which ranks
 its tokens go to: each token's slot among its CTA's, and the CTA's count per rank; it also copies
 the ids and weight bits a token carries. Up to ``ONE_CTA_TOKENS`` tokens that CTA is the whole
 batch, so it writes the final rows and counts itself (one launch); past that a second launch adds
@@ -28,6 +28,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_tensor
 
 from .reference import ReceivePlan, SendPlan
@@ -35,7 +36,6 @@ from .reference import ReceivePlan, SendPlan
 SEND_THREADS = 256  # tokens a CTA of a batch of several CTAs
 ONE_CTA_TOKENS = 1024  # up to this many tokens, plan_send is one CTA and one launch
 RECEIVE_THREADS = 256
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 def send_threads(num_tokens: int) -> int:
@@ -45,7 +45,7 @@ def send_threads(num_tokens: int) -> int:
     return SEND_THREADS
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", threads: int = SEND_THREADS):
     """``(idx_TK, weight_bits_TK, dest_TW, home_TW, meta_TM, block_BW, count_W, e_local, rank,
     t_max)``: per CTA of ``threads`` tokens, each token's slot among the CTA's tokens per rank, the
@@ -54,7 +54,7 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", thre
     ``dest_TW`` for :func:`get_plan_place_kernel` (``home_TW``, ``count_W`` untouched).
     ``index_dtype``: int32, or int64 as the router returns them (no conversion launch)."""
     num_tokens = T.dynamic("num_tokens")
-    strides = [1 << i for i in range((threads - 1).bit_length())]
+    scan = block_scan(world, threads // WARP)
 
     @T.prim_func
     def plan_send_kernel(
@@ -75,8 +75,8 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", thre
             ids_K = T.alloc_local((topk,), T.int32)
             bits_K = T.alloc_local((topk,), T.int32)
             goes_W = T.alloc_local((world,), T.int32)
-            partial_W = T.alloc_local((world,), T.int32)
-            scan_XW = T.alloc_shared((threads, world), T.int32)  # X: threads
+            upto_W = T.alloc_local((world,), T.int32)  # the CTA's tokens up to this one going to each rank
+            totals_WY = T.alloc_shared((world, threads // WARP), T.int32)  # Y: warps
             for w in T.unroll(world):
                 goes_W[w] = 0
             if token < num_tokens:
@@ -88,27 +88,19 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", thre
                         if ids_K[k] >= w * e_local and ids_K[k] < (w + 1) * e_local:
                             goes_W[w] = 1
             for w in T.unroll(world):
-                scan_XW[tid, w] = goes_W[w]
-            T.sync_threads()
-            for stride in strides:  # inclusive scan over the threads, every rank at once
+                upto_W[w] = goes_W[w]
+            scan(upto_W, totals_WY, tid)
+            if tid == threads - 1:
                 for w in T.unroll(world):
-                    partial_W[w] = scan_XW[tid, w]
-                    if tid >= stride:
-                        partial_W[w] = partial_W[w] + scan_XW[tid - stride, w]
-                T.sync_threads()
-                for w in T.unroll(world):
-                    scan_XW[tid, w] = partial_W[w]
-                T.sync_threads()
-            if tid < world:
-                block_BW[b, tid] = scan_XW[threads - 1, tid]
-                if T.ceildiv(num_tokens, threads) == 1:
-                    count_W[tid] = scan_XW[threads - 1, tid]
+                    block_BW[b, w] = upto_W[w]
+                    if T.ceildiv(num_tokens, threads) == 1:
+                        count_W[w] = upto_W[w]
             if token < num_tokens:
                 for k in T.unroll(topk):
                     meta_TM[token, k] = ids_K[k]
                     meta_TM[token, topk + k] = bits_K[k]
                 for w in T.unroll(world):
-                    slot = scan_XW[tid, w] - 1
+                    slot = upto_W[w] - 1
                     if T.ceildiv(num_tokens, threads) == 1:
                         dest_TW[token, w] = T.if_then_else(goes_W[w] == 1, rank * t_max + slot, -1)
                         home_TW[token, w] = T.if_then_else(goes_W[w] == 1, w * t_max + slot, -1)
@@ -118,7 +110,7 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", thre
     return plan_send_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_plan_place_kernel(world: int):
     """Pass 2 of a batch of several CTAs, ``(dest_TW, home_TW, block_BW, count_W, rank, t_max)``:
     a CTA's base slot per rank is the sum of the earlier CTAs' counts; slots become rows of the
@@ -161,7 +153,7 @@ def get_plan_place_kernel(world: int):
     return plan_place_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_plan_receive_kernel(world: int, topk: int):
     """``(meta_RM, count_W, local_idx_RK, weight_bits_RK, back_RW, e_local, rank, t_max)``."""
     num_rows = T.dynamic("num_rows")

@@ -5,15 +5,16 @@ in one launch, :func:`kernels.comm.reference.plan_receive` and the local experts
 The two ran as five launches (``plan_receive``, then the layout's fill, rank, scan and scatter
 passes): 12.5 us of kernel time for 256 received rows of top-8 on an H100 (session 12's first
 profile), made of launches and round trips to global memory between passes, not of work. Here one
-CTA of ``THREADS`` threads holds the routes (``ROUTES_PER_THREAD`` each, at most ``MAX_ROUTES``):
+CTA of ``THREADS`` threads holds the routes (at most ``ROUTES_PER_THREAD`` each, each warp a run of
+consecutive routes, as long for every warp; at most ``MAX_ROUTES``):
 
-1. each route's expert, read from the received metadata and checked against its sender's count,
-   stays in a register; its weight bits and its row's way back are stored as ``plan_receive``
-   stores them;
+1. each route's expert, read from the received metadata and checked against its sender's count
+   (every load issued before the first store), stays in a register; its weight bits and its row's
+   way back are stored as ``plan_receive`` stores them;
 2. per warp, 32 routes at a time, ``match_any_sync`` ranks the routes of each expert in route order
    (a warp's running counts per expert in shared memory), as the layout's rank pass does;
 3. a thread per expert turns the warps' counts into exclusive prefixes and a total, and a scan over
-   the experts' aligned totals gives the offsets;
+   the experts' aligned totals (``kernels.scan``) gives the offsets;
 4. each route's row is its expert's first row + its warp's prefix + its rank: ``pos``, and ``src_P``
    at that row (``src_P`` was filled with -1 first: padding rows read -1).
 
@@ -30,16 +31,15 @@ import torch
 from tilelang import language as T
 
 from kernels.permute.reference import ExpertLayout
+from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_tensor
 
 from .reference import ReceivePlan
 
-WARP = 32
 THREADS = 1024
 ROUTES_PER_THREAD = 4
 MAX_ROUTES = THREADS * ROUTES_PER_THREAD  # 512 received rows of top-8
 MAX_EXPERTS = 512  # a warp's counts for every expert in shared memory: 64 KiB
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 def fits(num_routes: int, num_local_experts: int) -> bool:
@@ -47,15 +47,13 @@ def fits(num_routes: int, num_local_experts: int) -> bool:
     return num_routes <= MAX_ROUTES and num_local_experts <= MAX_EXPERTS
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment: int):
     """``(meta_RM, count_W, local_idx_RK, weight_bits_RK, back_RW, counts_E, offsets_E, pos_R,
     src_P, rank, t_max)`` for ``num_experts`` local experts (R and P dynamic)."""
     num_rows, num_layout_rows = T.dynamic("num_rows"), T.dynamic("num_layout_rows")
     warps = THREADS // WARP
-    per_warp = ROUTES_PER_THREAD * WARP
-    scan_threads = max(WARP, 1 << (num_experts - 1).bit_length())
-    strides = [1 << i for i in range((scan_threads - 1).bit_length())]
+    scan = block_scan(1, warps)
 
     @T.prim_func
     def receive_layout_kernel(
@@ -78,18 +76,17 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             experts = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
             ranks = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
             counts_WE = T.alloc_shared((warps * num_experts,), T.int32)
-            scan_X = T.alloc_shared((THREADS,), T.int32)
+            end_1 = T.alloc_local((1,), T.int32)
+            totals_1Y = T.alloc_shared((1, warps), T.int32)
             first_E = T.alloc_shared((num_experts,), T.int32)
-            sent_W = T.alloc_shared((world,), T.int32)
             before = T.alloc_var(T.int32)
             total = T.alloc_var(T.int32)
-            partial = T.alloc_var(T.int32)
             row_out = T.alloc_var(T.int32)
             row = T.alloc_var(T.int32)  # variables, not expressions: each computed once (one division)
             src = T.alloc_var(T.int32)
-            local = T.alloc_var(T.int32)
             valid = T.alloc_var(T.bool)
             num_routes = num_rows * topk
+            rounds = T.ceildiv(num_routes, THREADS)  # routes a lane; a warp's run is rounds * 32 routes
 
             for s in T.serial(T.ceildiv(num_layout_rows, THREADS)):
                 if s * THREADS + tid < num_layout_rows:
@@ -97,41 +94,49 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             for s in T.unroll(T.ceildiv(warps * num_experts, THREADS)):
                 if s * THREADS + tid < warps * num_experts:
                     counts_WE[s * THREADS + tid] = 0
-            if tid < world:
-                sent_W[tid] = count_W[tid]
-            T.sync_threads()
 
-            # 1. each route's local expert (-1: not this rank's), and plan_receive's stores
+            # 1. each route's expert and its sender's count, all loaded before anything is stored
             for j in T.unroll(ROUTES_PER_THREAD):
-                route = warp * per_warp + j * WARP + lane
+                route = (warp * rounds + j) * WARP + lane
                 experts[j] = -1
-                if route < num_routes:
+                ranks[j] = 0
+                if j < rounds and route < num_routes:
+                    row = route // topk
+                    src = row // t_max  # rows are >= 0: a truncating int32 division
+                    experts[j] = meta_RM[row, route % topk] - rank * num_experts
+                    ranks[j] = count_W[src] - (row - src * t_max)  # > 0: among the rows src sent
+            # then each route's local expert (-1: not this rank's), and plan_receive's stores
+            for j in T.unroll(ROUTES_PER_THREAD):
+                route = (warp * rounds + j) * WARP + lane
+                if j < rounds and route < num_routes:
                     row = route // topk
                     k = route % topk
-                    src = row // t_max  # rows are >= 0: a truncating int32 division
-                    valid = row - src * t_max < sent_W[src]
-                    local = meta_RM[row, k] - rank * num_experts
-                    if valid and local >= 0 and local < num_experts:
-                        experts[j] = local
+                    valid = ranks[j] > 0
+                    if not valid or experts[j] < 0 or experts[j] >= num_experts:
+                        experts[j] = -1
                     local_idx_RK[row, k] = experts[j]
                     weight_bits_RK[row, k] = T.if_then_else(experts[j] >= 0, meta_RM[row, topk + k], 0)
                     if k == 0:
+                        src = row // t_max
                         for w in T.unroll(world):
                             back_RW[row, w] = T.if_then_else(valid and w == src, row + (rank - src) * t_max, -1)
+
+            T.sync_threads()  # the zeroed counts
 
             # 2. ranks among the warp's routes of the same expert, in route order
             lanes_below = (T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1)
             for j in T.unroll(ROUTES_PER_THREAD):
-                peers = T.match_any_sync(experts[j])
-                below = T.Cast(T.int32, T.popcount(peers & lanes_below))
-                before = 0
-                if experts[j] >= 0:
-                    before = counts_WE[warp * num_experts + experts[j]]
-                T.sync_warp()
-                if experts[j] >= 0 and below == 0:
-                    counts_WE[warp * num_experts + experts[j]] = before + T.Cast(T.int32, T.popcount(peers))
-                ranks[j] = before + below
-                T.sync_warp()
+                if j < rounds:  # the same for the whole CTA
+                    peers = T.match_any_sync(experts[j])
+                    below = T.Cast(T.int32, T.popcount(peers & lanes_below))
+                    before = 0
+                    if experts[j] >= 0:
+                        before = counts_WE[warp * num_experts + experts[j]]
+                    T.sync_warp()
+                    if experts[j] >= 0 and below == 0:
+                        counts_WE[warp * num_experts + experts[j]] = before + T.Cast(T.int32, T.popcount(peers))
+                    ranks[j] = before + below
+                    T.sync_warp()
             T.sync_threads()
 
             # 3. per expert: the warps' exclusive prefixes, the total, then the aligned offsets
@@ -142,24 +147,17 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                     counts_WE[w * num_experts + tid] = total
                     total = total + before
                 counts_E[tid] = total
-            scan_X[tid] = (total + alignment - 1) // alignment * alignment
-            T.sync_threads()
-            for stride in strides:  # Hillis-Steele, inclusive, over the experts (threads past E keep the barriers)
-                partial = scan_X[tid]
-                if tid >= stride:
-                    partial = partial + scan_X[tid - stride]
-                T.sync_threads()
-                scan_X[tid] = partial
-                T.sync_threads()
+            end_1[0] = (total + alignment - 1) // alignment * alignment
+            scan(end_1, totals_1Y, tid)  # over the experts (threads past E add nothing)
             if tid < num_experts:
-                offsets_E[tid] = scan_X[tid]
-                first_E[tid] = scan_X[tid] - (total + alignment - 1) // alignment * alignment
+                offsets_E[tid] = end_1[0]
+                first_E[tid] = end_1[0] - (total + alignment - 1) // alignment * alignment
             T.sync_threads()
 
             # 4. each route's row
             for j in T.unroll(ROUTES_PER_THREAD):
-                route = warp * per_warp + j * WARP + lane
-                if route < num_routes:
+                route = (warp * rounds + j) * WARP + lane
+                if j < rounds and route < num_routes:
                     row_out = -1
                     if experts[j] >= 0:
                         row_out = first_E[experts[j]] + counts_WE[warp * num_experts + experts[j]] + ranks[j]

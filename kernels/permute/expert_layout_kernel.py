@@ -42,11 +42,11 @@ import torch
 from tilelang import language as T
 
 from kernels.quant.tiles import check_cuda
+from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES, ExpertLayout, max_rows
 
-WARP = 32
 WARPS = 16
 NUM_BLOCKS = 32
 SCATTER_THREADS = 256
@@ -57,7 +57,6 @@ ONE_CTA_THREADS = 1024
 ONE_CTA_ROUTES = 4 * ONE_CTA_THREADS
 ONE_CTA_EXPERTS = 512
 INDEX_DTYPE_NAMES = {torch.int32: "int32", torch.int64: "int64"}
-PASS_CONFIGS = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 @T.macro
@@ -121,34 +120,27 @@ def _rank_routes(topk_idx_R, rank_R, block_counts_BE, counts_WE, num_routes, blo
 
 
 @T.macro
-def _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, scan_E, e, column_B,
-                  blocks: int, threads: int, num_experts: int, alignment: int):
-    """Pass 2 with a thread ``e`` per expert (``threads`` >= E, a power of two; the CTA's other
-    threads, if any, only keep the barriers): ``counts_E``, aligned end offsets, and each of
-    ``blocks`` CTAs' first row per expert."""
+def _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, end_1, totals_1Y, e, column_B, scan,
+                  blocks: int, num_experts: int, alignment: int):
+    """Pass 2 with a thread ``e`` per expert (the CTA's other threads only keep the barriers of
+    ``scan``, a :func:`kernels.scan.block_scan` of one value over the CTA, ``totals_1Y`` its
+    scratch): ``counts_E``, aligned end offsets, and each of ``blocks`` CTAs' first row per expert."""
     total = T.alloc_var(T.int32)
-    partial = T.alloc_var(T.int32)
+    row = T.alloc_var(T.int32)
     total = 0
     if e < num_experts:
         for b in T.unroll(blocks):
             column_B[b] = block_counts_BE[b, e]
             total = total + column_B[b]
         counts_E[e] = total
-    scan_E[e] = (total + alignment - 1) // alignment * alignment
-    T.sync_threads()
-    for stride in [1 << i for i in range((threads - 1).bit_length())]:  # Hillis-Steele, inclusive
-        partial = scan_E[e]
-        if e >= stride:
-            partial = partial + scan_E[e - stride]
-        T.sync_threads()
-        scan_E[e] = partial
-        T.sync_threads()
+    end_1[0] = (total + alignment - 1) // alignment * alignment
+    scan(end_1, totals_1Y, e)
     if e < num_experts:
-        offsets_E[e] = scan_E[e]
-        partial = scan_E[e] - (total + alignment - 1) // alignment * alignment
+        offsets_E[e] = end_1[0]
+        row = end_1[0] - (total + alignment - 1) // alignment * alignment
         for b in T.unroll(blocks):
-            block_start_BE[b, e] = partial
-            partial = partial + column_B[b]
+            block_start_BE[b, e] = row
+            row = row + column_B[b]
 
 
 @T.macro
@@ -168,7 +160,7 @@ def _scatter_route(topk_idx_R, rank_R, block_start_BE, pos_R, src_P, num_routes,
         pos_R[route] = row
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_expert_layout_rank_kernel(num_experts: int, index_dtype: str):
     """Pass 1: ranks within each CTA's chunk and per-CTA totals (the route count is dynamic)."""
     num_routes = T.dynamic("num_routes")
@@ -188,10 +180,11 @@ def get_expert_layout_rank_kernel(num_experts: int, index_dtype: str):
     return expert_layout_rank_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_expert_layout_scan_kernel(num_experts: int, alignment: int):
     """Pass 2: counts, aligned end offsets, and each CTA's first row per expert."""
     threads = max(WARP, 1 << (num_experts - 1).bit_length())
+    scan = block_scan(1, threads // WARP)
 
     @T.prim_func
     def expert_layout_scan_kernel(
@@ -202,14 +195,15 @@ def get_expert_layout_scan_kernel(num_experts: int, alignment: int):
     ):
         with T.Kernel(1, threads=threads):
             column_B = T.alloc_local((NUM_BLOCKS,), T.int32)
-            scan_E = T.alloc_shared((threads,), T.int32)
-            _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, scan_E, T.get_thread_binding(),
-                          column_B, NUM_BLOCKS, threads, num_experts, alignment)
+            end_1 = T.alloc_local((1,), T.int32)
+            totals_1Y = T.alloc_shared((1, threads // WARP), T.int32)
+            _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, end_1, totals_1Y,
+                          T.get_thread_binding(), column_B, scan, NUM_BLOCKS, num_experts, alignment)
 
     return expert_layout_scan_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_expert_layout_scatter_kernel(num_experts: int, index_dtype: str):
     """Pass 3: ``pos_R`` and ``src_P`` (the route and row counts are dynamic)."""
     num_routes = T.dynamic("num_routes")
@@ -231,7 +225,7 @@ def get_expert_layout_scatter_kernel(num_experts: int, index_dtype: str):
     return expert_layout_scatter_kernel
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
 def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dtype: str):
     """The three passes in one CTA of ``ONE_CTA_THREADS`` threads, for at most ``ONE_CTA_ROUTES``
     routes (a small batch: one launch instead of four with ``src_P``'s fill). Barriers stand for
@@ -239,6 +233,7 @@ def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dty
     num_routes = T.dynamic("num_routes")
     num_rows = T.dynamic("num_rows")
     warps = ONE_CTA_THREADS // WARP
+    scan = block_scan(1, warps)
 
     @T.prim_func
     def expert_layout_one_cta_kernel(
@@ -256,11 +251,12 @@ def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dty
             thread = T.get_thread_binding()
             counts_WE = T.alloc_shared((warps * num_experts,), T.int32)
             column_B = T.alloc_local((1,), T.int32)
-            scan_E = T.alloc_shared((ONE_CTA_THREADS,), T.int32)
+            end_1 = T.alloc_local((1,), T.int32)
+            totals_1Y = T.alloc_shared((1, warps), T.int32)
             _rank_routes(topk_idx_R, rank_R, block_counts_BE, counts_WE, num_routes, 0, chunk, thread, warps,
                          num_experts)
-            _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, scan_E, thread, column_B, 1,
-                          max(WARP, 1 << (num_experts - 1).bit_length()), num_experts, alignment)
+            _scan_experts(block_counts_BE, counts_E, offsets_E, block_start_BE, end_1, totals_1Y, thread, column_B,
+                          scan, 1, num_experts, alignment)
             for s in T.serial(T.ceildiv(num_rows, ONE_CTA_THREADS)):
                 if s * ONE_CTA_THREADS + thread < num_rows:
                     src_P[s * ONE_CTA_THREADS + thread] = -1
