@@ -41,16 +41,6 @@ from kernels.quant.tiles import (
 from kernels.validate import check_dtype, check_tensor
 
 PAD_ROWS = 16  # layout rows a padding CTA checks (and zeroes where src_P is -1), whole rows each
-SPLIT_CTAS = 1024  # fewer tiles of rows than this: a row's routes are split over CTAs (route_splits)
-
-
-def route_splits(num_tiles: int, topk: int) -> int:
-    """CTAs that share a tile's routes (each loads the tile and stores to ``topk / splits`` of its
-    rows' routes): a small batch's few whole-row CTAs leave too few stores in flight to fill the
-    memory system, so they are multiplied up to ``SPLIT_CTAS`` (the largest divisor of ``topk``
-    that stays at or under it); the repeated loads hit L2."""
-    want = max(1, SPLIT_CTAS // max(1, num_tiles))
-    return max(d for d in range(1, topk + 1) if topk % d == 0 and d <= want)
 
 
 def row_tile(hidden: int, group: int, vec: int) -> tuple[int, int, int]:
@@ -65,12 +55,10 @@ def row_tile(hidden: int, group: int, vec: int) -> tuple[int, int, int]:
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool, out_dtype: str, splits: int = 1):
+def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool, out_dtype: str):
     """``(q_TD, sf_TG, pos_TK, src_P, offsets_E, x_PD)`` kernel: row t's e4m3 values times its
     scale per ``group`` columns (uint8 exponents when ``packed``), in ``out_dtype``, stored to rows
-    ``pos_TK[t, :]`` (each tile's routes over ``splits`` CTAs, :func:`route_splits`); zeros where
-    ``src_P`` is -1 before ``offsets_E[-1]``."""
-    per_cta = topk // splits  # routes a CTA stores
+    ``pos_TK[t, :]``; zeros where ``src_P`` is -1 before ``offsets_E[-1]``."""
     num_tokens, num_rows, num_experts = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_experts")
     vec = vector_width(hidden, T.dtype(out_dtype).bytes)  # sized by the output, as in cast_back
     tile_m, tile_n, threads = row_tile(hidden, group, vec)
@@ -87,12 +75,11 @@ def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool
     ):
         pad_blocks = T.ceildiv(num_rows, PAD_ROWS)
         tiles_n = T.ceildiv(hidden, tile_n)
-        with T.Kernel(pad_blocks + T.ceildiv(num_tokens, tile_m) * tiles_n * splits, threads=threads) as pid:
-            tile, split = (pid - pad_blocks) // splits, (pid - pad_blocks) % splits  # a tile's splits launch together
-            tm, pn = row_major(tile, tiles_n)
+        with T.Kernel(pad_blocks + T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
+            tm, pn = row_major(pid - pad_blocks, tiles_n)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
             x_frag = T.alloc_fragment((tile_m, tile_n), out_dtype)
-            pos_MK = T.alloc_shared((tile_m, per_cta), "int32")
+            pos_MK = T.alloc_shared((tile_m, topk), "int32")
             routed = T.alloc_shared((1,), "int32")  # 1 once any of the tile's rows has a route
             pad_M = T.alloc_shared((PAD_ROWS,), "int32")  # 1 = a padding row of this CTA
             layout = vector_layout(tile_m, tile_n, threads, vec)
@@ -107,11 +94,11 @@ def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool
                         x_PD[pid * PAD_ROWS + r, j] = T.cast(0, out_dtype)
             else:
                 routed[0] = 0
-                for i, k in T.Parallel(tile_m, per_cta):
+                for i, k in T.Parallel(tile_m, topk):
                     token = tm * tile_m + i
-                    row = T.if_then_else(token < num_tokens, pos_TK[token, split * per_cta + k], -1)
+                    row = T.if_then_else(token < num_tokens, pos_TK[token, k], -1)
                     pos_MK[i, k] = T.if_then_else(row < num_rows, row, -1)
-                for i, k in T.Parallel(tile_m, per_cta):
+                for i, k in T.Parallel(tile_m, topk):
                     if pos_MK[i, k] >= 0:
                         routed[0] = 1  # every writer stores the same value
                 if routed[0] == 1:
@@ -119,7 +106,7 @@ def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool
                     for i, j in T.Parallel(tile_m, tile_n):
                         sf = unpack_scale(sf_TG[tm * tile_m + i, (pn * tile_n + j) // group], packed)
                         x_frag[i, j] = T.cast(T.cast(q_frag[i, j], "float32") * sf, out_dtype)
-                    for k in T.unroll(per_cta):
+                    for k in T.unroll(topk):
                         for i, j in T.Parallel(tile_m, tile_n):
                             if pos_MK[i, k] >= 0:
                                 x_PD[pos_MK[i, k], pn * tile_n + j] = x_frag[i, j]
@@ -154,9 +141,7 @@ def expand_cast_back(
         return x_PD
     if num_tokens == 0:  # every row is padding
         return x_PD.zero_()
-    tile_m, tile_n, _ = row_tile(d, group, vector_width(d, out_dtype.itemsize))
-    splits = route_splits(-(-num_tokens // tile_m) * -(-d // tile_n), topk)
-    kernel = get_expand_cast_back_kernel(d, topk, group, sf_TG.dtype == torch.uint8, tl_dtype(out_dtype), splits)
+    kernel = get_expand_cast_back_kernel(d, topk, group, sf_TG.dtype == torch.uint8, tl_dtype(out_dtype))
     kernel(q_TD.contiguous(), sf_TG.contiguous(), layout.pos_TK.to(torch.int32).contiguous(),
            layout.src_P.to(torch.int32).contiguous(), layout.offsets_E.to(torch.int32).contiguous(), x_PD)
     return x_PD

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import lowering
-from kernels.permute.expand_cast_back_kernel import expand_cast_back, get_expand_cast_back_kernel, route_splits
+from kernels.permute.expand_cast_back_kernel import expand_cast_back, get_expand_cast_back_kernel
 from kernels.permute.reference import expert_layout, max_rows
 from kernels.quant import reference
 from kernels.testing import fp8_rows, poison_allocator, routes
@@ -82,22 +82,14 @@ def test_reference_dequantizes_each_routed_row():
         assert torch.equal(x_PD[p], expected)
 
 
-def test_route_splits_fill_the_grid_up_to_split_ctas():
-    """A small batch's rows take several CTAs each (a divisor of K), a large batch's one."""
-    assert [route_splits(tiles, 8) for tiles in (1, 128, 256, 300, 1024, 8192)] == [8, 8, 4, 2, 1, 1]
-    assert route_splits(200, 6) == 3 and route_splits(0, 2) == 2
-
-
 def test_compiles_for_sm90a():
-    """DeepSeek's dispatch (hidden 7168, top-8, bf16 out) with float32 and packed scales, whole
-    and split over 4 CTAs (the small batch), the tiny model's (hidden 64, top-2, float32 out),
-    then a ragged width."""
+    """DeepSeek's dispatch (hidden 7168, top-8, bf16 out) with float32 and packed scales, the tiny
+    model's (hidden 64, top-2, float32 out), then a ragged width."""
     with lowering.compile_only():
         for spec in [
             (7168, 8, 128, False, "bfloat16"),
             (7168, 8, 128, True, "bfloat16"),
-            (7168, 8, 128, False, "bfloat16", 4),
             (64, 2, 128, False, "float32"),
-            (300, 6, 128, False, "float16", 3),
+            (300, 6, 128, False, "float16"),
         ]:
             assert "fp8" in lowering.kernel_source(get_expand_cast_back_kernel(*spec)), spec
