@@ -18,7 +18,10 @@ LIMIT=200 run ncu-dispatch "${NCU_RUN[@]}" --set full --kernel-name "regex:$path
 "$NCU" -i "$out/dispatch-256.ncu-rep" --page source --print-source sass --csv --kernel-name regex:receive_layout \
   --launch-count 1 > "$out/receive-layout-sass.csv" 2>&1
 grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Block Size|Grid Size" "$out/dispatch-256-details.txt" | head -60
+# Only the ops' kernels (ours and tile-kernels' end in _kernel, torch.compile's start with triton_):
+# profiling torch's own input and check kernels too took the whole 360 s in session 13.
 LIMIT=360 run ncu-small "${NCU_RUN[@]}" --section SpeedOfLight --section LaunchStats --section Occupancy -o "$out/small" \
+  --kernel-name-base demangled --kernel-name "regex:^([a-z0-9_]+_kernel|triton_.*)$" \
   python3 -m ep_runtime.cli bench kernels --shapes small --ops per_token_cast,per_block_cast,per_channel_cast,swiglu,batched_transpose \
   --iters 3 --warmup 1 --out "$out/kernels-small.json"
 "$NCU" -i "$out/small.ncu-rep" --page details --csv > "$out/small-details.csv" 2>&1
