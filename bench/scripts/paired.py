@@ -48,7 +48,7 @@ def main() -> None:
     for op in a.ops.split(","):
         for shape_name in ("v4-d4096", "v4-d7168"):
             inp = bench.StreamInputs(bench.SHAPES[shape_name], device, seed)
-            (case,), _ = bench.build_cases(inp, [op], with_peers=True)
+            (case,) = bench.build_cases(inp, [op], with_peers=True)
             r = paired_rounds(case, timer, a.rounds)
             print(f"{shape_name:9s} {op:24s} median ratio {r['median_ratio']:.4f}  ours won {r['ours_won']}/{a.rounds}  "
                   f"ours {statistics.median(r['ours_us']):.1f} us  tile-kernels {statistics.median(r['tile_kernels_us']):.1f} us"

@@ -182,7 +182,7 @@ def main() -> None:
         for shape_name in shapes:
             shape = bench.SHAPES[shape_name]
             inp = (bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs)(shape, device, seed)
-            (case,), _ = bench.build_cases(inp, [op], with_peers=True)
+            (case,) = bench.build_cases(inp, [op], with_peers=True)
             shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=budget, impl="tilelang")
             peer_us = {name: r.get("time_us", r.get("error")) for name, r in shipped.pop("peers", {}).items()}
             found = {"shipped": shipped}
