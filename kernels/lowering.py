@@ -2,13 +2,15 @@
 
 ``compile_only()`` makes every ``@tilelang.jit`` factory called inside it lower to CUDA for
 ``sm_90a`` and compile with nvcc on a machine without a GPU (CI does this for every kernel), with
-TileLang's kernel cache off so a stale cached binary cannot hide a kernel that no longer compiles. ``kernel_source`` is the one place kernels' CUDA source is dumped from.
+TileLang's kernel cache off so a stale cached binary cannot hide a kernel that no longer compiles. ``kernel_source`` is the one place kernels' CUDA source is dumped from; ``waits_first`` reads
+it for :func:`kernels.pdl.chained`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,3 +40,22 @@ def kernel_source(kernel, dump_dir: str | os.PathLike | None = None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(source)
     return source
+
+
+_KERNEL_OPEN = re.compile(r"__global__ void __launch_bounds__\([^)]*\) \w+\([^)]*\) \{\n")
+# what may precede the PDL wait: shared-memory declarations and their views, locals set to constants
+_DECLARATION = re.compile(r"(extern )?__shared__ |void\* \w+ = \(\(void\*\)\(\(char\*\)buf_dyn_shmem|"
+                          r"[A-Za-z_][\w ]* \w+(\[\d+\])*( = (\([\w ]+\))?-?\d[\w.+]*)?;$")
+_CHAINED = ["cudaTriggerProgrammaticLaunchCompletion();", "cudaGridDependencySynchronize();"]
+
+
+def waits_first(source: str) -> bool:
+    """True when every kernel in ``source`` opens with :func:`kernels.pdl.chained`'s trigger and
+    wait with nothing but declarations before them (no load or store can precede the wait)."""
+    bodies = [source[m.end():] for m in _KERNEL_OPEN.finditer(source)]
+    for body in bodies:
+        statements = (line.strip() for line in body.splitlines())
+        statements = [s for s in statements if s and not _DECLARATION.match(s)]
+        if statements[:2] != _CHAINED:
+            return False
+    return bool(bodies)

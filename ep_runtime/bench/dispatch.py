@@ -10,8 +10,12 @@ small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch``
 tokens out in the local experts' aligned layout, FP8 on the wire with ``--fp8``, the default),
 ``combine`` (the layout's rows, bf16, weighted-reduced and summed at home), and for ``nvlink`` its
 ``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier) and, on
-GPUs, all three replayed as CUDA graphs (``graph``: the steady state without host overhead;
-eager calls launch a few dozen kernels each). Peers
+GPUs, these three and ``to_buffers`` replayed as CUDA graphs (``graph``: the steady state without
+host overhead; eager calls launch a few dozen kernels each). ``to_buffers`` is dispatch up to
+where DeepEP's ends: the rows (FP8 with their scales) in the receive buffers, grouped by source
+rank, with the routes, weights and the local experts' layout, but not yet expanded into the
+layout's bf16 rows (which writes ``min(K, E_local)`` copies of each row, about 470 MB a rank at
+DeepSeek-V3's 4096 tokens on two ranks: the experts' input, not NVLink traffic). Peers
 of the same bytes: NCCL ``all_to_all_single`` and the P2P copy ceiling (``copy_`` of a rank's
 remote bytes into its peer's symmetric buffer); ``--peer vdev`` runs only
 ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM, which must be chosen before any symmetric
@@ -135,8 +139,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
 
 
 def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_ms, a, show: bool) -> dict:
-    """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, all
-    three replayed as CUDA graphs (and the profile with ``--profile``)."""
+    """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, these
+    and dispatch to the receive buffers replayed as CUDA graphs (and the profile with ``--profile``)."""
     import torch
 
     out = {}
@@ -152,7 +156,8 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_
     if backend != "nvlink":
         return times
     q_TD = torch.empty(x_TD.shape[0], token_bytes, dtype=torch.uint8, device=x_TD.device)
-    steps = {"dispatch": dispatch, "combine": combine, "transport": lambda: d.scatter(q_TD, out["handle"].route)}
+    steps = {"dispatch": dispatch, "combine": combine, "transport": lambda: d.scatter(q_TD, out["handle"].route),
+             "to_buffers": lambda: d.move_tokens(x_TD, idx_TK, w_TK)}
     times["nvlink_transport_ms"] = median_ms(steps["transport"], False)
     if x_TD.is_cuda:
         for name, graph in zip(steps, _capture(*steps.values())):

@@ -28,6 +28,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_tensor
 
@@ -70,6 +71,7 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32", thre
         t_max: T.int32,
     ):
         with T.Kernel(T.ceildiv(num_tokens, threads), threads=threads) as b:
+            chained()
             tid = T.get_thread_binding()
             token = b * threads + tid
             ids_K = T.alloc_local((topk,), T.int32)
@@ -127,6 +129,7 @@ def get_plan_place_kernel(world: int):
         t_max: T.int32,
     ):
         with T.Kernel(T.ceildiv(num_tokens, SEND_THREADS), threads=SEND_THREADS) as b:
+            chained()
             tid = T.get_thread_binding()
             token = b * SEND_THREADS + tid
             base_W = T.alloc_shared((world,), T.int32)
@@ -170,6 +173,7 @@ def get_plan_receive_kernel(world: int, topk: int):
         t_max: T.int32,
     ):
         with T.Kernel(T.ceildiv(num_rows, RECEIVE_THREADS), threads=RECEIVE_THREADS) as block:
+            chained()
             row = block * RECEIVE_THREADS + T.get_thread_binding()
             meta_M = T.alloc_local((2 * topk,), T.int32)
             src = T.alloc_var(T.int32)

@@ -19,6 +19,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
 from kernels.quant.tiles import PEER_PASS_CONFIGS
 
@@ -42,6 +43,7 @@ def get_put_rows_kernel(word: str, vec: int, tile_v: int, world: int):
         dst_CX: T.Tensor[(nc, vec), word],
     ):
         with T.Kernel(T.ceildiv(num_src, tile_m), T.ceildiv(nv, tile_v), threads=THREADS) as (bm, bn):
+            chained()
             tid = T.get_thread_binding()
             buf = T.alloc_local((per_thread * vec,), word)
             row = T.alloc_var(T.int32)

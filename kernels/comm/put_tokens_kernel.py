@@ -22,6 +22,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.quant.tiles import (
     PEER_PASS_CONFIGS,
@@ -68,6 +69,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_
         tiles_n = T.ceildiv(hidden, tile_n)
         # At least one CTA: with no tokens the counts (zeros) still go out.
         with T.Kernel(T.max(T.ceildiv(num_tokens, tile_m) * tiles_n, 1), threads=threads) as pid:
+            chained()
             pm, pn = row_major(pid, tiles_n)
             x_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")

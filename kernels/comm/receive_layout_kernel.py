@@ -30,6 +30,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.permute.reference import ExpertLayout
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_tensor
@@ -70,6 +71,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
         t_max: T.int32,
     ):
         with T.Kernel(1, threads=THREADS):
+            chained()
             tid = T.get_thread_binding()
             lane = tid % WARP
             warp = tid // WARP

@@ -26,6 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.permute import expand_quant_kernel  # a module, not a name: kernels.quant imports both
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
@@ -76,6 +77,7 @@ def get_expand_cast_back_kernel(hidden: int, topk: int, group: int, packed: bool
         pad_blocks = T.ceildiv(num_rows, PAD_ROWS)
         tiles_n = T.ceildiv(hidden, tile_n)
         with T.Kernel(pad_blocks + T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
+            chained()
             tm, pn = row_major(pid - pad_blocks, tiles_n)
             q_frag = T.alloc_fragment((tile_m, tile_n), "float8_e4m3fn")
             x_frag = T.alloc_fragment((tile_m, tile_n), out_dtype)

@@ -41,6 +41,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.quant.tiles import check_cuda
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_positive, check_tensor
@@ -173,6 +174,7 @@ def get_expert_layout_rank_kernel(num_experts: int, index_dtype: str):
         chunk: T.int32,
     ):
         with T.Kernel(NUM_BLOCKS, threads=WARPS * WARP) as block:
+            chained()
             counts_WE = T.alloc_shared((WARPS * num_experts,), T.int32)
             _rank_routes(topk_idx_R, rank_R, block_counts_BE, counts_WE, num_routes, block, chunk,
                          T.get_thread_binding(), WARPS, num_experts)
@@ -194,6 +196,7 @@ def get_expert_layout_scan_kernel(num_experts: int, alignment: int):
         block_start_BE: T.Tensor[(NUM_BLOCKS, num_experts), T.int32],
     ):
         with T.Kernel(1, threads=threads):
+            chained()
             column_B = T.alloc_local((NUM_BLOCKS,), T.int32)
             end_1 = T.alloc_local((1,), T.int32)
             totals_1Y = T.alloc_shared((1, threads // WARP), T.int32)
@@ -219,6 +222,7 @@ def get_expert_layout_scatter_kernel(num_experts: int, index_dtype: str):
         chunk: T.int32,
     ):
         with T.Kernel(T.ceildiv(num_routes, SCATTER_THREADS), threads=SCATTER_THREADS) as block:
+            chained()
             _scatter_route(topk_idx_R, rank_R, block_start_BE, pos_R, src_P, num_routes, num_rows,
                            block * SCATTER_THREADS + T.get_thread_binding(), chunk, NUM_BLOCKS, num_experts)
 
@@ -248,6 +252,7 @@ def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dty
         chunk: T.int32,
     ):
         with T.Kernel(1, threads=ONE_CTA_THREADS):
+            chained()
             thread = T.get_thread_binding()
             counts_WE = T.alloc_shared((warps * num_experts,), T.int32)
             column_B = T.alloc_local((1,), T.int32)

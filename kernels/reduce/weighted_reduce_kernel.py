@@ -23,6 +23,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.pdl import chained
 from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.validate import check_tensor
 from kernels.quant.tiles import (
@@ -116,6 +117,7 @@ def get_weighted_reduce_kernel(
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            chained()
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
@@ -153,6 +155,7 @@ def get_weighted_reduce_put_kernel(
         dst_CV: T.Tensor[(num_dst * nv, vec), out_dtype],
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            chained()
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)

@@ -84,4 +84,5 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for row_bytes, world in ((7168, 2), (7168 * 2, 2), (56 * 4, 4), (16 * 4, 8), (4, 8)):
             args = get_kernel_args(row_bytes, world)
-            assert "put_rows_kernel" in lowering.kernel_source(get_put_rows_kernel(*args)), args
+            source = lowering.kernel_source(get_put_rows_kernel(*args))
+            assert "put_rows_kernel" in source and lowering.waits_first(source), args

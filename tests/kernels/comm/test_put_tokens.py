@@ -105,4 +105,5 @@ def test_compiles_for_sm90a():
     ranks, and the tiny model's (float32 tokens of 64, top-2)."""
     with lowering.compile_only():
         for spec in [(7168, "bfloat16", 128, 2, 16), (7168, "bfloat16", 128, 8, 16), (64, "float32", 128, 2, 4)]:
-            assert "q_CE" in lowering.kernel_source(get_put_tokens_kernel(*spec)), spec
+            source = lowering.kernel_source(get_put_tokens_kernel(*spec))
+            assert "q_CE" in source and lowering.waits_first(source), spec

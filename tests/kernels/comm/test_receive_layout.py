@@ -82,4 +82,5 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for world, k, e_local, alignment in ((2, 8, 128, 8), (1, 8, 256, 8), (8, 8, 32, 128), (2, 2, 4, 8)):
             kernel = get_receive_layout_kernel(world, k, e_local, alignment)
-            assert "__match_any_sync" in lowering.kernel_source(kernel)
+            source = lowering.kernel_source(kernel)
+            assert "__match_any_sync" in source and lowering.waits_first(source)

@@ -92,4 +92,5 @@ def test_compiles_for_sm90a():
             (64, 2, 128, False, "float32"),
             (300, 6, 128, False, "float16"),
         ]:
-            assert "fp8" in lowering.kernel_source(get_expand_cast_back_kernel(*spec)), spec
+            source = lowering.kernel_source(get_expand_cast_back_kernel(*spec))
+            assert "fp8" in source and lowering.waits_first(source), spec

@@ -6,7 +6,7 @@ tokens, or 1024 experts, take the three passes."""
 import pytest
 import torch
 
-from kernels.lowering import compile_only
+from kernels.lowering import compile_only, waits_first
 from kernels.permute import reference
 from kernels.permute.expert_layout_kernel import (
     ONE_CTA_ROUTES,
@@ -82,4 +82,5 @@ def test_compiles_for_sm90a(num_experts, alignment, index_dtype):
             get_expert_layout_one_cta_kernel(num_experts, alignment, index_dtype),
         ]
     for kernel in kernels:
-        assert "expert_layout" in kernel.get_kernel_source()
+        source = kernel.get_kernel_source()
+        assert "expert_layout" in source and waits_first(source)

@@ -104,7 +104,8 @@ HOME_SUMS = [  # combine's home sum (weights of 1, int32 rows): two ranks at hid
 def test_compiles_for_sm90a():
     with lowering.compile_only():
         for spec in SPECIALIZATIONS:
-            assert "__fmul_rn" in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
+            source = lowering.kernel_source(get_weighted_reduce_kernel(*spec))
+            assert "__fmul_rn" in source and lowering.waits_first(source), spec
         for spec in HOME_SUMS:  # no product left: the rows are added as they are
             assert "__fmul_rn" not in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
 
