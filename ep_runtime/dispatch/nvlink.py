@@ -22,7 +22,8 @@ first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cas
 bookkeeping on both sides (slots, counts, what each received row is and where it returns) is one
 launch a side for a small batch: ``kernels.comm.plan_send`` (two launches past 1024 tokens) and
 ``receive_layout``, which also lays the received routes out for the experts (``plan_receive`` and
-the layout's four launches past 4096 received routes). Combine reduces each received row over its
+the layout's four launches past 4096 received routes). Each of these kernels may launch while the
+one before it finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its
 local experts and stores it straight into block ``me`` of its home rank at the row it came from
 (``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
 (``weighted_reduce`` with unit weights, in rank order, float32).
