@@ -134,7 +134,10 @@ def get_plan_place_kernel(world: int):
             token = b * SEND_THREADS + tid
             base_W = T.alloc_shared((world,), T.int32)
             total = T.alloc_var(T.int32)
-            slot = T.alloc_var(T.int32)
+            slots_W = T.alloc_local((world,), T.int32)
+            # every load before the first store (chained, so the pointers are not __restrict__)
+            for w in T.unroll(world):
+                slots_W[w] = T.if_then_else(token < num_tokens, dest_TW[token, w], -1)
             if tid < world:
                 total = 0
                 for i in T.serial(T.ceildiv(num_tokens, SEND_THREADS)):
@@ -146,12 +149,8 @@ def get_plan_place_kernel(world: int):
             T.sync_threads()
             if token < num_tokens:
                 for w in T.unroll(world):
-                    slot = dest_TW[token, w]
-                    dest_TW[token, w] = -1
-                    home_TW[token, w] = -1
-                    if slot >= 0:
-                        dest_TW[token, w] = rank * t_max + base_W[w] + slot
-                        home_TW[token, w] = w * t_max + base_W[w] + slot
+                    dest_TW[token, w] = T.if_then_else(slots_W[w] >= 0, rank * t_max + base_W[w] + slots_W[w], -1)
+                    home_TW[token, w] = T.if_then_else(slots_W[w] >= 0, w * t_max + base_W[w] + slots_W[w], -1)
 
     return plan_place_kernel
 

@@ -46,22 +46,28 @@ def get_put_rows_kernel(word: str, vec: int, tile_v: int, world: int):
             chained()
             tid = T.get_thread_binding()
             buf = T.alloc_local((per_thread * vec,), word)
-            row = T.alloc_var(T.int32)
+            rows_VW = T.alloc_local((per_thread * world,), T.int32)
+            deltas_W = T.alloc_local((world,), T.int64)
+            # every load before the first store (chained, so the pointers are not __restrict__)
+            for w in T.unroll(world):
+                deltas_W[w] = delta_W[w]
             for v in T.unroll(per_thread):
                 c = bn * tile_v + (v * THREADS + tid) % tile_v
                 n = bm * tile_m + (v * THREADS + tid) // tile_v
+                for w in T.unroll(world):
+                    rows_VW[v * world + w] = -1
                 if c < nv and n < num_src:
                     for j in T.vectorized(vec):
                         buf[v * vec + j] = src_NVX[T.Cast(T.int64, n), c, j]
-            for w in T.serial(world):
+                    for w in T.unroll(world):
+                        rows_VW[v * world + w] = dest_NW[n, w]
+            for w in T.unroll(world):
                 for v in T.unroll(per_thread):
                     c = bn * tile_v + (v * THREADS + tid) % tile_v
-                    n = bm * tile_m + (v * THREADS + tid) // tile_v
-                    if c < nv and n < num_src:
-                        row = dest_NW[n, w]
-                        if row >= 0 and row < nc // nv:
-                            for j in T.vectorized(vec):
-                                dst_CX[delta_W[w] // vector_bytes + T.Cast(T.int64, row) * nv + c, j] = buf[v * vec + j]
+                    row = rows_VW[v * world + w]
+                    if row >= 0 and row < nc // nv:
+                        for j in T.vectorized(vec):
+                            dst_CX[deltas_W[w] // vector_bytes + T.Cast(T.int64, row) * nv + c, j] = buf[v * vec + j]
 
     return put_rows_kernel
 

@@ -77,11 +77,21 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             sf_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             dest_MW = T.alloc_shared((tile_m, world), "int32")
+            meta_MX = T.alloc_shared((tile_m, meta_width), "int32")
             T.annotate_layout({x_frag: layout, q_frag: layout})
+            # Every load before the first store: the kernel waits for the one before it (kernels.pdl),
+            # so its pointers are not __restrict__ and no load is hoisted above a store.
             for i, w in T.Parallel(tile_m, world):
                 token = pm * tile_m + i
                 row = T.if_then_else(token < num_tokens, dest_TW[token, w], -1)
                 dest_MW[i, w] = T.if_then_else(row < num_dst, row, -1)
+            deltas = T.alloc_local((world,), "int64")
+            for w in T.unroll(world):
+                deltas[w] = delta_W[w]
+            if pn == 0:
+                for i, x in T.Parallel(tile_m, meta_width):
+                    if pm * tile_m + i < num_tokens:
+                        meta_MX[i, x] = meta_TX[pm * tile_m + i, x]
             for i, j in T.Parallel(tile_m, tile_n):
                 if pm * tile_m + i < num_tokens and pn * tile_n + j < hidden:
                     x_frag[i, j] = x_TD[pm * tile_m + i, pn * tile_n + j]
@@ -92,15 +102,14 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, meta_
             for w in T.unroll(world):
                 for i, v, e in T.Parallel(tile_m, tile_v, vec):
                     if dest_MW[i, w] >= 0 and pn * tile_v + v < nv:
-                        q_CE[delta_W[w] // vec + T.Cast("int64", dest_MW[i, w]) * nv + pn * tile_v + v, e] = q_MVE[i, v, e]
+                        q_CE[deltas[w] // vec + T.Cast("int64", dest_MW[i, w]) * nv + pn * tile_v + v, e] = q_MVE[i, v, e]
                 for i, g in T.Parallel(tile_m, tile_g):
                     if dest_MW[i, w] >= 0 and pn * tile_g + g < groups:
-                        sf_F[delta_W[w] // 4 + T.Cast("int64", dest_MW[i, w]) * groups + pn * tile_g + g] = sf_frag[i, g]
+                        sf_F[deltas[w] // 4 + T.Cast("int64", dest_MW[i, w]) * groups + pn * tile_g + g] = sf_frag[i, g]
                 if pn == 0:
                     for i, x in T.Parallel(tile_m, meta_width):
                         if dest_MW[i, w] >= 0:
-                            meta_F[delta_W[w] // 4 + T.Cast("int64", dest_MW[i, w]) * meta_width + x] = (
-                                meta_TX[pm * tile_m + i, x])
+                            meta_F[deltas[w] // 4 + T.Cast("int64", dest_MW[i, w]) * meta_width + x] = meta_MX[i, x]
             if pid == 0:
                 for w in T.Parallel(world):
                     counts_F[delta_W[w] // 4 + rank] = count_W[w]

@@ -77,6 +77,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             warp = tid // WARP
             experts = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
             ranks = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
+            bits = T.alloc_local((ROUTES_PER_THREAD,), T.int32)  # the routes' weights, as int32 bits
             counts_WE = T.alloc_shared((warps * num_experts,), T.int32)
             end_1 = T.alloc_local((1,), T.int32)
             totals_1Y = T.alloc_shared((1, warps), T.int32)
@@ -97,15 +98,19 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                 if s * THREADS + tid < warps * num_experts:
                     counts_WE[s * THREADS + tid] = 0
 
-            # 1. each route's expert and its sender's count, all loaded before anything is stored
+            # 1. each route's expert, weight and its sender's count, all loaded before anything is
+            # stored (the kernel waits for the one before it, so its pointers are not __restrict__:
+            # a load after a store is not hoisted above it, and costs a round trip of its own)
             for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 experts[j] = -1
                 ranks[j] = 0
+                bits[j] = 0
                 if j < rounds and route < num_routes:
                     row = route // topk
                     src = row // t_max  # rows are >= 0: a truncating int32 division
                     experts[j] = meta_RM[row, route % topk] - rank * num_experts
+                    bits[j] = meta_RM[row, topk + route % topk]
                     ranks[j] = count_W[src] - (row - src * t_max)  # > 0: among the rows src sent
             # then each route's local expert (-1: not this rank's), and plan_receive's stores
             for j in T.unroll(ROUTES_PER_THREAD):
@@ -117,7 +122,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                     if not valid or experts[j] < 0 or experts[j] >= num_experts:
                         experts[j] = -1
                     local_idx_RK[row, k] = experts[j]
-                    weight_bits_RK[row, k] = T.if_then_else(experts[j] >= 0, meta_RM[row, topk + k], 0)
+                    weight_bits_RK[row, k] = T.if_then_else(experts[j] >= 0, bits[j], 0)
                     if k == 0:
                         src = row // t_max
                         for w in T.unroll(world):

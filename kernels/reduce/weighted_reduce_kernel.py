@@ -159,14 +159,19 @@ def get_weighted_reduce_put_kernel(
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
-            row = T.alloc_var(T.int64)
+            rows_W = T.alloc_local((world,), "int64")
+            deltas_W = T.alloc_local((world,), "int64")
             if c < num_cols // vec:
+                # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are
+                # not __restrict__ and a load after a store would wait for its own round trip
+                for w in T.unroll(world):
+                    rows_W[w] = T.Cast("int64", dest_TW[t, w])
+                    deltas_W[w] = delta_W[w]
                 reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
-                for w in T.serial(world):
-                    row = T.Cast("int64", dest_TW[t, w])
-                    if row >= 0 and row < num_dst:
+                for w in T.unroll(world):
+                    if rows_W[w] >= 0 and rows_W[w] < num_dst:
                         for j in T.vectorized(vec):
-                            dst_CV[delta_W[w] // vector_bytes + row * nv + c, j] = out_buf[j]
+                            dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
 
     return weighted_reduce_put
 
