@@ -5,6 +5,7 @@ ours against the reference. It reports every round's ratio (peer / ours: >= 1 me
 slower), their median and how many rounds each side won.
 
     python3 bench/scripts/paired.py --ops mhc_pre_apply,engram_gate_backward --out $OUT/paired.json
+    python3 bench/scripts/paired.py --ops per_block_cast,per_channel_cast --shapes large,small --out ...
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--ops", default="mhc_pre_apply,engram_gate_backward")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--shapes", default="v4-d4096,v4-d7168", help="bench kernels' shape names, comma-separated")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device = torch.device("cuda")
@@ -46,8 +48,9 @@ def main() -> None:
     print(f"{bench.device_name(device)}  seed {seed}", flush=True)
     rows = []
     for op in a.ops.split(","):
-        for shape_name in ("v4-d4096", "v4-d7168"):
-            inp = bench.StreamInputs(bench.SHAPES[shape_name], device, seed)
+        for shape_name in a.shapes.split(","):
+            inputs = bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs
+            inp = inputs(bench.SHAPES[shape_name], device, seed)
             (case,) = bench.build_cases(inp, [op], with_peers=True)
             r = paired_rounds(case, timer, a.rounds)
             print(f"{shape_name:9s} {op:24s} median ratio {r['median_ratio']:.4f}  ours won {r['ours_won']}/{a.rounds}  "
