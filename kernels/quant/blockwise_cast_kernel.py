@@ -19,6 +19,7 @@ from tilelang import language as T
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.quant.tiles import (
     PASS_CONFIGS,
+    abs_of,
     check_cuda,
     blockwise_tile,
     row_major,
@@ -61,11 +62,13 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
             inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
             T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
             T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
+            abs_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
+            abs_of(x_frag, abs_frag)
 
             if block_m == 1:
                 # per-token: along the row inside each group (warp shuffles).
                 row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
-                T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+                T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
                 for i, g in T.Parallel(tile_gm, tile_gn):
                     sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
                     sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
@@ -74,7 +77,7 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                 # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
                 # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
                 partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
-                T.reduce_absmax(T.reshape(x_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
                 block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                 if block_n > 1:
                     band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
@@ -106,10 +109,10 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                 block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                 if block_n > 1:
                     row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
-                    T.reduce_absmax(T.reshape(x_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+                    T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
                     T.reduce_max(row_amax, block_amax, dim=0)
                 else:
-                    T.reduce_absmax(x_frag, block_amax, dim=0)
+                    T.reduce_max(abs_frag, block_amax, dim=0)
                 for g in T.Parallel(tile_gn):
                     sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
                     sf_BG[pm, pn * tile_gn + g] = sf
