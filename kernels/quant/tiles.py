@@ -171,6 +171,6 @@ def abs_of(x_frag, abs_frag):
 def to_e4m3(v):
     """float32 to e4m3, saturated at +-448 and rounded to nearest even, by the conversion itself
     (``cvt.rn.satfinite.e4m3x2.f32``): for every finite or infinite value that is the reference's
-    clamp then round, and NaN stays NaN as there (a clamp before it cost three instructions an
-    element and turned NaN into -448)."""
+    clamp then round, and NaN stays NaN as there. A clamp before it (a NaN check, a min and a max)
+    cost three instructions an element and changed no byte."""
     return T.cast(v, "float8_e4m3fn")
