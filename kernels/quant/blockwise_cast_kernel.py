@@ -33,9 +33,7 @@ from kernels.quant.tiles import (
 from kernels.validate import check_tensor
 
 
-# The per-channel stage's buffers stay apart (a few KiB): laid over each other they need a barrier
-# between the last read of the band maxima and the first store of a scale.
-@tilelang.jit(pass_configs={**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SHARED_MEMORY_REUSE: True})
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtype: str, round_sf: bool, pack_sf: bool,
                               tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_MN, q_MN, sf_BG)`` kernel for ``num_cols`` columns and scales over ``block_m x block_n``
@@ -50,7 +48,6 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     # Row bands of a tile: one band is ``threads * vec`` elements, i.e. ``rows_pp`` whole rows.
     rows_pp = max(1, threads * vec // tile_n)
     passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
-    split = 2 if threads >= 2 * tile_n and rows_pp % 2 == 0 else 1  # threads a per-channel column
 
     @T.prim_func
     def blockwise_cast(
@@ -81,37 +78,31 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                 # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
                 partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
                 T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                 if block_n > 1:
-                    block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                     band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
                     T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
                     T.reduce_max(band_amax, block_amax, dim=0)
+                else:
+                    # per-channel: the bands' column maxima meet in shared memory, one column a
+                    # thread (two barriers, not one cross-warp reduction per column a thread holds).
+                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
+                    T.copy(partial, partial_S)
+                    for g in T.Parallel(tile_gn):
+                        block_amax[g] = partial_S[0, g]
+                        for r in T.serial(1, rows_pp):
+                            block_amax[g] = T.max(block_amax[g], partial_S[r, g])
+                if block_n > 1:
                     for g in T.Parallel(tile_gn):
                         sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
                         sf_BG[pm, pn * tile_gn + g] = sf
                         inv_frag[0, g] = inv
                 else:
-                    # per-channel: the bands' column maxima meet in shared memory (not one cross-warp
-                    # reduction per column a thread holds); ``split`` adjacent lanes take a column,
-                    # each over ``rows_pp / split`` rows, and one shuffle joins them.
-                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
                     inv_S = T.alloc_shared((tile_gn,), "float32")
-                    col_amax = T.alloc_local((1,), "float32")
-                    T.copy(partial, partial_S)
-                    tid = T.get_thread_binding()
-                    for c in T.unroll(-(-tile_gn * split // threads)):
-                        col = (c * threads + tid) // split
-                        col_amax[0] = T.float32(0)  # every value is an |x|
-                        if col < tile_gn:
-                            for r in T.unroll(rows_pp // split):
-                                col_amax[0] = T.max(col_amax[0], T.cast(
-                                    partial_S[tid % split * (rows_pp // split) + r, col], "float32"))
-                        if split > 1:
-                            col_amax[0] = T.max(col_amax[0], T.shfl_xor(col_amax[0], 1))
-                        if col < tile_gn and tid % split == 0:
-                            sf, inv = scale_and_inverse(col_amax[0], round_sf, pack_sf)
-                            sf_BG[pm, pn * tile_gn + col] = sf
-                            inv_S[col] = inv
+                    for g in T.Parallel(tile_gn):
+                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                        sf_BG[pm, pn * tile_gn + g] = sf
+                        inv_S[g] = inv
                     for i, g in T.Parallel(tile_gm, tile_gn):
                         inv_frag[i, g] = inv_S[g]
             else:
