@@ -295,8 +295,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     for row in report["rows"]:
         print(f"  {row['tokens_per_rank']} tokens/rank, {row['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
               f"{row['combine_bytes_per_rank'] / 1e6:.1f} MB combine per rank:")
-        for name, ms, gbps in row["table"]:
-            print(f"    {name:<28} {ms * 1e3:10.1f} us {gbps:9.1f} GB/s")
+        for name, ms, gbps in row["table"]:  # one rank sends nothing to others: no rate to show
+            rate = f"{gbps:9.1f} GB/s" if row["dispatch_bytes_per_rank"] else ""
+            print(f"    {name:<28} {ms * 1e3:10.1f} us {rate}".rstrip())
     print(f"wrote {path}")
     return report
 
