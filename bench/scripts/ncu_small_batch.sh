@@ -4,7 +4,8 @@
 #    full section set, and receive_layout's SASS with its warp-stall samples;
 # 2. the small-shape casts, SwiGLU and transpose (issue #3) with their peers: each kernel's own
 #    duration, launch shape and occupancy, to tell a slower kernel from a costlier launch.
-#   bash bench/scripts/ncu_small_batch.sh        (from the checkout's root, on the GPU machine)
+#   [DISPATCH_ONLY=1] bash bench/scripts/ncu_small_batch.sh   (from the checkout's root, on the GPU
+#   machine; everything comes back in one archive)
 set -u
 source bench/scripts/lib.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
@@ -20,6 +21,8 @@ LIMIT=200 run ncu-dispatch "${NCU_RUN[@]}" --set full --kernel-name "regex:$path
 grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Block Size|Grid Size" "$out/dispatch-256-details.txt" | head -60
 # Only the ops' kernels (ours and tile-kernels' end in _kernel, torch.compile's start with triton_):
 # profiling torch's own input and check kernels too took the whole 360 s in session 13.
+# DISPATCH_ONLY=1 stops here (bench/scripts/ncu_small_casts.sh profiles the casts one launch each).
+if [ -z "${DISPATCH_ONLY:-}" ]; then
 LIMIT=360 run ncu-small "${NCU_RUN[@]}" --section SpeedOfLight --section LaunchStats --section Occupancy -o "$out/small" \
   --kernel-name-base demangled --kernel-name "regex:^([a-z0-9_]+_kernel|triton_.*)$" \
   python3 -m ep_runtime.cli bench kernels --shapes small --ops per_token_cast,per_block_cast,per_channel_cast,swiglu,batched_transpose \
@@ -27,3 +30,5 @@ LIMIT=360 run ncu-small "${NCU_RUN[@]}" --section SpeedOfLight --section LaunchS
 "$NCU" -i "$out/small.ncu-rep" --page details --csv > "$out/small-details.csv" 2>&1
 "$NCU" -i "$out/small.ncu-rep" --page details --csv --print-summary per-kernel > "$out/small-summary.csv" 2>&1
 grep -E "gpu__time_duration|Duration" "$out/small-summary.csv" | cut -c1-200 | head -40
+fi
+tar -C "$out" -czf /tmp/ncu-small-batch.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/ncu-small-batch.tgz "$out/"
