@@ -9,3 +9,5 @@ source .gpu-bundle/activate.sh
 if [ -f .tl-cache/tl-cache.tar.gz ]; then mkdir -p "$TILELANG_CACHE_DIR" && tar -C "$TILELANG_CACHE_DIR" -xzf .tl-cache/tl-cache.tar.gz; fi
 run() { local name=$1; shift; echo "== $name: $*"; local t0=$SECONDS; timeout "${LIMIT:-240}" "$@" > "$out/$name.log" 2>&1; echo "rc=$? $name ($((SECONDS - t0)) s)"; }
 save_cache() { tar -C "$TILELANG_CACHE_DIR" -czf "$out/tl-cache.tar.gz" . && ls -la "$out/tl-cache.tar.gz"; }
+# pack NAME: everything in $out into $out/NAME.tgz alone (a call returns at most 8 files)
+pack() { tar -C "$out" -czf "/tmp/$1.tgz" . && find "$out" -mindepth 1 -delete && mv "/tmp/$1.tgz" "$out/"; }

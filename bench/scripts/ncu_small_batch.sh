@@ -31,4 +31,4 @@ LIMIT=360 run ncu-small "${NCU_RUN[@]}" --section SpeedOfLight --section LaunchS
 "$NCU" -i "$out/small.ncu-rep" --page details --csv --print-summary per-kernel > "$out/small-summary.csv" 2>&1
 grep -E "gpu__time_duration|Duration" "$out/small-summary.csv" | cut -c1-200 | head -40
 fi
-tar -C "$out" -czf /tmp/ncu-small-batch.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/ncu-small-batch.tgz "$out/"
+pack ncu-small-batch

@@ -31,5 +31,5 @@ for old in bench/results/h100/2026-11-25-s13/ncu/small-casts-s13call6.ncu-rep; d
 done
 grep -E '"(Duration|Elapsed Cycles|Registers Per Thread|Grid Size|Block Size|Executed Instructions)"' \
   "$out/small-casts-details.csv" | cut -d, -f5,12-16 | head -40
-tar -C "$out" -czf /tmp/ncu-small-casts.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/ncu-small-casts.tgz "$out/"
+pack ncu-small-casts
 ls -la "$out"

@@ -23,4 +23,4 @@ for tree in new ${OLD:+old}; do  # the old tree at the large shape, ours only (t
   done
   cd "$here"
 done
-tar -C "$out" -czf /tmp/one-gpu-kernels.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/one-gpu-kernels.tgz "$out/"
+pack one-gpu-kernels
