@@ -13,12 +13,17 @@ set -u
 commit=${1:?commit}
 source bench/scripts/lib.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-LIMIT=240 run pytest-gpu python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider ${GPU_TESTS:-\
-  tests/kernels/permute/test_expand_cast_back_kernel.py tests/kernels/comm tests/kernels/reduce tests/runtime/test_nvlink_gpu.py}
-tail -2 "$out/pytest-gpu.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-gpu.log"
-for shape in large small; do
+# Set and empty, GPU_TESTS or KERNEL_OPS skips that part.
+tests=${GPU_TESTS-tests/kernels/permute/test_expand_cast_back_kernel.py tests/kernels/comm tests/kernels/reduce \
+  tests/runtime/test_nvlink_gpu.py}
+if [ -n "$tests" ]; then
+  LIMIT=240 run pytest-gpu python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider $tests
+  tail -2 "$out/pytest-gpu.log"; grep -m6 "^FAILED\|^ERROR" "$out/pytest-gpu.log"
+fi
+ops=${KERNEL_OPS-expand,cast_back,expand_cast_back,weighted_reduce,weighted_reduce_fp8}
+for shape in ${ops:+large small}; do
   LIMIT=150 run kernels-$shape python3 -m ep_runtime.cli bench kernels --shapes $shape --skip-compile \
-    --ops ${KERNEL_OPS:-expand,cast_back,expand_cast_back,weighted_reduce,weighted_reduce_fp8} --out "$out/kernels-$shape.json" --commit "$commit"
+    --ops "$ops" --out "$out/kernels-$shape.json" --commit "$commit"
   grep -E "^(large|small) |speedup" "$out/kernels-$shape.log" | cut -c1-160
 done
 dispatch() {  # NAME: bench dispatch at EP 1 from the current directory
@@ -37,3 +42,4 @@ if [ -n "${OLD:-}" ]; then
   fi
   [ -n "${AGAIN:-}" ] && dispatch dispatch-ep1-again "$commit"
 fi
+pack "dispatch-$commit"

@@ -2,11 +2,11 @@
 with no host synchronization.
 
 Every rank's heap holds, per transport call, one receive region of ``W * T_max`` rows: block ``w``
-(rows ``[w * T_max, (w + 1) * T_max)``) is written only by rank w. A sender therefore knows where
-each of its tokens lands without asking anyone (the token's slot among the sender's tokens bound
-for that rank, a prefix sum on the device), writes it there once per destination rank
-(``kernels.comm.put_rows``: one read, up to W stores), writes its per-destination counts, and
-one barrier on the stream makes everything visible. Sizes are static (``T_max``, the worst case
+(rows ``[w * T_max, (w + 1) * T_max)``) is written only by rank w, token t at row ``w * T_max + t``.
+A sender therefore knows where each of its tokens lands without asking anyone or scanning its
+batch, writes it there once per destination rank (``kernels.comm.put_rows``: one read, up to W
+stores), writes every token's routes and its token count to every rank (how a receiver tells the
+rows this call wrote from older ones), and one barrier on the stream makes everything visible. Sizes are static (``T_max``, the worst case
 of a layout over ``W * T_max`` rows), so nothing waits on the host and a CUDA graph can capture
 the steady state. The experts' work stops at the rows in use (``offsets_E[-1]``: expand, the
 SwiGLU, combine's backward), so a generous ``T_max`` costs memory, not time, there; the passes over
@@ -16,13 +16,12 @@ rows while a peer still reads call n's, never call n - 1's (every rank read thos
 entered call n's barrier).
 
 Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: cast and
-stored with its metadata and the counts by one kernel, ``kernels.comm.put_tokens``) and its
-routes and router weights; the receiver builds its experts' layout from the routes in the blocks'
-first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cast_back``). The
-bookkeeping on both sides (slots, counts, what each received row is and where it returns) is one
-launch a side for a small batch: ``kernels.comm.plan_send`` (two launches past 1024 tokens) and
-``receive_layout``, which also lays the received routes out for the experts (``plan_receive`` and
-the layout's four launches past 4096 received routes). Each of these kernels may launch while the
+planned, cast and stored with its metadata and the counts by one kernel, ``kernels.comm.put_tokens``)
+and its routes and router weights; the receiver builds its experts' layout from the routes in the
+blocks' first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cast_back``).
+The receiver's bookkeeping (what each received row is and where it returns) is one launch for a
+small batch: ``kernels.comm.receive_layout``, which also lays the received routes out for the
+experts (``plan_receive`` and the layout's four launches past 4096 received routes). Each of these kernels may launch while the
 one before it finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its
 local experts and stores it straight into block ``me`` of its home rank at the row it came from
 (``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
@@ -45,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, TokenRegions, plan_send, put_rows, put_tokens, receive_layout, reduce_put
+from kernels.comm import PeerRegion, TokenRegions, plan_send, put_routes, put_rows, put_tokens, receive_layout, reduce_put
 from kernels.permute import ExpertLayout, max_rows
 from kernels.validate import check_positive
 
@@ -61,8 +60,8 @@ class PeerRoute:
 
     Attributes:
         dest_TW: int32, the row of rank w's receive region that token t went to, -1 if none.
-        back_RW: int32, for received row r (from rank w, not past its count): the row of rank w's
-            region it returns to, -1 in the other columns and for unused rows.
+        back_RW: int32, for received row r (from rank w, with a route to this rank): the row of rank
+            w's region it returns to, -1 in the other columns and for other rows.
         home_TW: int32, where token t's row from rank w comes back in this rank's region, or -1.
         layout: the local experts' layout over the R received rows (``pos_TK`` is [R, K]).
         num_tokens: T.
@@ -92,8 +91,6 @@ class NVLinkDispatcher:
         self.fp8 = fp8
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
-        # Each rank's count goes to row ``rank`` of rank w's counts region.
-        self.count_dest_WW = torch.where(torch.eye(self.world, dtype=torch.bool, device=device), self.rank, -1)
 
     @property
     def num_recv_rows(self) -> int:
@@ -159,22 +156,24 @@ class NVLinkDispatcher:
         call) and their weights to local experts ([R, K]). Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
         num_tokens, topk = topk_idx_TK.shape
-        send = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
         fp8 = self.fp8 or isinstance(x_TD, Fp8Rows)
         hidden = (x_TD.q_RD if isinstance(x_TD, Fp8Rows) else x_TD).shape[1]
         widths = [(hidden, torch.uint8), (-(-hidden // FP8_GROUP), torch.float32)] if fp8 else [(hidden, x_TD.dtype)]
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
-            put_tokens(x_TD, send.dest_TW, send.meta_TM, send.count_W,
-                       TokenRegions(q=data[0], sf=data[1], meta=meta, counts=counts), rank=me, group=FP8_GROUP)
+        if fp8 and not isinstance(x_TD, Fp8Rows):  # planned, cast and stored in one pass (kernels.comm.put_tokens)
+            dest_TW, home_TW = put_tokens(x_TD, topk_idx_TK, topk_weights_TK,
+                                          TokenRegions(q=data[0], sf=data[1], meta=meta, counts=counts),
+                                          num_local_experts=e_local, rank=me, group=FP8_GROUP)
         else:
-            put_rows(send.count_W[:, None], self.count_dest_WW, counts)
-            put_rows(send.meta_TM, send.dest_TW, meta)
+            send = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=e_local, world=world, rank=me,
+                             max_tokens=t_max)
+            dest_TW, home_TW = send.dest_TW, send.home_TW
+            put_routes(send.meta_TM, meta, counts, rank=me, max_tokens=t_max)
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
-                put_rows(rows_TX.contiguous(), send.dest_TW, region)
+                put_rows(rows_TX.contiguous(), dest_TW, region)
         self.heap.barrier()
 
         # What arrived: block w's first count[w] rows.
@@ -186,7 +185,7 @@ class NVLinkDispatcher:
         else:
             x_RD = data[0].views[me]
 
-        route = PeerRoute(dest_TW=send.dest_TW, back_RW=recv.back_RW, home_TW=send.home_TW, layout=layout,
+        route = PeerRoute(dest_TW=dest_TW, back_RW=recv.back_RW, home_TW=home_TW, layout=layout,
                           num_tokens=num_tokens)
         return route, x_RD, recv.weights_RK
 

@@ -3,12 +3,13 @@
 ``put_rows`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
-``put_tokens`` (dispatch's FP8 cast, its rows, metadata and counts stored into the peers'
+``put_tokens`` (dispatch's planning, FP8 cast, rows, metadata and counts stored into the peers'
 regions in one launch) and ``reduce_put`` (combine's weighted reduce stored straight into the
 peers' regions; the peer variant of ``kernels.reduce``'s weighted-reduce kernel) take their
 kernels on the same terms as ``put_rows``.
 ``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
-TileLang kernels where ``use_tilelang`` says so, the reference otherwise. ``receive_layout``
+TileLang kernels where ``use_tilelang`` says so, the reference otherwise; ``put_routes`` (the
+metadata and counts of a dispatch that is not FP8-cast on the way) is ``put_rows`` twice. ``receive_layout``
 (``plan_receive`` and the local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise.
 """
@@ -19,10 +20,10 @@ from kernels.permute import ExpertLayout, expert_layout
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions
+from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions, put_routes
 
-__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_rows", "put_tokens",
-           "receive_layout", "reduce_put"]
+__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_routes", "put_rows",
+           "put_tokens", "receive_layout", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -34,14 +35,16 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     return reference.put_rows(src_NX, dest_NW, region)
 
 
-def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor, count_W: torch.Tensor,
-               regions: TokenRegions, *, rank: int, group: int = 128) -> None:
+def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
+               *, num_local_experts: int, rank: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.comm.reference.put_tokens`."""
     if isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device) and getattr(regions.q, "delta_W", None) is not None:
         from .put_tokens_kernel import put_tokens as kernel
 
-        return kernel(x_TD, dest_TW, meta_TX, count_W, regions, rank=rank, group=group)
-    return reference.put_tokens(x_TD, dest_TW, meta_TX, count_W, regions, rank=rank, group=group)
+        return kernel(x_TD, topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts, rank=rank,
+                      group=group)
+    return reference.put_tokens(x_TD, topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts,
+                                rank=rank, group=group)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,

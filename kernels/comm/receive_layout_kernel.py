@@ -9,8 +9,9 @@ CTA of ``THREADS`` threads holds the routes (at most ``ROUTES_PER_THREAD`` each,
 consecutive routes, as long for every warp; at most ``MAX_ROUTES``):
 
 1. each route's expert, read from the received metadata and checked against its sender's count
-   (every load issued before the first store), stays in a register; its weight bits and its row's
-   way back are stored as ``plan_receive`` stores them;
+   (every load issued before the first store), stays in a register; its weight bits are stored as
+   ``plan_receive`` stores them, and a row with a route here is marked in shared memory, so that
+   its first route's thread stores the row's way back (rows without one have none);
 2. per warp, 32 routes at a time, ``match_any_sync`` ranks the routes of each expert in route order
    (a warp's running counts per expert in shared memory), as the layout's rank pass does;
 3. a thread per expert turns the warps' counts into exclusive prefixes and a total, and a scan over
@@ -53,7 +54,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
     """``(meta_RM, count_W, local_idx_RK, weight_bits_RK, back_RW, counts_E, offsets_E, pos_R,
     src_P, rank, t_max)`` for ``num_experts`` local experts (R and P dynamic)."""
     num_rows, num_layout_rows = T.dynamic("num_rows"), T.dynamic("num_layout_rows")
-    warps = THREADS // WARP
+    warps, max_rows = THREADS // WARP, MAX_ROUTES // topk
     scan = block_scan(1, warps)
 
     @T.prim_func
@@ -82,12 +83,12 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             end_1 = T.alloc_local((1,), T.int32)
             totals_1Y = T.alloc_shared((1, warps), T.int32)
             first_E = T.alloc_shared((num_experts,), T.int32)
+            mine_R = T.alloc_shared((max_rows,), T.int32)  # 1: the row has a route to this rank
             before = T.alloc_var(T.int32)
             total = T.alloc_var(T.int32)
             row_out = T.alloc_var(T.int32)
             row = T.alloc_var(T.int32)  # variables, not expressions: each computed once (one division)
             src = T.alloc_var(T.int32)
-            valid = T.alloc_var(T.bool)
             num_routes = num_rows * topk
             rounds = T.ceildiv(num_routes, THREADS)  # routes a lane; a warp's run is rounds * 32 routes
 
@@ -97,6 +98,9 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             for s in T.unroll(T.ceildiv(warps * num_experts, THREADS)):
                 if s * THREADS + tid < warps * num_experts:
                     counts_WE[s * THREADS + tid] = 0
+            for s in T.unroll(T.ceildiv(max_rows, THREADS)):
+                if s * THREADS + tid < max_rows:
+                    mine_R[s * THREADS + tid] = 0
 
             # 1. each route's expert, weight and its sender's count, all loaded before anything is
             # stored (the kernel waits for the one before it, so its pointers are not __restrict__:
@@ -112,23 +116,26 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                     experts[j] = meta_RM[row, route % topk] - rank * num_experts
                     bits[j] = meta_RM[row, topk + route % topk]
                     ranks[j] = count_W[src] - (row - src * t_max)  # > 0: among the rows src sent
+            T.sync_threads()  # the zeroed counts and marks (issued loads do not wait for it)
             # then each route's local expert (-1: not this rank's), and plan_receive's stores
             for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 if j < rounds and route < num_routes:
                     row = route // topk
-                    k = route % topk
-                    valid = ranks[j] > 0
-                    if not valid or experts[j] < 0 or experts[j] >= num_experts:
+                    if ranks[j] <= 0 or experts[j] < 0 or experts[j] >= num_experts:
                         experts[j] = -1
-                    local_idx_RK[row, k] = experts[j]
-                    weight_bits_RK[row, k] = T.if_then_else(experts[j] >= 0, bits[j], 0)
-                    if k == 0:
-                        src = row // t_max
-                        for w in T.unroll(world):
-                            back_RW[row, w] = T.if_then_else(valid and w == src, row + (rank - src) * t_max, -1)
-
-            T.sync_threads()  # the zeroed counts
+                    else:
+                        mine_R[row] = 1
+                    local_idx_RK[row, route % topk] = experts[j]
+                    weight_bits_RK[row, route % topk] = T.if_then_else(experts[j] >= 0, bits[j], 0)
+            T.sync_threads()  # the marks
+            for j in T.unroll(ROUTES_PER_THREAD):
+                route = (warp * rounds + j) * WARP + lane
+                if j < rounds and route < num_routes and route % topk == 0:
+                    row = route // topk
+                    src = row // t_max
+                    for w in T.unroll(world):
+                        back_RW[row, w] = T.if_then_else(mine_R[row] == 1 and w == src, row + (rank - src) * t_max, -1)
 
             # 2. ranks among the warp's routes of the same expert, in route order
             lanes_below = (T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1)

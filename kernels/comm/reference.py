@@ -54,9 +54,9 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
 @dataclass(frozen=True, eq=False)
 class TokenRegions:
-    """Where :func:`put_tokens` writes, per rank: e4m3 rows ``q`` [M, D] (uint8 bits), their
-    float32 scales ``sf`` [M, ceil(D / group)], metadata rows ``meta`` [M, X] int32 and per-sender
-    row counts ``counts`` [W, 1] int32."""
+    """Where a dispatch's sender writes, per rank: e4m3 rows ``q`` [R, D] (uint8 bits), their
+    float32 scales ``sf`` [R, ceil(D / group)], metadata rows ``meta`` [R, M] int32 and per-sender
+    row counts ``counts`` [W, 1] int32 (R = W * T_max: block w of R is rank w's)."""
 
     q: PeerRegion
     sf: PeerRegion
@@ -64,28 +64,47 @@ class TokenRegions:
     counts: PeerRegion
 
 
-def put_tokens(x_TD: torch.Tensor, dest_TW: torch.Tensor, meta_TX: torch.Tensor, count_W: torch.Tensor,
-               regions: TokenRegions, *, rank: int, group: int = 128) -> None:
-    """Dispatch's sending side in one pass: each token cast to e4m3 with per-token scales
-    (:func:`kernels.quant.reference.per_token_cast`, 1 x ``group``) and put, with its metadata
-    row, into row ``dest_TW[t, w]`` of rank w's regions; ``count_W[w]`` into row ``rank`` of rank
-    w's counts (every rank, -1 rows included: what a receiver reads to know what arrived).
+def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
+    """Token t's metadata row into row ``rank * max_tokens + t`` of every rank's ``meta``, and
+    the token count T into row ``rank`` of every rank's ``counts``: what a receiver reads to know
+    which rows of block ``rank`` this call wrote and what each one is (rows a token was not sent
+    to are told apart by their routes).
+
+    Args:
+        meta_TM: [T, M] int32 (:attr:`SendPlan.meta_TM`), T <= ``max_tokens``.
+        meta: ``[W * max_tokens, M]`` int32 copies; counts: ``[W, 1]`` int32 copies.
+    """
+    world, num_tokens, device = counts.world, meta_TM.shape[0], meta_TM.device
+    rows_T = torch.arange(num_tokens, dtype=torch.int32, device=device) + rank * max_tokens
+    put_rows(meta_TM, rows_T[:, None].expand(num_tokens, world), meta)
+    count_dest_WW = torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
+    put_rows(torch.full((world, 1), num_tokens, dtype=torch.int32, device=device), count_dest_WW, counts)
+
+
+def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
+               *, num_local_experts: int, rank: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch's sending side in one pass: :func:`plan_send`, each token cast to e4m3 with
+    per-token scales (:func:`kernels.quant.reference.per_token_cast`, 1 x ``group``) and put into
+    row ``dest_TW[t, w]`` of the ranks it goes to, and :func:`put_routes`.
 
     Args:
         x_TD: [T, D] float32, bfloat16 or float16 tokens.
-        dest_TW: [T, W] int32 destination rows, -1 for none (as :func:`put_rows`).
-        meta_TX: [T, X] int32, what travels with each token (its routes and weights' bits).
-        count_W: [W] int32, the tokens going to each rank.
-        regions: the four regions written.
-        rank: this rank (its row of every counts region).
+        topk_idx_TK, topk_weights_TK: the routes, as :func:`plan_send` takes them.
+        regions: the four regions written (``R = W * T_max`` rows; T <= T_max).
+        num_local_experts, rank: as :func:`plan_send`'s.
+
+    Returns:
+        ``(dest_TW, home_TW)`` of :func:`plan_send`: the way there and back.
     """
+    world = regions.counts.world
+    max_tokens = regions.meta.views[0].shape[0] // world
+    plan = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=num_local_experts, world=world, rank=rank,
+                     max_tokens=max_tokens)
     q_TD, sf_TG = per_token_cast(x_TD, group=group)
-    put_rows(q_TD.view(torch.uint8), dest_TW, regions.q)
-    put_rows(sf_TG, dest_TW, regions.sf)
-    put_rows(meta_TX, dest_TW, regions.meta)
-    count_dest_WW = torch.full((regions.counts.world, regions.counts.world), -1, dtype=torch.int32, device=x_TD.device)
-    count_dest_WW.fill_diagonal_(rank)
-    put_rows(count_W[:, None], count_dest_WW, regions.counts)
+    put_rows(q_TD.view(torch.uint8), plan.dest_TW, regions.q)
+    put_rows(sf_TG, plan.dest_TW, regions.sf)
+    put_routes(plan.meta_TM, regions.meta, regions.counts, rank=rank, max_tokens=max_tokens)
+    return plan.dest_TW, plan.home_TW
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
@@ -118,34 +137,33 @@ def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: Pee
 @dataclass(frozen=True, eq=False)
 class SendPlan:
     """Where a rank's tokens go in its peers' receive regions (block ``me`` of every region holds
-    this rank's rows; all int32).
+    this rank's rows, token t at row ``me * T_max + t``; all int32).
 
     Attributes:
-        dest_TW: row of rank w's region that token t goes to (``me * T_max + slot``), -1 if none.
+        dest_TW: row of rank w's region that token t goes to (``me * T_max + t``), -1 if none.
         home_TW: row of this rank's region where token t's row from rank w comes back
-            (``w * T_max + slot``), -1 if none.
-        count_W: tokens going to each rank.
+            (``w * T_max + t``), -1 if none.
         meta_TM: ``[T, 2K]``, each token's expert ids then its weights' float32 bits: what travels
-            with it.
+            with it (to every rank: :func:`put_routes`).
     """
 
     dest_TW: torch.Tensor
     home_TW: torch.Tensor
-    count_W: torch.Tensor
     meta_TM: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
 class ReceivePlan:
-    """What a rank received, from ``meta_RM`` (rows ``[w * T_max, (w + 1) * T_max)`` from rank w,
-    the first ``count_W[w]`` of them real).
+    """What a rank received, from ``meta_RM`` (row ``w * T_max + t`` is token t of rank w, for t
+    below ``count_W[w]``; rows past it are left from earlier calls).
 
     Attributes:
         local_idx_RK: int32, each row's routes to this rank's experts (local ids), -1 elsewhere and
             for unused rows.
         weights_RK: float32, their router weights, 0 where ``local_idx_RK`` is -1.
-        back_RW: int32, row ``(w, i)`` returns to row ``me * T_max + i`` of rank w's region; -1 in
-            the other columns and for unused rows.
+        back_RW: int32, row ``(w, t)`` with a route to this rank returns to row ``me * T_max + t``
+            of rank w's region; -1 in the other columns and for rows without such a route (their
+            token was not sent here, or the row is unused).
     """
 
     local_idx_RK: torch.Tensor
@@ -156,7 +174,8 @@ class ReceivePlan:
 def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_local_experts: int, world: int,
               rank: int, max_tokens: int) -> SendPlan:
     """A token goes once to every rank holding one of its experts (expert e on rank
-    ``e // num_local_experts``), into slot ``s`` = its index among this rank's tokens bound there.
+    ``e // num_local_experts``), always into the same row: its index t in block ``rank`` (no
+    prefix sum, so a sender needs no pass over its batch before it stores).
 
     Args:
         topk_idx_TK: [T, K] int32 or int64 expert ids, -1 for none (values are not checked; they
@@ -167,21 +186,22 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
                  device=topk_idx_TK.device)
-    ranks_W = torch.arange(world, dtype=torch.int32, device=topk_idx_TK.device)
+    if topk_idx_TK.shape[0] > max_tokens:
+        raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {topk_idx_TK.shape[0]}")
+    device = topk_idx_TK.device
+    ranks_W = torch.arange(world, dtype=torch.int32, device=device)
+    token_T = torch.arange(topk_idx_TK.shape[0], dtype=torch.int32, device=device)
     dest_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // num_local_experts, -1)
-    goes_WT = (dest_TK[None] == ranks_W[:, None, None]).any(2)
-    slot_TW = (goes_WT.cumsum(1, dtype=torch.int32) - goes_WT.int()).T
-    goes_TW = goes_WT.T
-    return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + slot_TW, -1).contiguous(),
-                    home_TW=torch.where(goes_TW, ranks_W * max_tokens + slot_TW, -1).contiguous(),
-                    count_W=goes_WT.sum(1, dtype=torch.int32),
+    goes_TW = (dest_TK[:, None, :] == ranks_W[None, :, None]).any(2)
+    return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + token_T[:, None], -1).int(),
+                    home_TW=torch.where(goes_TW, ranks_W * max_tokens + token_T[:, None], -1).int(),
                     meta_TM=torch.cat([topk_idx_TK.to(torch.int32), topk_weights_TK.view(torch.int32)], 1))
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
                  max_tokens: int) -> ReceivePlan:
-    """The receiving side of :func:`plan_send`: ``meta_RM`` [W * T_max, 2K] int32 as it arrived
-    (unused rows hold anything), ``count_W`` [W] int32 the rows each rank sent."""
+    """The receiving side of :func:`put_tokens` / :func:`put_routes`: ``meta_RM`` [W * T_max, 2K]
+    int32 as it arrived (unused rows hold anything), ``count_W`` [W] int32 each rank's T."""
     check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
     check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)
     world, topk = count_W.shape[0], meta_RM.shape[1] // 2
@@ -196,7 +216,7 @@ def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_expe
     ranks_W = torch.arange(world, dtype=torch.int32, device=device)
     return ReceivePlan(local_idx_RK=torch.where(local_RK, idx_RK - rank * num_local_experts, -1),
                        weights_RK=torch.where(local_RK, weights_RK, 0.0),
-                       back_RW=torch.where(valid_R[:, None] & (src_R[:, None] == ranks_W),
+                       back_RW=torch.where(local_RK.any(1, keepdim=True) & (src_R[:, None] == ranks_W),
                                            rank * max_tokens + row_R[:, None], -1))
 
 

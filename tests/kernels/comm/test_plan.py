@@ -6,64 +6,51 @@ import torch
 
 from kernels import lowering
 from kernels.comm import reference
-from kernels.comm.plan_kernel import (
-    ONE_CTA_TOKENS,
-    SEND_THREADS,
-    get_plan_place_kernel,
-    get_plan_receive_kernel,
-    get_plan_send_kernel,
-    plan_receive,
-    plan_send,
-    send_threads,
-)
-
-
-def routes(t: int, k: int, world: int, e_local: int, seed: int, device="cpu"):
-    """Distinct experts per token, about a fifth masked; one id past the last expert (goes nowhere)."""
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.rand(t, world * e_local, generator=g).argsort(1)[:, :k].to(torch.int32)
-    idx[torch.rand(t, k, generator=g) < 0.2] = -1
-    if t:
-        idx[0, 0] = world * e_local
-    return idx.to(device), torch.randn(t, k, generator=g).to(device)
+from kernels.comm.plan_kernel import get_plan_receive_kernel, get_plan_send_kernel, plan_receive, plan_send
+from kernels.testing import send_routes
 
 
 def test_send_plan_matches_a_loop(seed):
     world, e_local, me, t_max = 3, 2, 1, 20
-    idx, w = routes(17, 3, world, e_local, seed)
+    idx, w = send_routes(17, 3, world, e_local, seed=seed)
     plan = reference.plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-    slots = [0] * world
     for t in range(17):
         ranks = {int(e) // e_local for e in idx[t] if 0 <= e < world * e_local}
         for r in range(world):
-            want = (me * t_max + slots[r], r * t_max + slots[r]) if r in ranks else (-1, -1)
+            want = (me * t_max + t, r * t_max + t) if r in ranks else (-1, -1)
             assert (int(plan.dest_TW[t, r]), int(plan.home_TW[t, r])) == want
-            slots[r] += r in ranks
-    assert plan.count_W.tolist() == slots
     assert torch.equal(plan.meta_TM[:, :3], idx) and torch.equal(plan.meta_TM[:, 3:].view(torch.float32), w)
+
+
+def test_send_plan_rejects_more_tokens_than_the_rows():
+    idx, w = send_routes(6, 2, 2, 3)
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=5 tokens, got 6"):
+        reference.plan_send(idx, w, num_local_experts=3, world=2, rank=0, max_tokens=5)
 
 
 def test_receive_plan_matches_a_loop(seed):
     world, e_local, me, t_max, k = 3, 2, 2, 5, 3
-    idx, w = routes(world * t_max, k, world, e_local, seed)
+    idx, w = send_routes(world * t_max, k, world, e_local, seed=seed)
+    idx[0], idx[1] = torch.tensor([0, 1, -1]), torch.tensor([4, -1, 0])  # row 0 sent, but with no route here
     meta = torch.cat([idx, w.view(torch.int32)], 1)
     count = torch.tensor([5, 0, 3], dtype=torch.int32)
     plan = reference.plan_receive(meta, count, num_local_experts=e_local, rank=me, max_tokens=t_max)
     for r in range(world * t_max):
         src, i = divmod(r, t_max)
         valid = i < count[src]
+        mine = [valid and me * e_local <= idx[r, j] < (me + 1) * e_local for j in range(k)]
         for j in range(k):
-            mine = valid and me * e_local <= idx[r, j] < (me + 1) * e_local
-            assert int(plan.local_idx_RK[r, j]) == (int(idx[r, j]) - me * e_local if mine else -1)
-            assert float(plan.weights_RK[r, j]) == (float(w[r, j]) if mine else 0.0)
-        assert plan.back_RW[r].tolist() == [me * t_max + i if valid and c == src else -1 for c in range(world)]
+            assert int(plan.local_idx_RK[r, j]) == (int(idx[r, j]) - me * e_local if mine[j] else -1)
+            assert float(plan.weights_RK[r, j]) == (float(w[r, j]) if mine[j] else 0.0)
+        assert plan.back_RW[r].tolist() == [me * t_max + i if any(mine) and c == src else -1 for c in range(world)]
+    assert plan.back_RW[0].tolist() == [-1] * world and plan.back_RW[1].tolist() == [me * t_max + 1, -1, -1]
 
 
 def test_send_plan_takes_the_routers_int64_ids(seed):
-    idx, w = routes(40, 4, 3, 5, seed)
+    idx, w = send_routes(40, 4, 3, 5, seed=seed)
     args = dict(num_local_experts=5, world=3, rank=2, max_tokens=50)
     want, got = reference.plan_send(idx, w, **args), reference.plan_send(idx.long(), w, **args)
-    for name in ("dest_TW", "home_TW", "count_W", "meta_TM"):
+    for name in ("dest_TW", "home_TW", "meta_TM"):
         assert getattr(got, name).dtype == torch.int32 and torch.equal(getattr(got, name), getattr(want, name)), name
 
 
@@ -73,11 +60,11 @@ def test_send_plan_takes_the_routers_int64_ids(seed):
                                                (300, 4, 3, 5), (2049, 6, 1, 16), (1024, 8, 8, 32), (1025, 8, 2, 128)])
 def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
     me, t_max = world - 1, max(t, 1) + 3
-    idx, w = routes(t, k, world, e_local, seed, "cuda")
+    idx, w = send_routes(t, k, world, e_local, seed=seed, device="cuda")
     idx = idx.to(index_dtype)
     got = plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
     want = reference.plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-    for name in ("dest_TW", "home_TW", "count_W", "meta_TM"):
+    for name in ("dest_TW", "home_TW", "meta_TM"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     meta = torch.randint(-3, world * e_local + 2, (world * t_max, 2 * k), dtype=torch.int32, device="cuda")
     count = torch.randint(0, t_max + 1, (world,), dtype=torch.int32, device="cuda")
@@ -94,12 +81,10 @@ def _chained(name: str, kernel) -> bool:
 
 
 def test_compiles_for_sm90a():
-    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2; plan_send as a CTA of a
-    large batch and as the one CTA of 128 (the small batch) and 1024 tokens."""
+    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2; the router's int32 and
+    int64 ids."""
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2)):
-            for threads in (SEND_THREADS, send_threads(128), send_threads(ONE_CTA_TOKENS)):
-                assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int32", threads))
-                assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int64", threads))
-            assert _chained("plan_place_kernel", get_plan_place_kernel(world))
+            assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int32"))
+            assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int64"))
             assert _chained("plan_receive_kernel", get_plan_receive_kernel(world, k))
