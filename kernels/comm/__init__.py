@@ -20,7 +20,7 @@ from kernels.permute import ExpertLayout, expert_layout
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions, put_routes
+from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions
 
 __all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_routes", "put_rows",
            "put_tokens", "receive_layout", "reduce_put"]
@@ -33,6 +33,11 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
         return kernel(src_NX, dest_NW, region)
     return reference.put_rows(src_NX, dest_NW, region)
+
+
+def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
+    """See :func:`kernels.comm.reference.put_routes`."""
+    reference.put_routes(meta_TM, meta, counts, rank=rank, max_tokens=max_tokens, put=put_rows)
 
 
 def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,

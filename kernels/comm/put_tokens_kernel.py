@@ -153,6 +153,8 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: t
     q = peer_copy(regions.q, "regions.q", dtype=torch.uint8, width=d)
     sf = peer_copy(regions.sf, "regions.sf", dtype=torch.float32, width=-(-d // group))
     counts = peer_copy(regions.counts, "regions.counts", dtype=torch.int32, width=1)
+    if t == 0:  # an empty slice keeps its parent's strides, which the kernel's packed arguments reject
+        x_TD, topk_idx_TK, topk_weights_TK = (a.new_empty(a.shape) for a in (x_TD, topk_idx_TK, topk_weights_TK))
     dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
     home_TW = torch.empty_like(dest_TW)
     kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, str(topk_idx_TK.dtype).removeprefix("torch."))

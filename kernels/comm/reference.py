@@ -64,7 +64,8 @@ class TokenRegions:
     counts: PeerRegion
 
 
-def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
+def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int,
+               put=put_rows) -> None:
     """Token t's metadata row into row ``rank * max_tokens + t`` of every rank's ``meta``, and
     the token count T into row ``rank`` of every rank's ``counts``: what a receiver reads to know
     which rows of block ``rank`` this call wrote and what each one is (rows a token was not sent
@@ -73,12 +74,13 @@ def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, r
     Args:
         meta_TM: [T, M] int32 (:attr:`SendPlan.meta_TM`), T <= ``max_tokens``.
         meta: ``[W * max_tokens, M]`` int32 copies; counts: ``[W, 1]`` int32 copies.
+        put: the :func:`put_rows` that stores them (``kernels.comm.put_rows`` takes the kernel).
     """
     world, num_tokens, device = counts.world, meta_TM.shape[0], meta_TM.device
     rows_T = torch.arange(num_tokens, dtype=torch.int32, device=device) + rank * max_tokens
-    put_rows(meta_TM, rows_T[:, None].expand(num_tokens, world), meta)
+    put(meta_TM, rows_T[:, None].expand(num_tokens, world), meta)
     count_dest_WW = torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
-    put_rows(torch.full((world, 1), num_tokens, dtype=torch.int32, device=device), count_dest_WW, counts)
+    put(torch.full((world, 1), num_tokens, dtype=torch.int32, device=device), count_dest_WW, counts)
 
 
 def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
