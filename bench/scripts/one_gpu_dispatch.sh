@@ -29,7 +29,7 @@ done
 dispatch() {  # NAME: bench dispatch at EP 1 from the current directory
   LIMIT=150 run "$1" torchrun --standalone --nproc-per-node 1 -m ep_runtime.bench.dispatch --tokens 8192,256 \
     --iters 30 ${PROFILE:+--profile} --out "$out/$1" --commit "$2"
-  grep -A16 "dispatch/combine on" "$out/$1.log" | grep -E "tokens|nvlink"
+  grep -E "tokens/rank|nvlink_graph" "$out/$1.log"
 }
 dispatch dispatch-ep1 "$commit"
 if [ -n "${OLD:-}" ]; then
