@@ -36,7 +36,6 @@ SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
-TRANSPOSE_STAGINGS = ["registers", "direct"]  # session 15; shipped: "shared"
 
 
 def _cast_variant(x, block, tile):
@@ -119,20 +118,6 @@ def _router_variant(inp, with_counts: bool, compact: bool = True, ctas_per_sm: i
     return route
 
 
-def _transpose_variant(x, staging):
-    from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
-
-    b, m, n = x.shape
-    kernel = get_batched_transpose_kernel(m, n, "uint16", staging)
-
-    def call():
-        out = torch.empty((b, n, m), dtype=x.dtype, device=x.device)
-        kernel(x.view(torch.uint16), out.view(torch.uint16))
-        return out
-
-    return call
-
-
 def variants(op: str, inp) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
     if op in ("swiglu", "swiglu_per_token_cast"):
@@ -172,10 +157,6 @@ def variants(op: str, inp) -> dict[str, object]:
         return {"groups in place": _router_variant(inp, False, compact=False)}
     if op == "topk_route_with_counts":  # CTAs an SM (shipped: 8; one token a warp: "unbounded")
         return {f"ctas/SM={n or 'unbounded'}": _router_variant(inp, True, ctas_per_sm=n) for n in ROUTER_COUNT_CTAS_PER_SM}
-    if op == "batched_transpose":
-        s = inp.shape
-        x = inp.x_TD.view(s.transpose_batch, s.tokens // s.transpose_batch, s.hidden)
-        return {f"staging={t}": _transpose_variant(x, t) for t in TRANSPOSE_STAGINGS}
     if op == "cast_back":
         return {f"tile={t} staged": _cast_back_variant(inp.q_TD, inp.sf_TG, t, staged=True) for t in BACK_TILES}
     return {}  # the op as shipped and its peers only

@@ -24,21 +24,14 @@ MAX_THREADS = 256
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, staging: str = "shared"):
-    """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64).
-
-    ``staging`` (session 15's sweep): "shared" copies the tile into shared memory in TileLang's
-    vectors (4-byte loads where the padded rows break 16-byte alignment), "registers" loads
-    16-byte vectors into registers first, "direct" skips shared memory (each output vector gathered
-    from ``out_vec`` rows straight from global memory: for few rows)."""
+def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str):
+    """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64)."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
     tile_m, tile_n = transpose_tile(rows, elem_bytes)
     pad = max(1, 4 // elem_bytes)
     in_vec, out_vec = vector_width(cols, elem_bytes), vector_width(min(rows, tile_m), elem_bytes)
     threads = min(MAX_THREADS, tile_m * tile_n // max(in_vec, out_vec))  # at least one vector each way
-    loads = tile_m * tile_n // (in_vec * threads)
-    row_vec = vector_width(rows, elem_bytes)  # "direct": whole output rows in vectors
 
     @T.prim_func
     def batched_transpose(
@@ -48,21 +41,9 @@ def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, staging:
         with T.Kernel(T.ceildiv(cols, tile_n), T.ceildiv(rows, tile_m), batch, threads=threads) as (pn, pm, b):
             tile_MN = T.alloc_shared((tile_m, tile_n + pad), bits_dtype)
             column = T.alloc_local((out_vec,), bits_dtype)
-            vectors = T.alloc_local((loads * in_vec,), bits_dtype)
             tid = T.get_thread_binding()
-            if staging == "shared":
-                for i, j in T.Parallel(tile_m, tile_n, loop_layout=vector_layout(tile_m, tile_n, threads, in_vec)):
-                    tile_MN[i, j] = x_BMN[b, pm * tile_m + i, pn * tile_n + j]
-            else:
-                for v in T.unroll(loads):
-                    flat = (v * threads + tid) * in_vec
-                    if pm * tile_m + flat // tile_n < rows and pn * tile_n + flat % tile_n < cols:
-                        for k in T.vectorized(in_vec):
-                            vectors[v * in_vec + k] = x_BMN[b, pm * tile_m + flat // tile_n, pn * tile_n + flat % tile_n + k]
-                for v in T.unroll(loads):
-                    flat = (v * threads + tid) * in_vec
-                    for k in T.unroll(in_vec):
-                        tile_MN[flat // tile_n, flat % tile_n + k] = vectors[v * in_vec + k]
+            for i, j in T.Parallel(tile_m, tile_n, loop_layout=vector_layout(tile_m, tile_n, threads, in_vec)):
+                tile_MN[i, j] = x_BMN[b, pm * tile_m + i, pn * tile_n + j]
             T.sync_threads()
             # Thread-owned output vectors: out_vec consecutive rows of one tile column, gathered from
             # shared memory, then stored as one vector along the output row.
@@ -75,22 +56,7 @@ def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, staging:
                     for k in T.vectorized(out_vec):
                         out_BNM[b, pn * tile_n + n_in_tile, pm * tile_m + m_in_tile + k] = column[k]
 
-    @T.prim_func
-    def batched_transpose_direct(
-        x_BMN: T.Tensor[(batch, rows, cols), bits_dtype],
-        out_BNM: T.Tensor[(batch, cols, rows), bits_dtype],
-    ):
-        chunks = rows // row_vec
-        with T.Kernel(T.ceildiv(cols * chunks, MAX_THREADS), batch, threads=MAX_THREADS) as (p, b):
-            column = T.alloc_local((row_vec,), bits_dtype)
-            flat = p * MAX_THREADS + T.get_thread_binding()
-            if flat < cols * chunks:
-                for k in T.unroll(row_vec):
-                    column[k] = x_BMN[b, flat % chunks * row_vec + k, flat // chunks]
-                for k in T.vectorized(row_vec):
-                    out_BNM[b, flat // chunks, flat % chunks * row_vec + k] = column[k]
-
-    return batched_transpose_direct if staging == "direct" else batched_transpose
+    return batched_transpose
 
 
 def transpose_tile(rows: int, elem_bytes: int) -> tuple[int, int]:
