@@ -33,7 +33,9 @@ and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median 
 measured with CUDA events (host timers on CPU). On GPUs the graphs and the peers are timed as the
 GPU runs them: the GPU spins ~1 ms after the barrier, so their launches are queued before it
 reaches them, as in a model's steady state (session 12; before, the graphs' times included their
-host-side launch, a few microseconds that mattered at 128 tokens). The eager entries keep the
+host-side launch, a few microseconds that mattered at 128 tokens), then an all-reduce of one
+element on the stream lines the ranks' GPUs up (session 15; before, a rank's time included
+waiting for a peer whose host had left the barrier later). The eager entries keep the
 host's launches in their time: their Python is what an eager call costs.
 """
 
@@ -84,11 +86,16 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     def sync():
         dist.barrier(group=group, **({"device_ids": [device.index]} if on_gpu else {}))
 
+    flag = torch.zeros(1, device=device)
+
+    def align():  # on the stream, after the GPU's head start: every rank's GPU starts the call together
+        dist.all_reduce(flag, group=group)
+
     def median_ms(fn, head_start: bool = True) -> float:
         samples = []
         for i in range(a.warmup + a.iters):
             sync()
-            ms = timer.time(fn, head_start)
+            ms = timer.time(fn, head_start, align if on_gpu and world > 1 else None)
             if i >= a.warmup:
                 samples.append(ms)
         worst = torch.tensor(samples, dtype=torch.float64, device=device)

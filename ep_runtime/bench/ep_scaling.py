@@ -327,12 +327,16 @@ class _Timer:
 
     ``head_start``: the GPU spins ~1 ms before the start event, so the host has queued ``fn``'s
     launches when the GPU reaches them and the time is the GPU's alone (a CUDA graph's replay in the
-    steady state, where the host runs ahead); without it the time includes the host's launches."""
+    steady state, where the host runs ahead); without it the time includes the host's launches.
+    ``align`` (with ``head_start``), an on-stream collective after the spin: the ranks' GPUs start
+    the timed call together, so a rank's time does not include waiting for a peer whose host left
+    the last host barrier later (session 15: on two H100s every 128-token step, P2P copy and NCCL
+    included, took ~30 us whatever its bytes; this skew is the suspected cause, not yet measured)."""
 
     def __init__(self, device):
         self.device = device
 
-    def time(self, fn, head_start: bool = False) -> float:
+    def time(self, fn, head_start: bool = False, align=None) -> float:
         import torch
 
         if self.device.type == "cuda":
@@ -340,6 +344,8 @@ class _Timer:
             torch.cuda.synchronize(self.device)
             if head_start:
                 torch.cuda._sleep(HEAD_START_CYCLES)
+                if align is not None:
+                    align()
             start.record()
             fn()
             end.record()
