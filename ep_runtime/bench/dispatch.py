@@ -27,8 +27,8 @@ rank's token goes to each other rank with probability about 1 - (1 - 1/W)^K).
 
 Bytes counted per rank: rows sent to *other* ranks (one per token per destination rank) as they
 travel: ``hidden`` FP8 bytes plus ``ceil(hidden / 128)`` float32 scales for dispatch with
-``--fp8``, ``hidden`` bf16 elements for combine; routes, weights and counts (a few bytes per row)
-and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median over ``--iters``
+``--fp8``, ``hidden`` bf16 elements for combine; the routes and weights (2K words a token, to
+every rank under nvlink), the counts and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median over ``--iters``
 (after ``--warmup``) of the slowest rank per iteration, each iteration started from a barrier,
 measured with CUDA events (host timers on CPU). On GPUs the graphs and the peers are timed as the
 GPU runs them: the GPU spins ~1 ms after the barrier, so their launches are queued before it

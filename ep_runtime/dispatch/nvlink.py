@@ -6,26 +6,27 @@ Every rank's heap holds, per transport call, one receive region of ``W * T_max``
 A sender therefore knows where each of its tokens lands without asking anyone or scanning its
 batch, writes it there once per destination rank (``kernels.comm.put_rows``: one read, up to W
 stores), writes every token's routes and its token count to every rank (how a receiver tells the
-rows this call wrote from older ones), and one barrier on the stream makes everything visible. Sizes are static (``T_max``, the worst case
-of a layout over ``W * T_max`` rows), so nothing waits on the host and a CUDA graph can capture
-the steady state. The experts' work stops at the rows in use (``offsets_E[-1]``: expand, the
-SwiGLU, combine's backward), so a generous ``T_max`` costs memory, not time, there; the passes over
-the ``W * T_max`` received rows (the FP8 cast back, the weighted reduces, ``receive_layout``) still
-cost in proportion to it. Calls alternate between two halves of the heap: a rank may write call n + 1's
+rows this call wrote from older ones), and one barrier on the stream makes everything visible.
+Sizes are static (``T_max``, the worst case of a layout over ``W * T_max`` rows), so nothing waits
+on the host and a CUDA graph can capture the steady state. The experts' work stops at the rows in
+use (``offsets_E[-1]``: expand, the SwiGLU, combine's backward), so a generous ``T_max`` costs
+memory, not time, there; the passes over the ``W * T_max`` received rows (the FP8 cast back, the
+weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two halves of the heap: a rank may write call n + 1's
 rows while a peer still reads call n's, never call n - 1's (every rank read those before it
 entered call n's barrier).
 
-Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: cast and
-planned, cast and stored with its metadata and the counts by one kernel, ``kernels.comm.put_tokens``)
-and its routes and router weights; the receiver builds its experts' layout from the routes in the
-blocks' first ``count`` rows and dequantizes the FP8 rows straight into it (``expand_cast_back``).
-The receiver's bookkeeping (what each received row is and where it returns) is one launch for a
-small batch: ``kernels.comm.receive_layout``, which also lays the received routes out for the
-experts (``plan_receive`` and the layout's four launches past 4096 received routes). Each of these kernels may launch while the
-one before it finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its
-local experts and stores it straight into block ``me`` of its home rank at the row it came from
-(``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
-(``weighted_reduce`` with unit weights, in rank order, float32).
+Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: planned, cast
+and stored with every token's routes and the counts by one kernel, ``kernels.comm.put_tokens``;
+otherwise ``plan_send`` and ``put_rows``); the receiver builds its experts' layout from the routes
+in the blocks' first ``count`` rows (a row whose routes name none of its experts holds no data of
+this call) and dequantizes the FP8 rows straight into it (``expand_cast_back``). The receiver's
+bookkeeping (what each received row is and where it returns) is one launch for a small batch:
+``kernels.comm.receive_layout``, which also lays the received routes out for the experts
+(``plan_receive`` and the layout's four launches past 4096 received routes). Each of these kernels
+may launch while the one before it finishes (programmatic dependent launch, ``kernels.pdl``).
+Combine reduces each received row over its local experts and stores it straight into block ``me``
+of its home rank at the row it came from (``kernels.comm.reduce_put``), and the home rank sums its
+blocks' rows per token (``weighted_reduce`` with unit weights, in rank order, float32).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -44,7 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion, TokenRegions, plan_send, put_routes, put_rows, put_tokens, receive_layout, reduce_put
+from kernels.comm import (PeerRegion, TokenRegions, count_rows, plan_send, put_rows, put_tokens, receive_layout,
+                          reduce_put, route_rows)
 from kernels.permute import ExpertLayout, max_rows
 from kernels.validate import check_positive
 
@@ -91,6 +93,11 @@ class NVLinkDispatcher:
         self.fp8 = fp8
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
+        # Where every token's routes and the token count go (kernels.comm.reference.put_routes) when
+        # put_tokens does not store them: built once, outside any graph capture.
+        self.route_rows_TW = route_rows(self.max_tokens, self.world, rank=self.rank, max_tokens=self.max_tokens,
+                                        device=device)
+        self.count_rows_WW = count_rows(self.world, self.rank, device)
 
     @property
     def num_recv_rows(self) -> int:
@@ -170,13 +177,15 @@ class NVLinkDispatcher:
             send = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=e_local, world=world, rank=me,
                              max_tokens=t_max)
             dest_TW, home_TW = send.dest_TW, send.home_TW
-            put_routes(send.meta_TM, meta, counts, rank=me, max_tokens=t_max)
+            put_rows(send.meta_TM, self.route_rows_TW[:num_tokens], meta)
+            count_W1 = torch.full((world, 1), num_tokens, dtype=torch.int32, device=self.device)
+            put_rows(count_W1, self.count_rows_WW, counts)
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)
         self.heap.barrier()
 
-        # What arrived: block w's first count[w] rows.
+        # What arrived: rank w's routes in block w's first count[w] rows (data where they name our experts).
         recv, layout = receive_layout(
             meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
             alignment=self.alignment, num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))

@@ -8,8 +8,9 @@ regions in one launch) and ``reduce_put`` (combine's weighted reduce stored stra
 peers' regions; the peer variant of ``kernels.reduce``'s weighted-reduce kernel) take their
 kernels on the same terms as ``put_rows``.
 ``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
-TileLang kernels where ``use_tilelang`` says so, the reference otherwise; ``put_routes`` (the
-metadata and counts of a dispatch that is not FP8-cast on the way) is ``put_rows`` twice. ``receive_layout``
+TileLang kernels where ``use_tilelang`` says so, the reference otherwise. A dispatch not cast on
+the way stores its routes and count as ``reference.put_routes`` does, with two ``put_rows`` over
+the tables of ``route_rows`` and ``count_rows`` (built once by its caller). ``receive_layout``
 (``plan_receive`` and the local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise.
 """
@@ -20,10 +21,10 @@ from kernels.permute import ExpertLayout, expert_layout
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions
+from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions, count_rows, route_rows
 
-__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "plan_receive", "plan_send", "put_routes", "put_rows",
-           "put_tokens", "receive_layout", "reduce_put"]
+__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "count_rows", "plan_receive", "plan_send",
+           "put_rows", "put_tokens", "receive_layout", "reduce_put", "route_rows"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -33,11 +34,6 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
         return kernel(src_NX, dest_NW, region)
     return reference.put_rows(src_NX, dest_NW, region)
-
-
-def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
-    """See :func:`kernels.comm.reference.put_routes`."""
-    reference.put_routes(meta_TM, meta, counts, rank=rank, max_tokens=max_tokens, put=put_rows)
 
 
 def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,

@@ -4,8 +4,8 @@ each instead of a few dozen small ones (what bounds a small batch's latency).
 
 Both are a thread per row (token, or received row). A token's rows are fixed (its index in the
 sender's block), so ``plan_send`` needs no scan over the batch; FP8 dispatch does its planning
-inside ``put_tokens`` and launches neither (session 15: the scan and its one-CTA launch were 5.2 us
-of a 256-token dispatch).
+inside ``put_tokens`` and launches no ``plan_send`` (session 15: the scan and its one-CTA launch were
+5.2 us of a 256-token dispatch).
 
 Each thread loads its row (ids, weight bits, metadata) into registers before it computes, and a
 route's rank comes from comparisons with the ranks' expert ranges and a row's sender from one int32
@@ -125,6 +125,8 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     num_tokens, topk = topk_idx_TK.shape
     if num_tokens > max_tokens:
         raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {num_tokens}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
     new = functools.partial(torch.empty, dtype=torch.int32, device=topk_idx_TK.device)
     plan = SendPlan(dest_TW=new((num_tokens, world)), home_TW=new((num_tokens, world)),
                     meta_TM=new((num_tokens, 2 * topk)))

@@ -116,14 +116,15 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
                         sf_F[deltas[w] // 4 + T.Cast("int64", dest_MW[i, w]) * groups + pn * tile_g + g] = sf_frag[i, g]
                 if pn == 0:  # every rank gets the routes: how a receiver tells this call's rows apart
                     for i, m in T.Parallel(tile_m, meta_width):
+                        row = T.Cast("int64", rank * t_max + pm * tile_m + i)
                         if pm * tile_m + i < num_tokens:
-                            meta_F[deltas[w] // 4 + T.Cast("int64", rank * t_max + pm * tile_m + i) * meta_width + m] = \
-                                meta_MM[i, m]
+                            meta_F[deltas[w] // 4 + row * meta_width + m] = meta_MM[i, m]
             if pn == 0:
                 for i, w in T.Parallel(tile_m, world):
                     if pm * tile_m + i < num_tokens:
                         dest_TW[pm * tile_m + i, w] = dest_MW[i, w]
-                        home_TW[pm * tile_m + i, w] = T.if_then_else(dest_MW[i, w] >= 0, w * t_max + pm * tile_m + i, -1)
+                        home_TW[pm * tile_m + i, w] = T.if_then_else(dest_MW[i, w] >= 0,
+                                                                     w * t_max + pm * tile_m + i, -1)
             if pid == 0 and T.get_thread_binding() == 0:
                 for w in T.unroll(world):
                     counts_F[deltas[w] // 4 + rank] = num_tokens
@@ -148,6 +149,8 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: t
     if meta.shape[0] % world:
         raise ValueError(f"regions.meta: expected W * T_max rows for W = {world}, got shape {tuple(meta.shape)}")
     max_tokens = meta.shape[0] // world
+    if not 0 <= rank < world:
+        raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
     if t > max_tokens:
         raise ValueError(f"x_TD: expected at most T_max = {max_tokens} tokens (the regions' rows / W), got {t}")
     q = peer_copy(regions.q, "regions.q", dtype=torch.uint8, width=d)
@@ -157,7 +160,8 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: t
         x_TD, topk_idx_TK, topk_weights_TK = (a.new_empty(a.shape) for a in (x_TD, topk_idx_TK, topk_weights_TK))
     dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
     home_TW = torch.empty_like(dest_TW)
-    kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, str(topk_idx_TK.dtype).removeprefix("torch."))
+    index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")
+    kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, index_dtype)
     vec = vector_width(d, x_TD.element_size())
     kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32),
            regions.q.delta_W, dest_TW, home_TW, q.view(E4M3).view(-1, vec), sf.view(-1), meta.view(-1), counts.view(-1),

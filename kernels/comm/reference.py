@@ -55,8 +55,8 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 @dataclass(frozen=True, eq=False)
 class TokenRegions:
     """Where a dispatch's sender writes, per rank: e4m3 rows ``q`` [R, D] (uint8 bits), their
-    float32 scales ``sf`` [R, ceil(D / group)], metadata rows ``meta`` [R, M] int32 and per-sender
-    row counts ``counts`` [W, 1] int32 (R = W * T_max: block w of R is rank w's)."""
+    float32 scales ``sf`` [R, ceil(D / group)], metadata rows ``meta`` [R, M] int32 and each
+    sender's token count ``counts`` [W, 1] int32 (R = W * T_max: block w of R is rank w's)."""
 
     q: PeerRegion
     sf: PeerRegion
@@ -64,8 +64,7 @@ class TokenRegions:
     counts: PeerRegion
 
 
-def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int,
-               put=put_rows) -> None:
+def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
     """Token t's metadata row into row ``rank * max_tokens + t`` of every rank's ``meta``, and
     the token count T into row ``rank`` of every rank's ``counts``: what a receiver reads to know
     which rows of block ``rank`` this call wrote and what each one is (rows a token was not sent
@@ -74,13 +73,28 @@ def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, r
     Args:
         meta_TM: [T, M] int32 (:attr:`SendPlan.meta_TM`), T <= ``max_tokens``.
         meta: ``[W * max_tokens, M]`` int32 copies; counts: ``[W, 1]`` int32 copies.
-        put: the :func:`put_rows` that stores them (``kernels.comm.put_rows`` takes the kernel).
     """
     world, num_tokens, device = counts.world, meta_TM.shape[0], meta_TM.device
+    if not 0 <= rank < world:
+        raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
+    if num_tokens > max_tokens:
+        raise ValueError(f"meta_TM: expected at most max_tokens={max_tokens} rows, got {num_tokens}")
+    put_rows(meta_TM, route_rows(num_tokens, world, rank=rank, max_tokens=max_tokens, device=device), meta)
+    count_W1 = torch.full((world, 1), num_tokens, dtype=torch.int32, device=device)
+    put_rows(count_W1, count_rows(world, rank, device), counts)
+
+
+def route_rows(num_tokens: int, world: int, *, rank: int, max_tokens: int, device) -> torch.Tensor:
+    """``[T, W]`` int32, row ``rank * max_tokens + t`` in every column: where :func:`put_routes`
+    stores token t's metadata (a prefix of the ``max_tokens`` table is the table of fewer tokens)."""
     rows_T = torch.arange(num_tokens, dtype=torch.int32, device=device) + rank * max_tokens
-    put(meta_TM, rows_T[:, None].expand(num_tokens, world), meta)
-    count_dest_WW = torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
-    put(torch.full((world, 1), num_tokens, dtype=torch.int32, device=device), count_dest_WW, counts)
+    return rows_T[:, None].expand(num_tokens, world).contiguous()
+
+
+def count_rows(world: int, rank: int, device) -> torch.Tensor:
+    """``[W, W]`` int32, ``rank`` on the diagonal and -1 elsewhere: row ``rank`` of each rank's
+    counts, where :func:`put_routes` stores the token count."""
+    return torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
 
 
 def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
@@ -181,7 +195,7 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
 
     Args:
         topk_idx_TK: [T, K] int32 or int64 expert ids, -1 for none (values are not checked; they
-            travel as int32).
+            travel, and are routed, as int32: an int64 id past int32 wraps as the receiver reads it).
         topk_weights_TK: [T, K] float32.
         num_local_experts, world, rank, max_tokens: E_local, W, this rank, T_max (>= T).
     """
@@ -190,14 +204,16 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
                  device=topk_idx_TK.device)
     if topk_idx_TK.shape[0] > max_tokens:
         raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {topk_idx_TK.shape[0]}")
-    device = topk_idx_TK.device
+    if not 0 <= rank < world:
+        raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
+    device, idx_TK = topk_idx_TK.device, topk_idx_TK.to(torch.int32)  # ids as they travel (receivers read these)
     ranks_W = torch.arange(world, dtype=torch.int32, device=device)
-    token_T = torch.arange(topk_idx_TK.shape[0], dtype=torch.int32, device=device)
-    dest_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // num_local_experts, -1)
+    token_T = torch.arange(idx_TK.shape[0], dtype=torch.int32, device=device)
+    dest_TK = torch.where(idx_TK >= 0, idx_TK // num_local_experts, -1)
     goes_TW = (dest_TK[:, None, :] == ranks_W[None, :, None]).any(2)
     return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + token_T[:, None], -1).int(),
                     home_TW=torch.where(goes_TW, ranks_W * max_tokens + token_T[:, None], -1).int(),
-                    meta_TM=torch.cat([topk_idx_TK.to(torch.int32), topk_weights_TK.view(torch.int32)], 1))
+                    meta_TM=torch.cat([idx_TK, topk_weights_TK.view(torch.int32)], 1))
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,

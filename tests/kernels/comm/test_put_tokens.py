@@ -35,10 +35,13 @@ def _heaps(world: int, rows: int, d: int, x: int, *, device: str, seed: int):
 
 
 def test_reference_places_each_cast_row(seed):
+    """Every byte of every heap: the cast rows where their tokens go, every token's routes to every
+    rank, the count T; nothing else touched."""
     t, d, world, e_local, k, t_max, me = 9, 300, 3, 4, 3, 11, 1
     x_TD = cast_input(t, d, dtype=torch.bfloat16, seed=seed)
     idx, weights = send_routes(t, k, world, e_local, seed=seed)
-    _, regions = _heaps(world, world * t_max, d, 2 * k, device="cpu", seed=seed)
+    heaps, regions = _heaps(world, world * t_max, d, 2 * k, device="cpu", seed=seed)
+    _, want = _heaps(world, world * t_max, d, 2 * k, device="cpu", seed=seed)  # the same bytes, filled by hand
     dest_TW, home_TW = reference.put_tokens(x_TD, idx, weights, regions, num_local_experts=e_local, rank=me)
     for i in range(t):
         q, sf = per_token_cast(x_TD[i:i + 1])
@@ -46,13 +49,48 @@ def test_reference_places_each_cast_row(seed):
         row = me * t_max + i
         for w in range(world):
             assert (int(dest_TW[i, w]), int(home_TW[i, w])) == ((row, w * t_max + i) if w in ranks else (-1, -1))
-            assert torch.equal(regions.meta.views[w][row], torch.cat([idx[i], weights[i].view(torch.int32)]))
+            want.meta.views[w][row] = torch.cat([idx[i], weights[i].view(torch.int32)])
             if w in ranks:
-                assert torch.equal(regions.q.views[w][row], q[0].view(torch.uint8))
-                assert torch.equal(regions.sf.views[w][row], sf[0])
-    assert (dest_TW < 0).any() and (dest_TW >= 0).any()
+                want.q.views[w][row], want.sf.views[w][row] = q[0].view(torch.uint8), sf[0]
     for w in range(world):
-        assert int(regions.counts.views[w][me, 0]) == t
+        want.counts.views[w][me, 0] = t
+    assert (dest_TW < 0).any() and (dest_TW >= 0).any()
+    for name in ("q", "sf", "meta", "counts"):
+        for w in range(world):
+            assert torch.equal(getattr(regions, name).views[w], getattr(want, name).views[w]), (name, w)
+
+
+@pytest.mark.parametrize("second", [4, 0])
+def test_a_receiver_sees_only_the_last_call(second, seed):
+    """Two calls into the same regions, the second with fewer tokens (or none) and other routes: what
+    the receiver plans from is the second call alone (rows the first wrote, past the second's T or
+    not sent to this rank, are not its rows)."""
+    d, world, e_local, k, t_max, me = 256, 2, 4, 3, 9, 0
+    _, regions = _heaps(world, world * t_max, d, 2 * k, device="cpu", seed=seed)
+    args = dict(num_local_experts=e_local, rank=me)
+    reference.put_tokens(cast_input(t_max, d, seed=seed), *send_routes(t_max, k, world, e_local, seed=seed), regions,
+                         **args)
+    idx, weights = send_routes(second, k, world, e_local, seed=seed + 1)
+    reference.put_tokens(cast_input(second, d, seed=seed + 1), idx, weights, regions, **args)
+    for w in range(world):
+        plan = reference.plan_receive(regions.meta.views[w], regions.counts.views[w][:, 0], num_local_experts=e_local,
+                                      rank=w, max_tokens=t_max)
+        mine = (idx >= w * e_local) & (idx < (w + 1) * e_local)
+        back = torch.full((t_max, world), -1, dtype=torch.int32)
+        back[:second, me] = torch.where(mine.any(1), w * t_max + torch.arange(second, dtype=torch.int32), -1)
+        block = slice(me * t_max, (me + 1) * t_max)
+        assert torch.equal(plan.local_idx_RK[block][:second], torch.where(mine, idx - w * e_local, -1))
+        assert (plan.local_idx_RK[block][second:] == -1).all()
+        assert torch.equal(plan.back_RW[block], back)
+
+
+def test_bad_rank_or_too_many_tokens_are_errors():
+    _, regions = _heaps(2, 6, 128, 4, device="cpu", seed=0)
+    idx, weights = send_routes(3, 2, 2, 3)
+    with pytest.raises(ValueError, match="^rank: expected 0 <= rank < 2"):
+        reference.put_tokens(torch.randn(3, 128), idx, weights, regions, num_local_experts=3, rank=2)
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=3 tokens, got 4"):
+        reference.put_tokens(torch.randn(4, 128), *send_routes(4, 2, 2, 3), regions, num_local_experts=3, rank=0)
 
 
 CASES = [  # (tokens, hidden, dtype, world, top-k, E_local): dispatch at DeepSeek-V3's and tiny shapes
@@ -97,6 +135,8 @@ def test_bad_input_names_the_argument():
         put_tokens(x_TD[:, :128], idx, weights, regions, num_local_experts=3, rank=0)
     with pytest.raises(ValueError, match="^group: expected"):
         put_tokens(x_TD, idx, weights, regions, num_local_experts=3, rank=0, group=96)
+    with pytest.raises(ValueError, match="^rank: expected 0 <= rank < 2"):
+        put_tokens(x_TD, idx, weights, regions, num_local_experts=3, rank=2)
     _, small = _heaps(2, 6, 256, 4, device="cuda", seed=0)
     with pytest.raises(ValueError, match="^x_TD: expected at most T_max = 3 tokens"):
         put_tokens(x_TD, idx, weights, small, num_local_experts=3, rank=0)
