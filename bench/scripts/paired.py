@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-
-import torch
 
 from ep_runtime.bench import kernels as bench
 
@@ -42,9 +39,7 @@ def main() -> None:
     p.add_argument("--shapes", default="v4-d4096,v4-d7168", help="bench kernels' shape names, comma-separated")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    device = torch.device("cuda")
-    seed = int(time.time()) % 100_000
-    timer = bench.Timer(device, a.iters, 10, 0.3, flush_bytes=512 << 20)
+    device, seed, timer = bench.tuning_setup(a.iters)
     print(f"{bench.device_name(device)}  seed {seed}", flush=True)
     rows = []
     for op in a.ops.split(","):

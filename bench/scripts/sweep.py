@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import time
 
 import torch
 
@@ -170,9 +169,7 @@ def main() -> None:
     p.add_argument("--compile-budget", type=float, default=60, help="seconds of torch.compile for the peers")
     p.add_argument("--shape", default="large", help="shape of the non-mHC ops (bench kernels' SHAPES: large, small)")
     a = p.parse_args()
-    device = torch.device("cuda")
-    seed = int(time.time()) % 100_000
-    timer = bench.Timer(device, a.iters, 10, 0.3, flush_bytes=512 << 20)
+    device, seed, timer = bench.tuning_setup(a.iters)
     copy = bench.copy_bandwidth(timer, 1 << 30)
     print(f"{bench.device_name(device)}  copy {copy['gbps']:.0f} GB/s  seed {seed}", flush=True)
     rows = []

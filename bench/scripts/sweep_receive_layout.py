@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -54,9 +53,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=200)
     a = p.parse_args()
-    device = torch.device("cuda")
-    seed = int(time.time()) % 100_000
-    timer = bench.Timer(device, a.iters, 10, 0.3, flush_bytes=512 << 20)
+    device, seed, timer = bench.tuning_setup(a.iters)
     print(f"{bench.device_name(device)}  seed {seed}", flush=True)
     rows = []
     for name, (world, t_max, k, e_local) in SHAPES.items():

@@ -960,6 +960,13 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def tuning_setup(iters: int) -> tuple[torch.device, int, Timer]:
+    """What a tuning script (``bench/scripts``) times with: the CUDA device, a seed from the clock
+    (fresh inputs each run) and this benchmark's timer (``iters`` runs at most, caches flushed)."""
+    device = torch.device("cuda")
+    return device, int(time.time()) % 100_000, Timer(device, iters, 10, 0.3, flush_bytes=512 << 20)
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
