@@ -2,8 +2,9 @@
 
 ``compile_only()`` makes every ``@tilelang.jit`` factory called inside it lower to CUDA for
 ``sm_90a`` and compile with nvcc on a machine without a GPU (CI does this for every kernel), with
-TileLang's kernel cache off so a stale cached binary cannot hide a kernel that no longer compiles. ``kernel_source`` is the one place kernels' CUDA source is dumped from; ``waits_first`` reads
-it for :func:`kernels.pdl.chained`.
+TileLang's kernel cache off so a stale cached binary cannot hide a kernel that no longer compiles.
+``kernel_source`` is the one place kernels' CUDA source is dumped from; ``waits_first`` reads it
+for :func:`kernels.pdl.chained`.
 """
 
 from __future__ import annotations

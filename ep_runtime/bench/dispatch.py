@@ -28,15 +28,15 @@ rank's token goes to each other rank with probability about 1 - (1 - 1/W)^K).
 Bytes counted per rank: rows sent to *other* ranks (one per token per destination rank) as they
 travel: ``hidden`` FP8 bytes plus ``ceil(hidden / 128)`` float32 scales for dispatch with
 ``--fp8``, ``hidden`` bf16 elements for combine; the routes and weights (2K words a token, to
-every rank under nvlink), the counts and rows a rank keeps are not counted. GB/s = those bytes / time. Times: median over ``--iters``
-(after ``--warmup``) of the slowest rank per iteration, each iteration started from a barrier,
-measured with CUDA events (host timers on CPU). On GPUs the graphs and the peers are timed as the
-GPU runs them: the GPU spins ~1 ms after the barrier, so their launches are queued before it
-reaches them, as in a model's steady state (session 12; before, the graphs' times included their
-host-side launch, a few microseconds that mattered at 128 tokens), then an all-reduce of one
-element on the stream lines the ranks' GPUs up (session 15; before, a rank's time included
-waiting for a peer whose host had left the barrier later). The eager entries keep the
-host's launches in their time: their Python is what an eager call costs.
+every rank under nvlink), the counts and rows a rank keeps are not counted. GB/s = those bytes /
+time. Times: median over ``--iters`` (after ``--warmup``) of the slowest rank per iteration, each
+iteration started from a barrier, measured with CUDA events (host timers on CPU). On GPUs the
+graphs and the peers are timed as the GPU runs them: the GPU spins ~1 ms after the barrier, so
+their launches are queued before it reaches them, as in a model's steady state (session 12;
+before, the graphs' times included their host-side launch, a few microseconds that mattered at 128
+tokens), then an all-reduce of one element on the stream lines the ranks' GPUs up (session 15;
+before, a rank's time included waiting for a peer whose host had left the barrier later). The
+eager entries keep the host's launches in their time: their Python is what an eager call costs.
 """
 
 from __future__ import annotations

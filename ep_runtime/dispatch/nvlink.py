@@ -11,9 +11,9 @@ Sizes are static (``T_max``, the worst case of a layout over ``W * T_max`` rows)
 on the host and a CUDA graph can capture the steady state. The experts' work stops at the rows in
 use (``offsets_E[-1]``: expand, the SwiGLU, combine's backward), so a generous ``T_max`` costs
 memory, not time, there; the passes over the ``W * T_max`` received rows (the FP8 cast back, the
-weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two halves of the heap: a rank may write call n + 1's
-rows while a peer still reads call n's, never call n - 1's (every rank read those before it
-entered call n's barrier).
+weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two
+halves of the heap: a rank may write call n + 1's rows while a peer still reads call n's, never
+call n - 1's (every rank read those before it entered call n's barrier).
 
 Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: planned, cast
 and stored with every token's routes and the counts by one kernel, ``kernels.comm.put_tokens``;

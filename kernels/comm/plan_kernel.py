@@ -33,10 +33,10 @@ from .reference import ReceivePlan, SendPlan
 THREADS = 256
 
 
-def goes_to(ids_K, topk: int, w, e_local):
-    """Whether any of a token's ``topk`` ids (a local array) is one of rank w's experts
+def goes_to(ids, w, e_local):
+    """Whether any of a token's ids (a sequence of expressions) is one of rank w's experts
     ``[w * e_local, (w + 1) * e_local)``: comparisons, no division."""
-    return functools.reduce(T.Or, [T.And(ids_K[k] >= w * e_local, ids_K[k] < (w + 1) * e_local) for k in range(topk)])
+    return functools.reduce(T.Or, [T.And(e >= w * e_local, e < (w + 1) * e_local) for e in ids])
 
 
 @tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
@@ -69,7 +69,7 @@ def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32"):
                     meta_TM[token, k] = ids_K[k]
                     meta_TM[token, topk + k] = bits_K[k]
                 for w in T.unroll(world):
-                    goes = goes_to(ids_K, topk, w, e_local)
+                    goes = goes_to([ids_K[k] for k in range(topk)], w, e_local)
                     dest_TW[token, w] = T.if_then_else(goes, rank * t_max + token, -1)
                     home_TW[token, w] = T.if_then_else(goes, w * t_max + token, -1)
 
@@ -110,8 +110,9 @@ def get_plan_receive_kernel(world: int, topk: int):
                     local_idx_RK[row, k] = T.if_then_else(mine, meta_M[k] - rank * e_local, -1)
                     weight_bits_RK[row, k] = T.if_then_else(mine, meta_M[topk + k], 0)
                 for w in T.unroll(world):
-                    back_RW[row, w] = T.if_then_else(valid and w == src and goes_to(meta_M, topk, rank, e_local),
-                                                     rank * t_max + i, -1)
+                    back_RW[row, w] = T.if_then_else(
+                        valid and w == src and goes_to([meta_M[k] for k in range(topk)], rank, e_local),
+                        rank * t_max + i, -1)
 
     return plan_receive_kernel
 

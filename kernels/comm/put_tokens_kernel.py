@@ -20,8 +20,6 @@ Shape suffixes: T tokens, D hidden, K routes, W ranks, M = 2K metadata words, G 
 vectors of a region, V vectors of a tile row, E elements of a vector.
 """
 
-import functools
-
 import tilelang
 import torch
 from tilelang import language as T
@@ -41,6 +39,7 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_tensor
 
+from .plan_kernel import goes_to
 from .put_rows_kernel import peer_copy
 from .reference import TokenRegions
 
@@ -102,8 +101,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
                 else:
                     x_frag[i, j] = T.cast(0, dtype)
             for i, w in T.Parallel(tile_m, world):  # the token's fixed row at rank w, if it goes there
-                goes = functools.reduce(T.Or, [T.And(meta_MM[i, k] >= w * e_local, meta_MM[i, k] < (w + 1) * e_local)
-                                               for k in range(topk)])
+                goes = goes_to([meta_MM[i, k] for k in range(topk)], w, e_local)
                 dest_MW[i, w] = T.if_then_else(goes, rank * t_max + pm * tile_m + i, -1)
             cast_per_token(x_frag, amax, sf_frag, inv_frag, q_frag, group, False, False)
             q_MVE = T.reshape(q_frag, [tile_m, tile_v, vec])

@@ -50,12 +50,11 @@ def fits(num_routes: int, num_local_experts: int) -> bool:
 
 
 @tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
-def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment: int, threads: int = THREADS):
+def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment: int):
     """``(meta_RM, count_W, local_idx_RK, weight_bits_RK, back_RW, counts_E, offsets_E, pos_R,
-    src_P, rank, t_max)`` for ``num_experts`` local experts (R and P dynamic); ``threads`` (at
-    least ``num_experts``) hold ``MAX_ROUTES / threads`` routes each."""
+    src_P, rank, t_max)`` for ``num_experts`` local experts (R and P dynamic)."""
     num_rows, num_layout_rows = T.dynamic("num_rows"), T.dynamic("num_layout_rows")
-    warps, max_rows, per_thread = threads // WARP, MAX_ROUTES // topk, MAX_ROUTES // threads
+    warps, max_rows = THREADS // WARP, MAX_ROUTES // topk
     scan = block_scan(1, warps)
 
     @T.prim_func
@@ -72,14 +71,14 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
         rank: T.int32,
         t_max: T.int32,
     ):
-        with T.Kernel(1, threads=threads):
+        with T.Kernel(1, threads=THREADS):
             chained()
             tid = T.get_thread_binding()
             lane = tid % WARP
             warp = tid // WARP
-            experts = T.alloc_local((per_thread,), T.int32)
-            ranks = T.alloc_local((per_thread,), T.int32)
-            bits = T.alloc_local((per_thread,), T.int32)  # the routes' weights, as int32 bits
+            experts = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
+            ranks = T.alloc_local((ROUTES_PER_THREAD,), T.int32)
+            bits = T.alloc_local((ROUTES_PER_THREAD,), T.int32)  # the routes' weights, as int32 bits
             counts_WE = T.alloc_shared((warps * num_experts,), T.int32)
             end_1 = T.alloc_local((1,), T.int32)
             totals_1Y = T.alloc_shared((1, warps), T.int32)
@@ -91,22 +90,22 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             row = T.alloc_var(T.int32)  # variables, not expressions: each computed once (one division)
             src = T.alloc_var(T.int32)
             num_routes = num_rows * topk
-            rounds = T.ceildiv(num_routes, threads)  # routes a lane; a warp's run is rounds * 32 routes
+            rounds = T.ceildiv(num_routes, THREADS)  # routes a lane; a warp's run is rounds * 32 routes
 
-            for s in T.serial(T.ceildiv(num_layout_rows, threads)):
-                if s * threads + tid < num_layout_rows:
-                    src_P[s * threads + tid] = -1
-            for s in T.unroll(T.ceildiv(warps * num_experts, threads)):
-                if s * threads + tid < warps * num_experts:
-                    counts_WE[s * threads + tid] = 0
-            for s in T.unroll(T.ceildiv(max_rows, threads)):
-                if s * threads + tid < max_rows:
-                    mine_R[s * threads + tid] = 0
+            for s in T.serial(T.ceildiv(num_layout_rows, THREADS)):
+                if s * THREADS + tid < num_layout_rows:
+                    src_P[s * THREADS + tid] = -1
+            for s in T.unroll(T.ceildiv(warps * num_experts, THREADS)):
+                if s * THREADS + tid < warps * num_experts:
+                    counts_WE[s * THREADS + tid] = 0
+            for s in T.unroll(T.ceildiv(max_rows, THREADS)):
+                if s * THREADS + tid < max_rows:
+                    mine_R[s * THREADS + tid] = 0
 
             # 1. each route's expert, weight and its sender's count, all loaded before anything is
             # stored (the kernel waits for the one before it, so its pointers are not __restrict__:
             # a load after a store is not hoisted above it, and costs a round trip of its own)
-            for j in T.unroll(per_thread):
+            for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 experts[j] = -1
                 ranks[j] = 0
@@ -119,7 +118,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                     ranks[j] = count_W[src] - (row - src * t_max)  # > 0: among the rows src sent
             T.sync_threads()  # the zeroed counts and marks (issued loads do not wait for it)
             # then each route's local expert (-1: not this rank's), and plan_receive's stores
-            for j in T.unroll(per_thread):
+            for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 if j < rounds and route < num_routes:
                     row = route // topk
@@ -130,17 +129,18 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
                     local_idx_RK[row, route % topk] = experts[j]
                     weight_bits_RK[row, route % topk] = T.if_then_else(experts[j] >= 0, bits[j], 0)
             T.sync_threads()  # the marks
-            for j in T.unroll(per_thread):
+            for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 if j < rounds and route < num_routes and route % topk == 0:
                     row = route // topk
                     src = row // t_max
                     for w in T.unroll(world):
-                        back_RW[row, w] = T.if_then_else(mine_R[row] == 1 and w == src, row + (rank - src) * t_max, -1)
+                        back_RW[row, w] = T.if_then_else(mine_R[row] == 1 and w == src, row + (rank - src) * t_max,
+                                                         -1)
 
             # 2. ranks among the warp's routes of the same expert, in route order
             lanes_below = (T.uint32(1) << T.Cast(T.uint32, lane)) - T.uint32(1)
-            for j in T.unroll(per_thread):
+            for j in T.unroll(ROUTES_PER_THREAD):
                 if j < rounds:  # the same for the whole CTA
                     peers = T.match_any_sync(experts[j])
                     below = T.Cast(T.int32, T.popcount(peers & lanes_below))
@@ -170,7 +170,7 @@ def get_receive_layout_kernel(world: int, topk: int, num_experts: int, alignment
             T.sync_threads()
 
             # 4. each route's row
-            for j in T.unroll(per_thread):
+            for j in T.unroll(ROUTES_PER_THREAD):
                 route = (warp * rounds + j) * WARP + lane
                 if j < rounds and route < num_routes:
                     row_out = -1
