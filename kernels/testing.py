@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.comm.reference import PeerRegion
+
 
 def router_inputs(
     num_tokens: int,
@@ -180,3 +182,27 @@ def random_bits(
     size = torch.empty((), dtype=dtype).element_size()
     bytes_MN = torch.randint(0, 256, (rows, cols * size), generator=gen, dtype=torch.uint8)
     return bytes_MN.view(dtype).to(device)
+
+
+def peer_heaps(world: int, shapes: list[tuple[tuple[int, int], torch.dtype]], *, device: torch.device | str = "cpu",
+               seed: int = 0) -> tuple[list[torch.Tensor], list[PeerRegion]]:
+    """``world`` heaps of random bytes, each holding one region per ``((rows, cols), dtype)`` of
+    ``shapes`` at the same 256-byte-aligned offsets, as a symmetric heap's are. On CUDA each "rank"
+    is one allocation, reached through its address offset (``delta_W``), so the peer-store kernels
+    run on one GPU.
+
+    Returns:
+        heaps: ``world`` flat uint8 tensors (compare them whole: every byte a kernel may touch).
+        regions: one ``PeerRegion`` per shape.
+    """
+    offsets, size = [], 0
+    for (rows, cols), dtype in shapes:
+        offsets.append(size)
+        size += -(-rows * cols * dtype.itemsize // 256) * 256
+    heaps = [random_bits(1, size, dtype=torch.uint8, device=device, seed=seed + w).view(-1) for w in range(world)]
+    delta_W = None
+    if torch.device(device).type == "cuda":
+        delta_W = torch.tensor([h.data_ptr() - heaps[0].data_ptr() for h in heaps], dtype=torch.int64, device=device)
+    regions = [PeerRegion(views=tuple(h[o:o + r * c * dt.itemsize].view(dt).view(r, c) for h in heaps), delta_W=delta_W)
+               for ((r, c), dt), o in zip(shapes, offsets)]
+    return heaps, regions

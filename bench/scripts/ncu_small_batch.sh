@@ -11,7 +11,7 @@ source bench/scripts/lib.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
 NCU_RUN=("$NCU" --clock-control none --target-processes all)  # an array: `run` execs it under timeout
 echo "ncu: $NCU"
-path='receive_layout|plan_send|put_tokens|expand_cast_back|weighted_reduce'
+path='receive_layout|put_routes|put_tokens|expand_cast_back|weighted_reduce'
 LIMIT=200 run ncu-dispatch "${NCU_RUN[@]}" --set full --kernel-name "regex:$path" --launch-skip 12 --launch-count 6 \
   -o "$out/dispatch-256" torchrun --standalone --nproc-per-node 1 -m ep_runtime.bench.dispatch --tokens 256 \
   --iters 3 --warmup 2 --out "$out/dispatch"

@@ -6,27 +6,30 @@ Every rank's heap holds, per transport call, one receive region of ``W * T_max``
 A sender therefore knows where each of its tokens lands without asking anyone or scanning its
 batch, writes it there once per destination rank (``kernels.comm.put_rows``: one read, up to W
 stores), writes every token's routes and its token count to every rank (how a receiver tells the
-rows this call wrote from older ones), and one barrier on the stream makes everything visible.
+rows this call wrote from older ones), and a barrier on the stream makes everything visible.
 Sizes are static (``T_max``, the worst case of a layout over ``W * T_max`` rows), so nothing waits
 on the host and a CUDA graph can capture the steady state. The experts' work stops at the rows in
 use (``offsets_E[-1]``: expand, the SwiGLU, combine's backward), so a generous ``T_max`` costs
 memory, not time, there; the passes over the ``W * T_max`` received rows (the FP8 cast back, the
 weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two
 halves of the heap: a rank may write call n + 1's rows while a peer still reads call n's, never
-call n - 1's (every rank read those before it entered call n's barrier).
+call n - 1's (every rank read those before it entered call n's barriers).
 
-Dispatch moves, in one barrier, each token's row (FP8 with its scales when ``fp8``: planned, cast
-and stored with every token's routes and the counts by one kernel, ``kernels.comm.put_tokens``;
-otherwise ``plan_send`` and ``put_rows``); the receiver builds its experts' layout from the routes
-in the blocks' first ``count`` rows (a row whose routes name none of its experts holds no data of
-this call) and dequantizes the FP8 rows straight into it (``expand_cast_back``). The receiver's
-bookkeeping (what each received row is and where it returns) is one launch for a small batch:
-``kernels.comm.receive_layout``, which also lays the received routes out for the experts
-(``plan_receive`` and the layout's four launches past 4096 received routes). Each of these kernels
-may launch while the one before it finishes (programmatic dependent launch, ``kernels.pdl``).
-Combine reduces each received row over its local experts and stores it straight into block ``me``
-of its home rank at the row it came from (``kernels.comm.reduce_put``), and the home rank sums its
-blocks' rows per token (``weighted_reduce`` with unit weights, in rank order, float32).
+Dispatch sends the routes ahead of the rows: ``kernels.comm.put_routes`` (the way there and back,
+every token's routes and the count stored into every rank, one launch), then, beside the rows on
+a stream of its own (``SideStream``), a barrier of its own channel (``ROUTES``) and the receiver's
+bookkeeping: ``kernels.comm.receive_layout`` (what each received row is, where it returns, and the
+local experts' layout of the routes in the blocks' first ``count`` rows; a row whose routes name
+none of its experts holds no data of this call), one launch for a small batch (``plan_receive``
+and the layout's four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and
+stored in one kernel (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise, then the
+rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into the layout
+(``expand_cast_back``). Kernels on one stream may launch while the one before them finishes
+(programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its local
+experts and stores it straight into block ``me`` of its home rank at the row it came from
+(``kernels.comm.reduce_put``, the blocks taken in turn so a rank's own block, bound by its memory,
+overlaps its peers', bound by the link), and the home rank sums its blocks' rows per token
+(``weighted_reduce`` with unit weights, in rank order, float32).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -45,8 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import (PeerRegion, TokenRegions, count_rows, plan_send, put_rows, put_tokens, receive_layout,
-                          reduce_put, route_rows)
+from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_layout,
+                          reduce_put)
 from kernels.permute import ExpertLayout, max_rows
 from kernels.validate import check_positive
 
@@ -54,6 +57,35 @@ from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 from .symmetric import SymmetricHeap, aligned, make_heap
+
+ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
+
+
+class SideStream:
+    """Work beside the current CUDA stream: ``with side:`` runs its body on a stream of high
+    priority (its few small kernels get SMs between the rows' CTAs), after everything queued on the
+    current stream so far; ``join()`` makes the current stream wait for it. On CPU, in line.
+
+    Tensors allocated beside are used on the current stream after ``join``; the caching allocator
+    hands their blocks out again only to work beside, which starts after everything queued on the
+    current stream (the ``with``'s wait), so no ``record_stream`` is needed."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self._context.__exit__(*exc)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 @dataclass(frozen=True)
@@ -93,11 +125,7 @@ class NVLinkDispatcher:
         self.fp8 = fp8
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
-        # Where every token's routes and the token count go (kernels.comm.reference.put_routes) when
-        # put_tokens does not store them: built once, outside any graph capture.
-        self.route_rows_TW = route_rows(self.max_tokens, self.world, rank=self.rank, max_tokens=self.max_tokens,
-                                        device=device)
-        self.count_rows_WW = count_rows(self.world, self.rank, device)
+        self.beside = SideStream(device)
 
     @property
     def num_recv_rows(self) -> int:
@@ -123,7 +151,7 @@ class NVLinkDispatcher:
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))
         put_rows(rows_TX.contiguous(), route.dest_TW, region)
-        self.heap.barrier()
+        self.heap.barrier(ROWS)
         return region.views[self.rank]
 
     def gather_home(self, rows_RX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
@@ -141,7 +169,7 @@ class NVLinkDispatcher:
 
     def _sum_home(self, region: PeerRegion, route: PeerRoute) -> torch.Tensor:
         """After the rows' stores: the barrier, then each token's rows summed home."""
-        self.heap.barrier()
+        self.heap.barrier(ROWS)
         return sum_home(region.views[self.rank], route.home_TW)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
@@ -169,26 +197,26 @@ class NVLinkDispatcher:
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        if fp8 and not isinstance(x_TD, Fp8Rows):  # planned, cast and stored in one pass (kernels.comm.put_tokens)
-            dest_TW, home_TW = put_tokens(x_TD, topk_idx_TK, topk_weights_TK,
-                                          TokenRegions(q=data[0], sf=data[1], meta=meta, counts=counts),
-                                          num_local_experts=e_local, rank=me, group=FP8_GROUP)
+        dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
+                                      num_local_experts=e_local, rank=me)
+        # What arrived: rank w's routes in block w's first count[w] rows (data where they name our
+        # experts), laid out beside the rows while they travel.
+        with self.beside:
+            self.heap.barrier(ROUTES)
+            recv, layout = receive_layout(
+                meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
+                alignment=self.alignment,
+                num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
+        if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
+            put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local, rank=me,
+                       group=FP8_GROUP)
         else:
-            send = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=e_local, world=world, rank=me,
-                             max_tokens=t_max)
-            dest_TW, home_TW = send.dest_TW, send.home_TW
-            put_rows(send.meta_TM, self.route_rows_TW[:num_tokens], meta)
-            count_W1 = torch.full((world, 1), num_tokens, dtype=torch.int32, device=self.device)
-            put_rows(count_W1, self.count_rows_WW, counts)
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)
-        self.heap.barrier()
+        self.heap.barrier(ROWS)
+        self.beside.join()
 
-        # What arrived: rank w's routes in block w's first count[w] rows (data where they name our experts).
-        recv, layout = receive_layout(
-            meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
-            alignment=self.alignment, num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
         if fp8:
             x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
         else:

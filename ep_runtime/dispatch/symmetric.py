@@ -35,9 +35,10 @@ class SymmetricHeap(Protocol):
         """Every rank's ``[rows, width]`` slice of ``dtype`` at byte ``offset`` (a multiple of ALIGN)."""
         ...
 
-    def barrier(self) -> None:
-        """Returns (on the device: the stream proceeds) once every rank reached it; stores into
-        the heap made before it are visible after it."""
+    def barrier(self, channel: int = 0) -> None:
+        """Returns (on the device: the stream proceeds) once every rank reached it on ``channel``;
+        stores into the heap made before it are visible after it. Barriers on different channels
+        may run at once (on two streams); each channel's are met in the same order on every rank."""
         ...
 
 
@@ -73,8 +74,8 @@ class FileHeap:
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
         return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps))
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def barrier(self, channel: int = 0) -> None:
+        dist.barrier(group=self.group)  # CPU work runs in line: one sequence, whatever the channel
 
 
 class CudaHeap:
@@ -134,9 +135,9 @@ class CudaHeap:
                 f"torch's symmetric memory cannot rendezvous over other ranks ({list(ranks)}) in the same process "
                 "(pytorch/pytorch#196082): use one nvlink EP group per process, e.g. one process set per EP size")
 
-    def barrier(self) -> None:
+    def barrier(self, channel: int = 0) -> None:
         if self.handle is not None:  # one rank: the stream orders everything
-            self.handle.barrier(channel=0)
+            self.handle.barrier(channel=channel)
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:

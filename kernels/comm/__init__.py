@@ -3,15 +3,13 @@
 ``put_rows`` runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
-``put_tokens`` (dispatch's planning, FP8 cast, rows, metadata and counts stored into the peers'
-regions in one launch) and ``reduce_put`` (combine's weighted reduce stored straight into the
-peers' regions; the peer variant of ``kernels.reduce``'s weighted-reduce kernel) take their
-kernels on the same terms as ``put_rows``.
-``plan_send`` and ``plan_receive`` (where each token goes, what each received row is) run their
-TileLang kernels where ``use_tilelang`` says so, the reference otherwise. A dispatch not cast on
-the way stores its routes and count as ``reference.put_routes`` does, with two ``put_rows`` over
-the tables of ``route_rows`` and ``count_rows`` (built once by its caller). ``receive_layout``
-(``plan_receive`` and the local experts' layout of what arrived) is one kernel for a small batch
+``put_routes`` (dispatch's planning, with every token's routes and the count stored into every
+rank), ``put_tokens`` (dispatch's FP8 cast and rows stored into the peers' regions in one launch)
+and ``reduce_put`` (combine's weighted reduce stored straight into the peers' regions; the peer
+variant of ``kernels.reduce``'s weighted-reduce kernel) take their kernels on the same terms as
+``put_rows``. ``plan_receive`` (what each received row is) runs its TileLang kernel where
+``use_tilelang`` says so, the reference otherwise. ``receive_layout`` (``plan_receive`` and the
+local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise.
 """
 
@@ -21,10 +19,10 @@ from kernels.permute import ExpertLayout, expert_layout
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, SendPlan, TokenRegions, count_rows, route_rows
+from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions
 
-__all__ = ["PeerRegion", "ReceivePlan", "SendPlan", "TokenRegions", "count_rows", "plan_receive", "plan_send",
-           "put_rows", "put_tokens", "receive_layout", "reduce_put", "route_rows"]
+__all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "TokenRegions", "plan_receive", "put_routes", "put_rows",
+           "put_tokens", "receive_layout", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -36,16 +34,26 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     return reference.put_rows(src_NX, dest_NW, region)
 
 
-def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
-               *, num_local_experts: int, rank: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: RouteRegions, *,
+               num_local_experts: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.comm.reference.put_routes`."""
+    if (isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device)
+            and getattr(regions.meta, "delta_W", None) is not None):
+        from .plan_kernel import put_routes as kernel
+
+        return kernel(topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts, rank=rank)
+    return reference.put_routes(topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts, rank=rank)
+
+
+def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegions, *, num_local_experts: int,
+               rank: int, group: int = 128) -> None:
     """See :func:`kernels.comm.reference.put_tokens`."""
     if isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device) and getattr(regions.q, "delta_W", None) is not None:
         from .put_tokens_kernel import put_tokens as kernel
 
-        return kernel(x_TD, topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts, rank=rank,
-                      group=group)
-    return reference.put_tokens(x_TD, topk_idx_TK, topk_weights_TK, regions, num_local_experts=num_local_experts,
-                                rank=rank, group=group)
+        return kernel(x_TD, topk_idx_TK, regions, num_local_experts=num_local_experts, rank=rank, group=group)
+    return reference.put_tokens(x_TD, topk_idx_TK, regions, num_local_experts=num_local_experts, rank=rank,
+                                group=group)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
@@ -56,15 +64,6 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
 
         return kernel(y_PD, pos_RK, weights_RK, dest_RW, region)
     return reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region)
-
-
-def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, **sizes) -> SendPlan:
-    """See :func:`kernels.comm.reference.plan_send`."""
-    if isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device):
-        from .plan_kernel import plan_send as kernel
-
-        return kernel(topk_idx_TK, topk_weights_TK, **sizes)
-    return reference.plan_send(topk_idx_TK, topk_weights_TK, **sizes)
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, **sizes) -> ReceivePlan:

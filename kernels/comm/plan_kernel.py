@@ -1,11 +1,12 @@
-"""TileLang kernels of :func:`kernels.comm.reference.plan_send` and
-:func:`kernels.comm.reference.plan_receive`: the bookkeeping around a dispatch's stores, one launch
+"""TileLang kernels of :func:`kernels.comm.reference.put_routes` and
+:func:`kernels.comm.reference.plan_receive`: the bookkeeping around a dispatch's rows, one launch
 each instead of a few dozen small ones (what bounds a small batch's latency).
 
 Both are a thread per row (token, or received row). A token's rows are fixed (its index in the
-sender's block), so ``plan_send`` needs no scan over the batch; FP8 dispatch does its planning
-inside ``put_tokens`` and launches no ``plan_send`` (session 15: the scan and its one-CTA launch were
-5.2 us of a 256-token dispatch).
+sender's block), so ``put_routes`` needs no scan over the batch: each thread plans its token's way
+there and back and stores the token's routes (2K words) into every rank's region, the first thread
+the count. It runs ahead of the rows (``put_tokens`` or ``put_rows``), on a stream of its own in the
+``nvlink`` dispatcher, so the receivers lay the routes out while the rows travel.
 
 Each thread loads its row (ids, weight bits, metadata) into registers before it computes, and a
 route's rank comes from comparisons with the ranks' expert ranges and a row's sender from one int32
@@ -19,16 +20,19 @@ Shape suffixes: T tokens, K routes, W ranks, M = 2K words of metadata, R = W * T
 """
 
 import functools
+import math
 
 import tilelang
 import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
+from kernels.quant.tiles import PEER_PASS_CONFIGS
 from kernels.scan import HAND_SYNC_CONFIGS
 from kernels.validate import check_tensor
 
-from .reference import ReceivePlan, SendPlan
+from .put_rows_kernel import peer_copy
+from .reference import ReceivePlan, RouteRegions
 
 THREADS = 256
 
@@ -39,41 +43,67 @@ def goes_to(ids, w, e_local):
     return functools.reduce(T.Or, [T.And(e >= w * e_local, e < (w + 1) * e_local) for e in ids])
 
 
-@tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
-def get_plan_send_kernel(world: int, topk: int, index_dtype: str = "int32"):
-    """``(idx_TK, weight_bits_TK, dest_TW, home_TW, meta_TM, e_local, rank, t_max)``; ids as the
-    router returns them (``index_dtype`` int32 or int64: no conversion launch), int32 out."""
-    num_tokens = T.dynamic("num_tokens")
+@tilelang.jit(pass_configs={**HAND_SYNC_CONFIGS, **PEER_PASS_CONFIGS})
+def get_put_routes_kernel(world: int, topk: int, index_dtype: str = "int32"):
+    """``(idx_TK, weight_bits_TK, delta_W, dest_TW, home_TW, meta_FV, counts_F, e_local, rank, t_max)``;
+    ids as the router returns them (``index_dtype`` int32 or int64: no conversion launch), int32
+    out. ``meta_FV`` (as vectors of ``vec`` words) and ``counts_F`` are rank 0's copies, flat; rank
+    w's lie ``delta_W[w]`` bytes on (as in :mod:`kernels.comm.put_rows_kernel`).
+
+    A CTA's tokens' routes are one contiguous run of every rank's metadata rows: they go through
+    shared memory and out as consecutive 16-byte vectors of consecutive threads (a thread storing
+    its own row would leave each warp's store 32 words 64 bytes apart: 8x the NVLink writes)."""
+    num_tokens, num_vectors = T.dynamic("num_tokens"), T.dynamic("num_vectors")
+    words = 2 * topk
+    vec = math.gcd(4, words)
+    row_vectors = words // vec
 
     @T.prim_func
-    def plan_send_kernel(
+    def put_routes_kernel(
         idx_TK: T.Tensor[(num_tokens, topk), index_dtype],
         weight_bits_TK: T.Tensor[(num_tokens, topk), T.int32],
+        delta_W: T.Tensor[(world,), T.int64],
         dest_TW: T.Tensor[(num_tokens, world), T.int32],
         home_TW: T.Tensor[(num_tokens, world), T.int32],
-        meta_TM: T.Tensor[(num_tokens, 2 * topk), T.int32],
+        meta_FV: T.Tensor[(num_vectors, vec), T.int32],
+        counts_F: T.Tensor[(world,), T.int32],
         e_local: T.int32,
         rank: T.int32,
         t_max: T.int32,
     ):
-        with T.Kernel(T.ceildiv(num_tokens, THREADS), threads=THREADS) as b:
+        # At least one CTA: with no tokens the counts (zeros) still go out.
+        with T.Kernel(T.max(T.ceildiv(num_tokens, THREADS), 1), threads=THREADS) as b:
             chained()
-            token = b * THREADS + T.get_thread_binding()
-            ids_K = T.alloc_local((topk,), T.int32)
-            bits_K = T.alloc_local((topk,), T.int32)
+            tid = T.get_thread_binding()
+            token = b * THREADS + tid
+            meta_M = T.alloc_local((words,), T.int32)
+            meta_S = T.alloc_shared((THREADS * words,), T.int32)  # the CTA's rows, as they travel
+            deltas_W = T.alloc_local((world,), T.int64)
+            for w in T.unroll(world):  # every load before the first store (chained: not __restrict__)
+                deltas_W[w] = delta_W[w]
             if token < num_tokens:
                 for k in T.unroll(topk):
-                    ids_K[k] = T.Cast(T.int32, idx_TK[token, k])
-                    bits_K[k] = weight_bits_TK[token, k]
-                for k in T.unroll(topk):
-                    meta_TM[token, k] = ids_K[k]
-                    meta_TM[token, topk + k] = bits_K[k]
+                    meta_M[k] = T.Cast(T.int32, idx_TK[token, k])
+                    meta_M[topk + k] = weight_bits_TK[token, k]
+                for m in T.unroll(words):
+                    meta_S[tid * words + m] = meta_M[m]
                 for w in T.unroll(world):
-                    goes = goes_to([ids_K[k] for k in range(topk)], w, e_local)
+                    goes = goes_to([meta_M[k] for k in range(topk)], w, e_local)
                     dest_TW[token, w] = T.if_then_else(goes, rank * t_max + token, -1)
                     home_TW[token, w] = T.if_then_else(goes, w * t_max + token, -1)
+            T.sync_threads()
+            first = T.Cast(T.int64, rank * t_max + b * THREADS) * row_vectors  # the CTA's first vector
+            for w in T.unroll(world):  # every rank gets the routes: how it tells this call's rows apart
+                for s in T.unroll(row_vectors):
+                    v = s * THREADS + tid
+                    if b * THREADS + v // row_vectors < num_tokens:
+                        for j in T.vectorized(vec):
+                            meta_FV[deltas_W[w] // (4 * vec) + first + v, j] = meta_S[v * vec + j]
+            if b == 0 and tid == 0:
+                for w in T.unroll(world):
+                    counts_F[deltas_W[w] // 4 + rank] = num_tokens
 
-    return plan_send_kernel
+    return put_routes_kernel
 
 
 @tilelang.jit(pass_configs=HAND_SYNC_CONFIGS)
@@ -117,25 +147,34 @@ def get_plan_receive_kernel(world: int, topk: int):
     return plan_receive_kernel
 
 
-def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_local_experts: int, world: int,
-              rank: int, max_tokens: int) -> SendPlan:
-    """The TileLang twin of :func:`kernels.comm.reference.plan_send` (same values)."""
+def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: RouteRegions, *,
+               num_local_experts: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TileLang twin of :func:`kernels.comm.reference.put_routes` (same bytes in every region,
+    same ``(dest_TW, home_TW)``). The regions must lie in one symmetric heap (one ``delta_W``)."""
     check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
-    check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
-                 device=topk_idx_TK.device)
     num_tokens, topk = topk_idx_TK.shape
+    check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(num_tokens, topk),
+                 device=topk_idx_TK.device)
+    world = regions.counts.world
+    meta = peer_copy(regions.meta, "regions.meta", dtype=torch.int32, width=2 * topk)
+    counts = peer_copy(regions.counts, "regions.counts", dtype=torch.int32, width=1)
+    if meta.shape[0] % world or counts.shape[0] != world:
+        raise ValueError(f"regions: expected W * T_max metadata rows and W counts for W = {world}, got "
+                         f"{tuple(meta.shape)} and {tuple(counts.shape)}")
+    max_tokens = meta.shape[0] // world
     if num_tokens > max_tokens:
         raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {num_tokens}")
     if not 0 <= rank < world:
         raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
-    new = functools.partial(torch.empty, dtype=torch.int32, device=topk_idx_TK.device)
-    plan = SendPlan(dest_TW=new((num_tokens, world)), home_TW=new((num_tokens, world)),
-                    meta_TM=new((num_tokens, 2 * topk)))
-    if num_tokens:
-        kernel = get_plan_send_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch."))
-        kernel(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), plan.dest_TW, plan.home_TW,
-               plan.meta_TM, num_local_experts, rank, max_tokens)
-    return plan
+    if num_tokens == 0:  # an empty slice keeps its parent's strides, which the kernel's packed arguments reject
+        topk_idx_TK, topk_weights_TK = topk_idx_TK.new_empty((0, topk)), topk_weights_TK.new_empty((0, topk))
+    dest_TW = torch.empty((num_tokens, world), dtype=torch.int32, device=topk_idx_TK.device)
+    home_TW = torch.empty_like(dest_TW)
+    kernel = get_put_routes_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch."))
+    vec = math.gcd(4, 2 * topk)
+    kernel(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), regions.meta.delta_W, dest_TW,
+           home_TW, meta.view(-1, vec), counts.view(-1), num_local_experts, rank, max_tokens)
+    return dest_TW, home_TW
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,

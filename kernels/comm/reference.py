@@ -53,60 +53,35 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
 
 
 @dataclass(frozen=True, eq=False)
-class TokenRegions:
-    """Where a dispatch's sender writes, per rank: e4m3 rows ``q`` [R, D] (uint8 bits), their
-    float32 scales ``sf`` [R, ceil(D / group)], metadata rows ``meta`` [R, M] int32 and each
-    sender's token count ``counts`` [W, 1] int32 (R = W * T_max: block w of R is rank w's)."""
+class RouteRegions:
+    """Where a dispatch's sender writes its routes, per rank: metadata rows ``meta`` [R, M] int32
+    and each sender's token count ``counts`` [W, 1] int32 (R = W * T_max: block w of R is rank w's)."""
 
-    q: PeerRegion
-    sf: PeerRegion
     meta: PeerRegion
     counts: PeerRegion
 
 
-def put_routes(meta_TM: torch.Tensor, meta: PeerRegion, counts: PeerRegion, *, rank: int, max_tokens: int) -> None:
-    """Token t's metadata row into row ``rank * max_tokens + t`` of every rank's ``meta``, and
-    the token count T into row ``rank`` of every rank's ``counts``: what a receiver reads to know
-    which rows of block ``rank`` this call wrote and what each one is (rows a token was not sent
-    to are told apart by their routes).
+@dataclass(frozen=True, eq=False)
+class TokenRegions:
+    """Where a dispatch's sender writes its FP8 rows, per rank: e4m3 rows ``q`` [R, D] (uint8
+    bits) and their float32 scales ``sf`` [R, ceil(D / group)]."""
+
+    q: PeerRegion
+    sf: PeerRegion
+
+
+def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: RouteRegions, *,
+               num_local_experts: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`plan_send`, then token t's metadata row into row ``rank * T_max + t`` of every rank's
+    ``meta`` and the token count T into row ``rank`` of every rank's ``counts``: what a receiver
+    reads to know which rows of block ``rank`` this call wrote and what each one is (rows a token
+    was not sent to are told apart by their routes). The routes go ahead of the rows
+    (:func:`put_tokens`, or :func:`put_rows` of ``dest_TW``), so a receiver can lay them out while
+    the rows travel.
 
     Args:
-        meta_TM: [T, M] int32 (:attr:`SendPlan.meta_TM`), T <= ``max_tokens``.
-        meta: ``[W * max_tokens, M]`` int32 copies; counts: ``[W, 1]`` int32 copies.
-    """
-    world, num_tokens, device = counts.world, meta_TM.shape[0], meta_TM.device
-    if not 0 <= rank < world:
-        raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
-    if num_tokens > max_tokens:
-        raise ValueError(f"meta_TM: expected at most max_tokens={max_tokens} rows, got {num_tokens}")
-    put_rows(meta_TM, route_rows(num_tokens, world, rank=rank, max_tokens=max_tokens, device=device), meta)
-    count_W1 = torch.full((world, 1), num_tokens, dtype=torch.int32, device=device)
-    put_rows(count_W1, count_rows(world, rank, device), counts)
-
-
-def route_rows(num_tokens: int, world: int, *, rank: int, max_tokens: int, device) -> torch.Tensor:
-    """``[T, W]`` int32, row ``rank * max_tokens + t`` in every column: where :func:`put_routes`
-    stores token t's metadata (a prefix of the ``max_tokens`` table is the table of fewer tokens)."""
-    rows_T = torch.arange(num_tokens, dtype=torch.int32, device=device) + rank * max_tokens
-    return rows_T[:, None].expand(num_tokens, world).contiguous()
-
-
-def count_rows(world: int, rank: int, device) -> torch.Tensor:
-    """``[W, W]`` int32, ``rank`` on the diagonal and -1 elsewhere: row ``rank`` of each rank's
-    counts, where :func:`put_routes` stores the token count."""
-    return torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
-
-
-def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions: TokenRegions,
-               *, num_local_experts: int, rank: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch's sending side in one pass: :func:`plan_send`, each token cast to e4m3 with
-    per-token scales (:func:`kernels.quant.reference.per_token_cast`, 1 x ``group``) and put into
-    row ``dest_TW[t, w]`` of the ranks it goes to, and :func:`put_routes`.
-
-    Args:
-        x_TD: [T, D] float32, bfloat16 or float16 tokens.
         topk_idx_TK, topk_weights_TK: the routes, as :func:`plan_send` takes them.
-        regions: the four regions written (``R = W * T_max`` rows; T <= T_max).
+        regions: ``meta`` [W * T_max, 2K] and ``counts`` [W, 1] int32 copies (T <= T_max).
         num_local_experts, rank: as :func:`plan_send`'s.
 
     Returns:
@@ -116,11 +91,34 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: t
     max_tokens = regions.meta.views[0].shape[0] // world
     plan = plan_send(topk_idx_TK, topk_weights_TK, num_local_experts=num_local_experts, world=world, rank=rank,
                      max_tokens=max_tokens)
+    num_tokens, device = topk_idx_TK.shape[0], topk_idx_TK.device
+    rows_T = torch.arange(num_tokens, dtype=torch.int32, device=device) + rank * max_tokens
+    put_rows(plan.meta_TM, rows_T[:, None].expand(num_tokens, world), regions.meta)
+    count_rows_WW = torch.full((world, world), -1, dtype=torch.int32, device=device).fill_diagonal_(rank)
+    put_rows(torch.full((world, 1), num_tokens, dtype=torch.int32, device=device), count_rows_WW, regions.counts)
+    return plan.dest_TW, plan.home_TW
+
+
+def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegions, *, num_local_experts: int,
+               rank: int, group: int = 128) -> None:
+    """Dispatch's rows in one pass: each token cast to e4m3 with per-token scales
+    (:func:`kernels.quant.reference.per_token_cast`, 1 x ``group``) and put into row
+    ``rank * T_max + t`` of every rank it goes to (``dest_TW`` of :func:`plan_send`).
+
+    Args:
+        x_TD: [T, D] float32, bfloat16 or float16 tokens.
+        topk_idx_TK: [T, K] expert ids, as :func:`plan_send` takes them.
+        regions: the two regions written (``R = W * T_max`` rows; T <= T_max).
+        num_local_experts, rank: as :func:`plan_send`'s.
+    """
+    world = regions.q.world
+    max_tokens = regions.q.views[0].shape[0] // world
+    weights_TK = torch.zeros(topk_idx_TK.shape, dtype=torch.float32, device=topk_idx_TK.device)  # not stored
+    plan = plan_send(topk_idx_TK, weights_TK, num_local_experts=num_local_experts, world=world, rank=rank,
+                     max_tokens=max_tokens)
     q_TD, sf_TG = per_token_cast(x_TD, group=group)
     put_rows(q_TD.view(torch.uint8), plan.dest_TW, regions.q)
     put_rows(sf_TG, plan.dest_TW, regions.sf)
-    put_routes(plan.meta_TM, regions.meta, regions.counts, rank=rank, max_tokens=max_tokens)
-    return plan.dest_TW, plan.home_TW
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
@@ -160,7 +158,7 @@ class SendPlan:
         home_TW: row of this rank's region where token t's row from rank w comes back
             (``w * T_max + t``), -1 if none.
         meta_TM: ``[T, 2K]``, each token's expert ids then its weights' float32 bits: what travels
-            with it (to every rank: :func:`put_routes`).
+            to every rank (:func:`put_routes`).
     """
 
     dest_TW: torch.Tensor
@@ -218,7 +216,7 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
                  max_tokens: int) -> ReceivePlan:
-    """The receiving side of :func:`put_tokens` / :func:`put_routes`: ``meta_RM`` [W * T_max, 2K]
+    """The receiving side of :func:`put_routes`: ``meta_RM`` [W * T_max, 2K]
     int32 as it arrived (unused rows hold anything), ``count_W`` [W] int32 each rank's T."""
     check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
     check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)

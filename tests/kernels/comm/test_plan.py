@@ -1,13 +1,21 @@
-"""plan_send / plan_receive: the references against a plain loop over tokens and rows, and the
-TileLang kernels against the references (same values) on fresh random routes; sm_90a compile."""
+"""plan_send / put_routes / plan_receive: the references against a plain loop over tokens and
+rows (put_routes: every byte of every heap), and the TileLang kernels against the references (same
+values, same bytes) on fresh random routes; sm_90a compile."""
 
 import pytest
 import torch
 
 from kernels import lowering
-from kernels.comm import reference
-from kernels.comm.plan_kernel import get_plan_receive_kernel, get_plan_send_kernel, plan_receive, plan_send
-from kernels.testing import send_routes
+from kernels.comm import RouteRegions, reference
+from kernels.comm.plan_kernel import get_plan_receive_kernel, get_put_routes_kernel, plan_receive, put_routes
+from kernels.testing import peer_heaps, send_routes
+
+
+def _heaps(world: int, t_max: int, k: int, *, device: str = "cpu", seed: int = 0):
+    """``world`` heaps of random bytes holding meta [W * T_max, 2K] and counts [W, 1] int32; their regions."""
+    heaps, (meta, counts) = peer_heaps(world, [((world * t_max, 2 * k), torch.int32), ((world, 1), torch.int32)],
+                                       device=device, seed=seed)
+    return heaps, RouteRegions(meta=meta, counts=counts)
 
 
 def test_send_plan_matches_a_loop(seed):
@@ -26,6 +34,55 @@ def test_send_plan_rejects_more_tokens_than_the_rows():
     idx, w = send_routes(6, 2, 2, 3)
     with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=5 tokens, got 6"):
         reference.plan_send(idx, w, num_local_experts=3, world=2, rank=0, max_tokens=5)
+
+
+def test_put_routes_places_every_route(seed):
+    """Every byte of every heap: every token's routes to every rank at its fixed row, the count T at
+    row ``rank``, nothing else touched; the way there and back is plan_send's."""
+    t, world, e_local, k, t_max, me = 9, 3, 4, 3, 11, 1
+    idx, weights = send_routes(t, k, world, e_local, seed=seed)
+    _, regions = _heaps(world, t_max, k, seed=seed)
+    _, want = _heaps(world, t_max, k, seed=seed)  # the same bytes, filled by hand
+    dest_TW, home_TW = reference.put_routes(idx, weights, regions, num_local_experts=e_local, rank=me)
+    plan = reference.plan_send(idx, weights, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
+    assert torch.equal(dest_TW, plan.dest_TW) and torch.equal(home_TW, plan.home_TW)
+    for w in range(world):
+        for i in range(t):
+            want.meta.views[w][me * t_max + i] = torch.cat([idx[i], weights[i].view(torch.int32)])
+        want.counts.views[w][me, 0] = t
+        for name in ("meta", "counts"):
+            assert torch.equal(getattr(regions, name).views[w], getattr(want, name).views[w]), (name, w)
+
+
+@pytest.mark.parametrize("second", [4, 0])
+def test_a_receiver_sees_only_the_last_call(second, seed):
+    """Two calls into the same regions, the second with fewer tokens (or none) and other routes: what
+    the receiver plans from is the second call alone (rows the first wrote, past the second's T or
+    not sent to this rank, are not its rows)."""
+    world, e_local, k, t_max, me = 2, 4, 3, 9, 0
+    _, regions = _heaps(world, t_max, k, seed=seed)
+    reference.put_routes(*send_routes(t_max, k, world, e_local, seed=seed), regions, num_local_experts=e_local, rank=me)
+    idx, weights = send_routes(second, k, world, e_local, seed=seed + 1)
+    reference.put_routes(idx, weights, regions, num_local_experts=e_local, rank=me)
+    for w in range(world):
+        plan = reference.plan_receive(regions.meta.views[w], regions.counts.views[w][:, 0], num_local_experts=e_local,
+                                      rank=w, max_tokens=t_max)
+        mine = (idx >= w * e_local) & (idx < (w + 1) * e_local)
+        back = torch.full((t_max, world), -1, dtype=torch.int32)
+        back[:second, me] = torch.where(mine.any(1), w * t_max + torch.arange(second, dtype=torch.int32), -1)
+        block = slice(me * t_max, (me + 1) * t_max)
+        assert torch.equal(plan.local_idx_RK[block][:second], torch.where(mine, idx - w * e_local, -1))
+        assert (plan.local_idx_RK[block][second:] == -1).all()
+        assert torch.equal(plan.back_RW[block], back)
+
+
+def test_put_routes_errors_name_the_argument():
+    _, regions = _heaps(2, 3, 2)
+    idx, weights = send_routes(3, 2, 2, 3)
+    with pytest.raises(ValueError, match="^rank: expected 0 <= rank < 2"):
+        reference.put_routes(idx, weights, regions, num_local_experts=3, rank=2)
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=3 tokens, got 4"):
+        reference.put_routes(*send_routes(4, 2, 2, 3), regions, num_local_experts=3, rank=0)
 
 
 def test_receive_plan_matches_a_loop(seed):
@@ -63,17 +120,35 @@ def test_send_plan_takes_the_routers_int64_ids(seed):
 def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
     me, t_max = world - 1, max(t, 1) + 3
     idx, w = send_routes(t, k, world, e_local, seed=seed, device="cuda")
-    idx = idx.to(index_dtype)
-    got = plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-    want = reference.plan_send(idx, w, num_local_experts=e_local, world=world, rank=me, max_tokens=t_max)
-    for name in ("dest_TW", "home_TW", "meta_TM"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    got_heaps, got_regions = _heaps(world, t_max, k, device="cuda", seed=seed)
+    want_heaps, want_regions = _heaps(world, t_max, k, device="cuda", seed=seed)
+    got = put_routes(idx.to(index_dtype), w, got_regions, num_local_experts=e_local, rank=me)
+    want = reference.put_routes(idx, w, want_regions, num_local_experts=e_local, rank=me)
+    assert all(torch.equal(g, h) for g, h in zip(got, want))
+    torch.cuda.synchronize()
+    for r in range(world):
+        assert torch.equal(got_heaps[r], want_heaps[r]), r
     meta = torch.randint(-3, world * e_local + 2, (world * t_max, 2 * k), dtype=torch.int32, device="cuda")
     count = torch.randint(0, t_max + 1, (world,), dtype=torch.int32, device="cuda")
     got = plan_receive(meta, count, num_local_experts=e_local, rank=me, max_tokens=t_max)
     want = reference.plan_receive(meta, count, num_local_experts=e_local, rank=me, max_tokens=t_max)
     assert torch.equal(got.local_idx_RK, want.local_idx_RK) and torch.equal(got.back_RW, want.back_RW)
     assert torch.equal(got.weights_RK.view(torch.int32), want.weights_RK.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_put_routes_kernel_errors_name_the_argument():
+    idx, weights = send_routes(4, 2, 2, 3, device="cuda")
+    _, regions = _heaps(2, 4, 2, device="cuda")
+    with pytest.raises(ValueError, match="^topk_weights_TK: expected"):
+        put_routes(idx, weights[:, :1], regions, num_local_experts=3, rank=0)
+    with pytest.raises(ValueError, match=r"^regions.meta.views\[0\]: expected"):
+        put_routes(idx[:, :1], weights[:, :1], regions, num_local_experts=3, rank=0)
+    with pytest.raises(ValueError, match="^rank: expected 0 <= rank < 2"):
+        put_routes(idx, weights, regions, num_local_experts=3, rank=2)
+    _, small = _heaps(2, 3, 2, device="cuda")
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=3 tokens, got 4"):
+        put_routes(idx, weights, small, num_local_experts=3, rank=0)
 
 
 def _chained(name: str, kernel) -> bool:
@@ -87,6 +162,6 @@ def test_compiles_for_sm90a():
     int64 ids."""
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2)):
-            assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int32"))
-            assert _chained("plan_send_kernel", get_plan_send_kernel(world, k, "int64"))
+            assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int32"))
+            assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int64"))
             assert _chained("plan_receive_kernel", get_plan_receive_kernel(world, k))
