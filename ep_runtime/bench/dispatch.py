@@ -91,13 +91,12 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     def align():  # on the stream, after the GPU's head start: every rank's GPU starts the call together
         dist.all_reduce(flag, group=group)
 
+    def time_ms(fn, head_start: bool = True) -> float:
+        sync()
+        return timer.time(fn, head_start, align if on_gpu and world > 1 else None)
+
     def median_ms(fn, head_start: bool = True) -> float:
-        samples = []
-        for i in range(a.warmup + a.iters):
-            sync()
-            ms = timer.time(fn, head_start, align if on_gpu and world > 1 else None)
-            if i >= a.warmup:
-                samples.append(ms)
+        samples = [time_ms(fn, head_start) for _ in range(a.warmup + a.iters)][a.warmup:]
         worst = torch.tensor(samples, dtype=torch.float64, device=device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         return statistics.median(worst.tolist())
@@ -127,7 +126,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
                 d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
                                      alignment=a.alignment, fp8=a.fp8)
             with torch.no_grad():
-                row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, median_ms, a, rank == 0))
+                row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, (median_ms, time_ms), a,
+                                         rank == 0))
         recv_t = torch.tensor(sent, device=device)
         got_t = torch.empty_like(recv_t)
         dist.all_to_all_single(got_t, recv_t, group=group)
@@ -145,11 +145,13 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     return result if rank == 0 else None
 
 
-def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_ms, a, show: bool) -> dict:
+def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers, a, show: bool) -> dict:
     """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, these
-    and dispatch to the receive buffers replayed as CUDA graphs (and the profile with ``--profile``)."""
+    and dispatch to the receive buffers replayed as CUDA graphs (and the profiles with ``--profile``).
+    ``timers``: ``(median_ms, time_ms)``, the median of many timed calls and one timed call."""
     import torch
 
+    median_ms, time_ms = timers
     out = {}
 
     def dispatch():
@@ -167,10 +169,13 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, median_
              "to_buffers": lambda: d.move_tokens(x_TD, idx_TK, w_TK)}
     times["nvlink_transport_ms"] = median_ms(steps["transport"], False)
     if x_TD.is_cuda:
-        for name, graph in zip(steps, _capture(*steps.values())):
+        graphs = dict(zip(steps, _capture(*steps.values())))
+        for name, graph in graphs.items():
             times[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)
         if a.profile:  # every rank runs it (the barriers), rank 0 prints
             _profile(dispatch, combine, x_TD.shape[0], show)
+            for name in ("dispatch", "combine"):
+                _timeline(name, graphs[name].replay, time_ms, x_TD.shape[0], show)
     return times
 
 
@@ -213,6 +218,48 @@ def _profile(dispatch, combine, tokens: int, show: bool) -> None:
         print(f"profile of {calls} x nvlink {name}, {tokens} tokens per rank: {len(kernels) / calls:.0f} kernels a call")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20))
         print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cuda_time_total", row_limit=12))
+
+
+def _timeline(name: str, replay, time_ms, tokens: int, show: bool) -> None:
+    """One graph's kernels as the GPU ran them, printed if ``show``: each kernel's median start and
+    end (us from the replay's first kernel start) and stream, over a few timed replays. What the
+    eager profile cannot show: a chained kernel (``kernels.pdl``) starts before the one it waits
+    for ends, so its own time there includes that wait; and work beside the rows overlaps them."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    replays = 7
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            time_ms(replay)  # as timed: after the head start, the ranks' GPUs lined up
+    kernels = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA
+                      and not any(word in e.name() for word in ("nccl", "spin_kernel", "Memcpy", "Memset"))),
+                     key=lambda e: e.start_ns())
+    if not show or not kernels:
+        return
+    # Replays are the runs of kernels between the head starts (~1 ms spins, left out).
+    runs, end = [], None
+    for e in kernels:
+        if end is None or e.start_ns() - end > 20_000:
+            runs.append([])
+        runs[-1].append(e)
+        end = e.end_ns() if end is None else max(end, e.end_ns())
+    size = statistics.mode(len(r) for r in runs)
+    runs = [r for r in runs if len(r) == size]
+    spans = {}  # (name, n-th of that name in the replay) -> [(start, end, stream)] over replays, us
+    for run in runs:
+        seen = {}
+        for e in run:
+            seen[e.name()] = seen.get(e.name(), -1) + 1
+            spans.setdefault((e.name(), seen[e.name()]), []).append(
+                ((e.start_ns() - run[0].start_ns()) / 1e3, (e.end_ns() - run[0].start_ns()) / 1e3,
+                 e.device_resource_id()))
+    print(f"timeline of nvlink {name} as a CUDA graph, {tokens} tokens per rank ({len(runs)} replays of {size} "
+          "kernels; median start and end, us from the first kernel's start):")
+    rows = [(statistics.median(s for s, _, _ in v), statistics.median(e for _, e, _ in v), v[0][2], key[0])
+            for key, v in spans.items()]
+    for start, stop, stream, kernel in sorted(rows):
+        print(f"  {start:8.1f} {stop:8.1f}  stream {stream:<3} {kernel[:70]}")
 
 
 def _p2p_copy_ms(median_ms, nbytes: int, group, device) -> float:

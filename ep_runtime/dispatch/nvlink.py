@@ -15,20 +15,19 @@ weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alte
 halves of the heap: a rank may write call n + 1's rows while a peer still reads call n's, never
 call n - 1's (every rank read those before it entered call n's barriers).
 
-Dispatch sends the routes ahead of the rows: ``kernels.comm.put_routes`` (the way there and back,
-every token's routes and the count stored into every rank, one launch), then, beside the rows on
-a stream of its own (``SideStream``), a barrier of its own channel (``ROUTES``) and the receiver's
+Dispatch sends the routes beside the rows, on a stream of its own (``SideStream``):
+``kernels.comm.put_routes`` (the way there and back, every token's routes and the count stored
+into every rank, one launch), a barrier of its own channel (``ROUTES``) and the receiver's
 bookkeeping: ``kernels.comm.receive_layout`` (what each received row is, where it returns, and the
 local experts' layout of the routes in the blocks' first ``count`` rows; a row whose routes name
 none of its experts holds no data of this call), one launch for a small batch (``plan_receive``
 and the layout's four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and
-stored in one kernel (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise, then the
-rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into the layout
+stored in one kernel (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once
+``put_routes`` wrote ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into the layout
 (``expand_cast_back``). Kernels on one stream may launch while the one before them finishes
 (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its local
 experts and stores it straight into block ``me`` of its home rank at the row it came from
-(``kernels.comm.reduce_put``, the blocks taken in turn so a rank's own block, bound by its memory,
-overlaps its peers', bound by the link), and the home rank sums its blocks' rows per token
+(``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
 (``weighted_reduce`` with unit weights, in rank order, float32).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
@@ -64,7 +63,7 @@ ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and
 class SideStream:
     """Work beside the current CUDA stream: ``with side:`` runs its body on a stream of high
     priority (its few small kernels get SMs between the rows' CTAs), after everything queued on the
-    current stream so far; ``join()`` makes the current stream wait for it. On CPU, in line.
+    current stream so far; ``join()`` (or ``wait`` for a ``mark``) makes the current stream wait for it. On CPU, in line.
 
     Tensors allocated beside are used on the current stream after ``join``; the caching allocator
     hands their blocks out again only to work beside, which starts after everything queued on the
@@ -82,6 +81,19 @@ class SideStream:
     def __exit__(self, *exc):
         if self.stream is not None:
             self._context.__exit__(*exc)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event at this point of the side stream (None on CPU), for :meth:`wait`."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """The current stream waits for the side stream's work up to ``event``."""
+        if event is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(event)
 
     def join(self) -> None:
         if self.stream is not None:
@@ -197,11 +209,13 @@ class NVLinkDispatcher:
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
-                                      num_local_experts=e_local, rank=me)
-        # What arrived: rank w's routes in block w's first count[w] rows (data where they name our
-        # experts), laid out beside the rows while they travel.
+        # The routes go ahead, beside the rows (their stores need nothing of the rows'), and the
+        # receivers lay them out while the rows travel: what arrived is rank w's routes in block w's
+        # first count[w] rows (data where they name our experts).
         with self.beside:
+            dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
+                                          num_local_experts=e_local, rank=me)
+            planned = self.beside.mark()
             self.heap.barrier(ROUTES)
             recv, layout = receive_layout(
                 meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
@@ -211,6 +225,7 @@ class NVLinkDispatcher:
             put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local, rank=me,
                        group=FP8_GROUP)
         else:
+            self.beside.wait(planned)  # put_rows goes by put_routes' dest_TW
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)

@@ -129,17 +129,6 @@ def get_weighted_reduce_kernel(
     return weighted_reduce
 
 
-def interleaved(i, num_rows, blocks: int):
-    """Row of the i-th CTA row when ``num_rows`` rows are ``blocks`` equal blocks taken in turn
-    (row 0 of each block, then row 1, ...; rows past ``blocks * (num_rows // blocks)`` in order).
-
-    Why: combine's rows of block w go home to rank w, so in row order a rank first reduces its own
-    block (bound by its memory) and then its peers' (bound by the link), one after the other; in
-    turn, the two overlap."""
-    per_block = num_rows // blocks
-    return T.if_then_else(i < blocks * per_block, (i % blocks) * per_block + i // blocks, i)
-
-
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int
@@ -148,7 +137,7 @@ def get_weighted_reduce_put_kernel(
     stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's copy
     as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it, as
     in ``kernels.comm.put_rows``) instead of to an output of its own; -1 and rows outside the
-    region go nowhere. Rows are taken as W blocks in turn (:func:`interleaved`)."""
+    region go nowhere."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed)
     sf_dtype = "uint8" if packed else "float32"
@@ -167,8 +156,7 @@ def get_weighted_reduce_put_kernel(
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
-            i, pn = row_major(pid, tiles)
-            t = interleaved(i, num_tokens, world)
+            t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
             rows_W = T.alloc_local((world,), "int64")
