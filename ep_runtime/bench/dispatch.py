@@ -175,7 +175,7 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers,
         if a.profile:  # every rank runs it (the barriers), rank 0 prints
             _profile(dispatch, combine, x_TD.shape[0], show)
             for name in ("dispatch", "combine"):
-                _timeline(name, graphs[name].replay, time_ms, x_TD.shape[0], show)
+                _timeline(name, steps[name], time_ms, x_TD.shape[0], show)
     return times
 
 
@@ -220,18 +220,21 @@ def _profile(dispatch, combine, tokens: int, show: bool) -> None:
         print(prof.key_averages(group_by_stack_n=4).table(sort_by="self_cuda_time_total", row_limit=12))
 
 
-def _timeline(name: str, replay, time_ms, tokens: int, show: bool) -> None:
-    """One graph's kernels as the GPU ran them, printed if ``show``: each kernel's median start and
-    end (us from the replay's first kernel start) and stream, over a few timed replays. What the
-    eager profile cannot show: a chained kernel (``kernels.pdl``) starts before the one it waits
-    for ends, so its own time there includes that wait; and work beside the rows overlaps them."""
+def _timeline(name: str, step, time_ms, tokens: int, show: bool) -> None:
+    """``step``'s kernels as the GPU runs them in a CUDA graph, printed if ``show``: each kernel's
+    median start and end (us from the replay's first kernel start) and stream, over a few timed
+    replays. What the eager profile cannot show: a chained kernel (``kernels.pdl``) starts before the
+    one it waits for ends, so its own time there includes that wait; and work beside the rows
+    overlaps them. The graph is captured under the profiler: CUPTI does not see the kernels of a
+    graph instantiated before it started (session 16: only one of a dispatch's 10 kernels)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     replays = 7
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        (graph,) = _capture(step)
         for _ in range(replays):
-            time_ms(replay)  # as timed: after the head start, the ranks' GPUs lined up
+            time_ms(graph.replay)  # as timed: after the head start, the ranks' GPUs lined up
     kernels = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA
                       and not any(word in e.name() for word in ("nccl", "spin_kernel", "Memcpy", "Memset"))),
                      key=lambda e: e.start_ns())
@@ -244,6 +247,7 @@ def _timeline(name: str, replay, time_ms, tokens: int, show: bool) -> None:
             runs.append([])
         runs[-1].append(e)
         end = e.end_ns() if end is None else max(end, e.end_ns())
+    runs = runs[-replays:]  # the capture's warm-up call ran first
     size = statistics.mode(len(r) for r in runs)
     runs = [r for r in runs if len(r) == size]
     spans = {}  # (name, n-th of that name in the replay) -> [(start, end, stream)] over replays, us

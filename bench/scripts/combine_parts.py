@@ -1,0 +1,87 @@
+"""Where the nvlink combine's time goes on two GPUs (a tuning record, not a product benchmark):
+its reduce-and-store kernel (``kernels.comm.reduce_put``) with every store, with only the stores
+home to this rank, with only those to the peer, the same reduce into local memory
+(``weighted_reduce``), the reduced rows' transport alone (``put_rows`` of the same bytes), and the
+home sum, each as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s
+timer), on the routes and expert rows of a real DeepSeek-V3-shaped dispatch.
+
+    torchrun --standalone --nproc-per-node 2 bench/scripts/combine_parts.py [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ep_runtime.bench.dispatch import _capture, _routing
+from ep_runtime.bench.ep_scaling import _Timer
+from ep_runtime.dispatch import NVLinkDispatcher
+from ep_runtime.dispatch.all_to_all import sum_home
+from kernels.comm import put_rows, reduce_put
+from kernels.reduce import weighted_reduce
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=30)
+    a = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = dist.group.WORLD
+    d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=a.tokens, fp8=True)
+    idx_TK, w_TK = _routing(a.tokens, a.experts, a.topk, rank, device)
+    x_TD = torch.randn(a.tokens, a.hidden, device=device, dtype=torch.bfloat16)
+    y_PD, _, handle = d.dispatch(x_TD, idx_TK, w_TK)
+    y_PD = y_PD.detach()
+    route, weights_RK = handle.route, handle.recv_weights_RK
+    pos_RK, back_RW = route.layout.pos_TK, route.back_RW
+    (region,) = d._regions((d.num_recv_rows, a.hidden, torch.bfloat16))
+    home_RW, peer_RW = back_RW.clone(), back_RW.clone()
+    home_RW[:, [w for w in range(world) if w != rank]] = -1
+    peer_RW[:, rank] = -1
+    rows_RD = torch.randn(d.num_recv_rows, a.hidden, device=device, dtype=torch.bfloat16)
+    parts = {
+        "combine (graph)": lambda: d.combine(y_PD, handle),
+        "reduce_put, every store + barrier": lambda: (reduce_put(y_PD, pos_RK, weights_RK, back_RW, region),
+                                                       d.heap.barrier()),
+        "reduce_put, stores home only": lambda: reduce_put(y_PD, pos_RK, weights_RK, home_RW, region),
+        "reduce_put, stores to the peer only": lambda: reduce_put(y_PD, pos_RK, weights_RK, peer_RW, region),
+        "weighted_reduce into local memory": lambda: weighted_reduce(y_PD, pos_RK, weights_RK),
+        "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
+        "sum_home": lambda: sum_home(region.views[rank], route.home_TW),
+    }
+    timer, flag = _Timer(device), torch.zeros(1, device=device)
+
+    def time_ms(fn) -> float:
+        samples = []
+        for _ in range(5 + a.iters):
+            dist.barrier(device_ids=[rank])
+            samples.append(timer.time(fn, True, lambda: dist.all_reduce(flag)))
+        worst = torch.tensor(samples[5:], dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return statistics.median(worst.tolist())
+
+    graphs = _capture(*parts.values())
+    routes_here = int((back_RW >= 0).sum())
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name(device)} x {world}, {a.tokens} tokens per rank, hidden {a.hidden}, "
+              f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), {routes_here} rows reduced here, "
+              f"{a.iters} iterations, median of the slowest rank:")
+    for name, graph in zip(parts, graphs):
+        ms = time_ms(graph.replay)
+        if rank == 0:
+            print(f"  {name:42s} {ms * 1e3:8.1f} us")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
