@@ -3,7 +3,11 @@ its reduce-and-store kernel (``kernels.comm.reduce_put``) with every store, with
 home to this rank, with only those to the peer, the same reduce into local memory
 (``weighted_reduce``), the reduced rows' transport alone (``put_rows`` of the same bytes), and the
 home sum, each as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s
-timer), on the routes and expert rows of a real DeepSeek-V3-shaped dispatch.
+timer), on the routes and expert rows of a real DeepSeek-V3-shaped dispatch. Then the candidates
+for what the combine could run instead, each first checked to leave the same bits in every rank's
+region as the shipped kernel: ``reduce_put`` with other CTA sizes (``max_threads``), and the
+reduce into local memory in chunks with each chunk's ``put_rows`` beside the next chunk's reduce
+(``staged``: the link's time and the memory's overlapped across two streams).
 
     torchrun --standalone --nproc-per-node 2 bench/scripts/combine_parts.py [--tokens 4096]
 """
@@ -22,6 +26,7 @@ from ep_runtime.dispatch import NVLinkDispatcher
 from ep_runtime.dispatch.all_to_all import sum_home
 from kernels.comm import put_rows, reduce_put
 from kernels.reduce import weighted_reduce
+from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
 
 
 def main() -> None:
@@ -59,6 +64,41 @@ def main() -> None:
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
         "sum_home": lambda: sum_home(region.views[rank], route.home_TW),
     }
+    side = torch.cuda.Stream(device)
+
+    def staged(chunks: int):
+        rows = -(-d.num_recv_rows // chunks)
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        for c in range(chunks):
+            part = slice(c * rows, (c + 1) * rows)
+            reduced_CD = weighted_reduce(y_PD, pos_RK[part], weights_RK[part])
+            reduced_CD.record_stream(side)  # not reused by the next chunk's reduce while side reads it
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                put_rows(reduced_CD, back_RW[part], region)
+        main.wait_stream(side)
+        d.heap.barrier()
+
+    candidates = {f"reduce_put, max_threads {n} + barrier": lambda n=n: (
+        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, max_threads=n), d.heap.barrier())
+        for n in (128, 512, 1024)}
+    candidates |= {f"staged, {c} chunks + barrier": lambda c=c: staged(c) for c in (4, 8, 16)}
+    region.views[rank].zero_()
+    d.heap.barrier()
+    parts["reduce_put, every store + barrier"]()
+    torch.cuda.synchronize()
+    want = region.views[rank].clone()
+    for name, fn in candidates.items():
+        region.views[rank].zero_()
+        d.heap.barrier()
+        fn()
+        torch.cuda.synchronize()
+        same = torch.tensor([torch.equal(region.views[rank], want)], device=device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if not same.item():
+            raise AssertionError(f"{name}: not the shipped reduce_put's bits")
+    parts |= candidates
     timer, flag = _Timer(device), torch.zeros(1, device=device)
 
     def time_ms(fn) -> float:

@@ -40,22 +40,23 @@ from kernels.quant.tiles import (
 MAX_THREADS = 256
 
 
-def reduce_tile(num_cols: int, y_bytes: int) -> tuple[int, int, int]:
+def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS) -> tuple[int, int, int]:
     """``(vec, threads, tiles)``: elements per thread (one 16-byte vector of ``y``, narrower where
-    ``num_cols`` needs it), threads per CTA (a multiple of 32) and CTAs per token row."""
+    ``num_cols`` needs it), threads per CTA (a multiple of 32, at most ``max_threads``) and CTAs per
+    token row."""
     vec = math.gcd(VECTOR_BYTES // y_bytes, num_cols)
     num_vectors = num_cols // vec
-    tiles = -(-num_vectors // MAX_THREADS)
+    tiles = -(-num_vectors // max_threads)
     threads = -(-(-(-num_vectors // tiles)) // 32) * 32
     return vec, threads, tiles
 
 
 def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
-                 unit: bool = False):
+                 unit: bool = False, max_threads: int = MAX_THREADS):
     """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
     row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
     every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits)."""
-    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes)
+    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes, max_threads)
     dequantize = y_dtype == "float8_e4m3fn"
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
 
@@ -131,7 +132,8 @@ def get_weighted_reduce_kernel(
 
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
-    num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int
+    num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
+    max_threads: int = MAX_THREADS,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV)`` kernel: row t's reduction
     stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's copy
@@ -139,7 +141,8 @@ def get_weighted_reduce_put_kernel(
     in ``kernels.comm.put_rows``) instead of to an output of its own; -1 and rows outside the
     region go nowhere."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
-    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed)
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
+                                                   max_threads=max_threads)
     sf_dtype = "uint8" if packed else "float32"
     vector_bytes = vec * T.dtype(out_dtype).bytes
     nv = num_cols // vec
@@ -210,7 +213,7 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region) -> None:
+               region, *, max_threads: int = MAX_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
@@ -225,9 +228,10 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     p, d = y_PD.shape
     if r == 0 or d == 0:
         return
-    vec = reduce_tile(d, y_PD.element_size())[0]
+    vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
-    kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world)
+    kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world,
+                                            max_threads)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
            dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec))
 
