@@ -7,7 +7,8 @@ timer), on the routes and expert rows of a real DeepSeek-V3-shaped dispatch. The
 for what the combine could run instead, each first checked to leave the same bits in every rank's
 region as the shipped kernel: ``reduce_put`` with other CTA sizes (``max_threads``), and the
 reduce into local memory in chunks with each chunk's ``put_rows`` beside the next chunk's reduce
-(``staged``: the link's time and the memory's overlapped across two streams).
+(``staged``: the link's time and the memory's overlapped across two streams), or the rows bound
+for the peers reduced and stored beside those bound home (``split``).
 
     torchrun --standalone --nproc-per-node 2 bench/scripts/combine_parts.py [--tokens 4096]
 """
@@ -64,7 +65,7 @@ def main() -> None:
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
         "sum_home": lambda: sum_home(region.views[rank], route.home_TW),
     }
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device, priority=-1)  # high: its CTAs go first as SMs free up
 
     def staged(chunks: int):
         rows = -(-d.num_recv_rows // chunks)
@@ -80,7 +81,21 @@ def main() -> None:
         main.wait_stream(side)
         d.heap.barrier()
 
-    candidates = {f"reduce_put, max_threads {n} + barrier": lambda n=n: (
+    def split():
+        """The rows bound for the peers (link-bound) beside those bound home (memory-bound)."""
+        main, mine = torch.cuda.current_stream(), slice(rank * a.tokens, (rank + 1) * a.tokens)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for w in range(world):
+                if w != rank:
+                    theirs = slice(w * a.tokens, (w + 1) * a.tokens)
+                    reduce_put(y_PD, pos_RK[theirs], weights_RK[theirs], back_RW[theirs], region)
+        reduce_put(y_PD, pos_RK[mine], weights_RK[mine], back_RW[mine], region)
+        main.wait_stream(side)
+        d.heap.barrier()
+
+    candidates = {"split: peers' rows beside home's + barrier": split}
+    candidates |= {f"reduce_put, max_threads {n} + barrier": lambda n=n: (
         reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, max_threads=n), d.heap.barrier())
         for n in (128, 512, 1024)}
     candidates |= {f"staged, {c} chunks + barrier": lambda c=c: staged(c) for c in (4, 8, 16)}
