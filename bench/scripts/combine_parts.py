@@ -97,7 +97,7 @@ def main() -> None:
     candidates = {"split: peers' rows beside home's + barrier": split}
     candidates |= {f"reduce_put, max_threads {n} + barrier": lambda n=n: (
         reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, max_threads=n), d.heap.barrier())
-        for n in (128, 512, 1024)}
+        for n in (256, 1024)}
     candidates |= {f"staged, {c} chunks + barrier": lambda c=c: staged(c) for c in (4, 8, 16)}
     region.views[rank].zero_()
     d.heap.barrier()

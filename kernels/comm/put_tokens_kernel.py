@@ -44,13 +44,17 @@ from .reference import TokenRegions
 
 
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
-def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk: int, index_dtype: str = "int32"):
+def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk: int, index_dtype: str = "int32",
+                          tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_TD, idx_TK, delta_W, q_CE, sf_F, e_local, rank, t_max)`` kernel for tokens of ``hidden``
     values of ``dtype``, one float32 scale per ``group`` columns, W = ``world`` ranks and ``topk``
-    routes a token (ids int32 or int64; token and row counts dynamic)."""
+    routes a token (ids int32 or int64; token and row counts dynamic). ``tile`` overrides
+    :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` and ``vec`` the
+    consecutive elements a thread holds, casts and stores as one vector (for tuning sweeps, which
+    pass the regions' e4m3 rows viewed as vectors of ``vec``)."""
     num_tokens, num_dst = T.dynamic("num_tokens"), T.dynamic("num_dst")
-    vec = vector_width(hidden, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = blockwise_tile(hidden, (1, group), vec)
+    vec = vec or vector_width(hidden, T.dtype(dtype).bytes)
+    tile_m, tile_n, threads = tile or blockwise_tile(hidden, (1, group), vec)
     tile_g, tile_v = tile_n // group, tile_n // vec
     nv, groups = hidden // vec, -(-hidden // group)
     layout = vector_layout(tile_m, tile_n, threads, vec)

@@ -11,8 +11,8 @@ Every product and sum is an IEEE round-to-nearest operation in the reference's o
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
 result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
 treated as -1. The columns are split into the fewest tiles of at most ``MAX_THREADS``
-vectors, evenly (hidden 7168: 4 CTAs of 224 threads per token for bf16, 2 for e4m3), so no CTA
-runs half empty.
+vectors (``PUT_THREADS`` for the peer variant), evenly (hidden 7168: 4 CTAs of 224 threads per
+token for bf16, 2 for e4m3; 7 of 128 for the peer variant), so no CTA runs half empty.
 
 Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups.
 """
@@ -38,6 +38,10 @@ from kernels.quant.tiles import (
 )
 
 MAX_THREADS = 256
+# reduce_put's CTAs: 128 threads (7 CTAs per row of 7168 bf16) took 283.5 / 283.6 us against 256's
+# 289.3 / 290.1 (1024: 283.0) with the barrier, at 4096 tokens per rank on two H100s, and 17.0 against
+# 16.8 us at 128 (bench/scripts/combine_parts.py, session 16)
+PUT_THREADS = 128
 
 
 def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS) -> tuple[int, int, int]:
@@ -133,7 +137,7 @@ def get_weighted_reduce_kernel(
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = MAX_THREADS,
+    max_threads: int = PUT_THREADS,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV)`` kernel: row t's reduction
     stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's copy
@@ -213,7 +217,7 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, max_threads: int = MAX_THREADS) -> None:
+               region, *, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
