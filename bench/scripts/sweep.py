@@ -84,7 +84,7 @@ def _swiglu_variant(x, cast, tile):
 def _expand_cast_variant(x, layout, tile):
     from kernels.permute.expand_quant_kernel import get_expand_per_token_cast_kernel
 
-    (t, d), k = x.shape, layout.pos_TK.shape[1]
+    d, k = x.shape[1], layout.pos_TK.shape[1]
     kernel = get_expand_per_token_cast_kernel(d, k, "bfloat16", 128, False, False, tile=tile[:3], vec=tile[3])
     pos, src = layout.pos_TK.to(torch.int32), layout.src_P.to(torch.int32)
 

@@ -10,7 +10,8 @@ small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch``
 tokens out in the local experts' aligned layout, FP8 on the wire with ``--fp8``, the default),
 ``combine`` (the layout's rows, bf16, weighted-reduced and summed at home), and for ``nvlink`` its
 ``transport`` alone (the FP8 token rows stored into the peers' buffers, then the barrier) and, on
-GPUs, these three and ``to_buffers`` replayed as CUDA graphs (``graph``: the steady state without
+GPUs, these three, ``to_buffers`` and ``step`` (dispatch then combine in one graph, as a model's
+step runs them: one graph launch, not two) replayed as CUDA graphs (``graph``: the steady state without
 host overhead; eager calls launch a few dozen kernels each). ``to_buffers`` is dispatch up to
 where DeepEP's ends: the rows (FP8 with their scales) in the receive buffers, grouped by source
 rank, with the routes, weights and the local experts' layout, but not yet expanded into the
@@ -166,7 +167,7 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers,
         return times
     q_TD = torch.empty(x_TD.shape[0], token_bytes, dtype=torch.uint8, device=x_TD.device)
     steps = {"dispatch": dispatch, "combine": combine, "transport": lambda: d.scatter(q_TD, out["handle"].route),
-             "to_buffers": lambda: d.move_tokens(x_TD, idx_TK, w_TK)}
+             "to_buffers": lambda: d.move_tokens(x_TD, idx_TK, w_TK), "step": lambda: (dispatch(), combine())}
     times["nvlink_transport_ms"] = median_ms(steps["transport"], False)
     if x_TD.is_cuda:
         graphs = dict(zip(steps, _capture(*steps.values())))
@@ -368,7 +369,8 @@ def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
         table = []
         for key, ms in list(row.items()):
             if key.endswith("_ms") and ms:
-                bytes_ = row["combine_bytes_per_rank"] if "combine" in key else row["dispatch_bytes_per_rank"]
+                bytes_ = (row["combine_bytes_per_rank"] if "combine" in key else row["dispatch_bytes_per_rank"]
+                          + (row["combine_bytes_per_rank"] if key.endswith("step_ms") else 0))
                 row[key[:-3] + "_gbps"] = bytes_ / ms / 1e6
                 table.append((key[:-3], ms, bytes_ / ms / 1e6))
         row["table"] = table
