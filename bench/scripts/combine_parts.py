@@ -15,15 +15,9 @@ for the peers reduced and stored beside those bound home (``split``).
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
-import torch.distributed as dist
 
-from ep_runtime.bench.dispatch import _capture, _routing
-from ep_runtime.bench.ep_scaling import _Timer
-from ep_runtime.dispatch import NVLinkDispatcher
+from ep_runtime.bench.peer_tuning import check_same, parse_args, setup, time_parts
 from ep_runtime.dispatch.all_to_all import sum_home
 from kernels.comm import put_rows, reduce_put
 from kernels.reduce import weighted_reduce
@@ -31,22 +25,10 @@ from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kerne
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--iters", type=int, default=30)
-    a = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    group = dist.group.WORLD
-    d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=a.tokens, fp8=True)
-    idx_TK, w_TK = _routing(a.tokens, a.experts, a.topk, rank, device)
-    x_TD = torch.randn(a.tokens, a.hidden, device=device, dtype=torch.bfloat16)
-    y_PD, _, handle = d.dispatch(x_TD, idx_TK, w_TK)
+    a = parse_args(__doc__)
+    s = setup(a)
+    d, rank, world = s.d, s.rank, s.world
+    y_PD, _, handle = d.dispatch(s.x_TD, s.idx_TK, s.w_TK)
     y_PD = y_PD.detach()
     route, weights_RK = handle.route, handle.recv_weights_RK
     pos_RK, back_RW = route.layout.pos_TK, route.back_RW
@@ -54,18 +36,18 @@ def main() -> None:
     home_RW, peer_RW = back_RW.clone(), back_RW.clone()
     home_RW[:, [w for w in range(world) if w != rank]] = -1
     peer_RW[:, rank] = -1
-    rows_RD = torch.randn(d.num_recv_rows, a.hidden, device=device, dtype=torch.bfloat16)
+    rows_RD = torch.randn(d.num_recv_rows, a.hidden, device=s.device, dtype=torch.bfloat16)
+    shipped = lambda: (reduce_put(y_PD, pos_RK, weights_RK, back_RW, region), d.heap.barrier())  # noqa: E731
     parts = {
         "combine (graph)": lambda: d.combine(y_PD, handle),
-        "reduce_put, every store + barrier": lambda: (reduce_put(y_PD, pos_RK, weights_RK, back_RW, region),
-                                                       d.heap.barrier()),
+        "reduce_put, every store + barrier": shipped,
         "reduce_put, stores home only": lambda: reduce_put(y_PD, pos_RK, weights_RK, home_RW, region),
         "reduce_put, stores to the peer only": lambda: reduce_put(y_PD, pos_RK, weights_RK, peer_RW, region),
         "weighted_reduce into local memory": lambda: weighted_reduce(y_PD, pos_RK, weights_RK),
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
         "sum_home": lambda: sum_home(region.views[rank], route.home_TW),
     }
-    side = torch.cuda.Stream(device, priority=-1)  # high: its CTAs go first as SMs free up
+    side = torch.cuda.Stream(s.device, priority=-1)  # high: its CTAs go first as SMs free up
 
     def staged(chunks: int):
         rows = -(-d.num_recv_rows // chunks)
@@ -99,43 +81,17 @@ def main() -> None:
         reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, max_threads=n), d.heap.barrier())
         for n in (256, 1024)}
     candidates |= {f"staged, {c} chunks + barrier": lambda c=c: staged(c) for c in (4, 8, 16)}
-    region.views[rank].zero_()
-    d.heap.barrier()
-    parts["reduce_put, every store + barrier"]()
-    torch.cuda.synchronize()
-    want = region.views[rank].clone()
-    for name, fn in candidates.items():
+
+    def snapshot(fn):
         region.views[rank].zero_()
         d.heap.barrier()
         fn()
         torch.cuda.synchronize()
-        same = torch.tensor([torch.equal(region.views[rank], want)], device=device)
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        if not same.item():
-            raise AssertionError(f"{name}: not the shipped reduce_put's bits")
-    parts |= candidates
-    timer, flag = _Timer(device), torch.zeros(1, device=device)
+        return (region.views[rank].clone(),)
 
-    def time_ms(fn) -> float:
-        samples = []
-        for _ in range(5 + a.iters):
-            dist.barrier(device_ids=[rank])
-            samples.append(timer.time(fn, True, lambda: dist.all_reduce(flag)))
-        worst = torch.tensor(samples[5:], dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return statistics.median(worst.tolist())
-
-    graphs = _capture(*parts.values())
-    routes_here = int((back_RW >= 0).sum())
-    if rank == 0:
-        print(f"{torch.cuda.get_device_name(device)} x {world}, {a.tokens} tokens per rank, hidden {a.hidden}, "
-              f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), {routes_here} rows reduced here, "
-              f"{a.iters} iterations, median of the slowest rank:")
-    for name, graph in zip(parts, graphs):
-        ms = time_ms(graph.replay)
-        if rank == 0:
-            print(f"  {name:42s} {ms * 1e3:8.1f} us")
-    dist.destroy_process_group()
+    check_same(candidates, snapshot, shipped)
+    time_parts(parts | candidates, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
+                                         f"{int((back_RW >= 0).sum())} rows reduced here")
 
 
 if __name__ == "__main__":
