@@ -37,7 +37,10 @@ def main() -> None:
     home_RW[:, [w for w in range(world) if w != rank]] = -1
     peer_RW[:, rank] = -1
     rows_RD = torch.randn(d.num_recv_rows, a.hidden, device=s.device, dtype=torch.bfloat16)
-    shipped = lambda: (reduce_put(y_PD, pos_RK, weights_RK, back_RW, region), d.heap.barrier())  # noqa: E731
+    def shipped():
+        reduce_put(y_PD, pos_RK, weights_RK, back_RW, region)
+        d.heap.barrier()
+
     parts = {
         "combine (graph)": lambda: d.combine(y_PD, handle),
         "reduce_put, every store + barrier": shipped,

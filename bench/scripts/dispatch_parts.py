@@ -42,7 +42,10 @@ def main() -> None:
         return lambda: (kernel(x_TD, idx_TK, q.delta_W, first_q.view(torch.float8_e4m3fn).view(-1, tile[3]),
                                first_sf.view(-1), e_local, rank, a.tokens), d.heap.barrier())
 
-    shipped = lambda: (put_tokens(x_TD, idx_TK, regions, num_local_experts=e_local, rank=rank), d.heap.barrier())  # noqa: E731
+    def shipped():
+        put_tokens(x_TD, idx_TK, regions, num_local_experts=e_local, rank=rank)
+        d.heap.barrier()
+
     parts = {"to_buffers": lambda: d.move_tokens(x_TD, idx_TK, s.w_TK),
              "put_rows of FP8 rows + barrier": lambda: (put_rows(q_TD, dest_TW, q), d.heap.barrier()),
              "put_tokens (1, 1024, 64, 16) + barrier": shipped}

@@ -23,8 +23,8 @@ local experts' layout of the routes in the blocks' first ``count`` rows; a row w
 none of its experts holds no data of this call), one launch for a small batch (``plan_receive``
 and the layout's four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and
 stored in one kernel (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once
-``put_routes`` wrote ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into the layout
-(``expand_cast_back``). Kernels on one stream may launch while the one before them finishes
+``put_routes`` wrote ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the
+FP8 rows straight into the layout (``expand_cast_back``). Kernels on one stream may launch while the one before them finishes
 (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its local
 experts and stores it straight into block ``me`` of its home rank at the row it came from
 (``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
@@ -63,7 +63,8 @@ ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and
 class SideStream:
     """Work beside the current CUDA stream: ``with side:`` runs its body on a stream of high
     priority (its few small kernels get SMs between the rows' CTAs), after everything queued on the
-    current stream so far; ``join()`` (or ``wait`` for a ``mark``) makes the current stream wait for it. On CPU, in line.
+    current stream so far; ``join()`` (or ``wait`` for a ``mark``) makes the current stream wait
+    for it. On CPU, in line.
 
     Tensors allocated beside are used on the current stream after ``join``; the caching allocator
     hands their blocks out again only to work beside, which starts after everything queued on the
