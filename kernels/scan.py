@@ -3,7 +3,8 @@ one warp scans the warps' totals. Two barriers, where a Hillis-Steele scan over 
 two a step (16 for 256 threads): barriers are what a one-CTA bookkeeping kernel's time is made of.
 
 Used by the expert layout's scan pass and ``receive_layout``, which place every barrier themselves
-(``HAND_SYNC_CONFIGS``; ``plan_send`` used it too until session 15's fixed rows).
+(``HAND_SYNC_CONFIGS``, also the configuration of ``kernels.comm``'s ``put_routes`` and
+``plan_receive``).
 """
 
 import tilelang

@@ -37,6 +37,7 @@ def main() -> None:
     home_RW[:, [w for w in range(world) if w != rank]] = -1
     peer_RW[:, rank] = -1
     rows_RD = torch.randn(d.num_recv_rows, a.hidden, device=s.device, dtype=torch.bfloat16)
+
     def shipped():
         reduce_put(y_PD, pos_RK, weights_RK, back_RW, region)
         d.heap.barrier()

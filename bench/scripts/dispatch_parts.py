@@ -14,6 +14,7 @@ import torch
 
 from ep_runtime.bench.peer_tuning import check_same, parse_args, setup, time_parts
 from kernels.comm import TokenRegions, put_rows, put_tokens
+from kernels.comm.reference import token_rows
 from kernels.comm.put_tokens_kernel import get_put_tokens_kernel
 
 # (tile_m, tile_n, threads, vec); shipped: (1, 1024, 64, 16), 16-byte e4m3 stores (before session 16's
@@ -30,10 +31,7 @@ def main() -> None:
     d.move_tokens(x_TD, idx_TK, s.w_TK)  # the heap, at its size
     q, sf = d._regions((d.num_recv_rows, a.hidden, torch.uint8), (d.num_recv_rows, -(-a.hidden // 128), torch.float32))
     regions = TokenRegions(q=q, sf=sf)
-    dest_TW = torch.full((a.tokens, world), -1, dtype=torch.int32, device=s.device)
-    for w in range(world):
-        goes = ((idx_TK >= w * e_local) & (idx_TK < (w + 1) * e_local)).any(1)
-        dest_TW[goes, w] = rank * a.tokens + torch.arange(a.tokens, device=s.device, dtype=torch.int32)[goes]
+    dest_TW, _ = token_rows(idx_TK, num_local_experts=e_local, world=world, rank=rank, max_tokens=a.tokens)
     q_TD = torch.randint(0, 256, (a.tokens, a.hidden), dtype=torch.uint8, device=s.device)
 
     def tiled(tile):

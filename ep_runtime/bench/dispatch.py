@@ -147,8 +147,9 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
 
 
 def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers, a, show: bool) -> dict:
-    """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, these
-    and dispatch to the receive buffers replayed as CUDA graphs (and the profiles with ``--profile``).
+    """Dispatch and combine of one backend; for nvlink also its transport alone and, on GPUs, these,
+    dispatch to the receive buffers and dispatch + combine replayed as CUDA graphs (and, with
+    ``--profile``, the eager calls' profile and each graph's kernel timeline).
     ``timers``: ``(median_ms, time_ms)``, the median of many timed calls and one timed call."""
     import torch
 
@@ -369,8 +370,10 @@ def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
         table = []
         for key, ms in list(row.items()):
             if key.endswith("_ms") and ms:
-                bytes_ = (row["combine_bytes_per_rank"] if "combine" in key else row["dispatch_bytes_per_rank"]
-                          + (row["combine_bytes_per_rank"] if key.endswith("step_ms") else 0))
+                if key.endswith("step_ms"):  # dispatch + combine
+                    bytes_ = row["dispatch_bytes_per_rank"] + row["combine_bytes_per_rank"]
+                else:
+                    bytes_ = row["combine_bytes_per_rank"] if "combine" in key else row["dispatch_bytes_per_rank"]
                 row[key[:-3] + "_gbps"] = bytes_ / ms / 1e6
                 table.append((key[:-3], ms, bytes_ / ms / 1e6))
         row["table"] = table

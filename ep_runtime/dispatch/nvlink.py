@@ -16,17 +16,17 @@ halves of the heap: a rank may write call n + 1's rows while a peer still reads 
 call n - 1's (every rank read those before it entered call n's barriers).
 
 Dispatch sends the routes beside the rows, on a stream of its own (``SideStream``):
-``kernels.comm.put_routes`` (the way there and back, every token's routes and the count stored
-into every rank, one launch), a barrier of its own channel (``ROUTES``) and the receiver's
-bookkeeping: ``kernels.comm.receive_layout`` (what each received row is, where it returns, and the
-local experts' layout of the routes in the blocks' first ``count`` rows; a row whose routes name
-none of its experts holds no data of this call), one launch for a small batch (``plan_receive``
-and the layout's four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and
-stored in one kernel (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once
-``put_routes`` wrote ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the
-FP8 rows straight into the layout (``expand_cast_back``). Kernels on one stream may launch while the one before them finishes
-(programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over its local
-experts and stores it straight into block ``me`` of its home rank at the row it came from
+``kernels.comm.put_routes`` (the way there and back, every token's routes and the count stored into
+every rank, one launch), a barrier of its own channel (``ROUTES``) and the receiver's bookkeeping:
+``kernels.comm.receive_layout`` (what each received row is, where it returns, and the local experts'
+layout of the routes in the blocks' first ``count`` rows; a row whose routes name none of its
+experts holds no data of this call), one launch for a small batch (``plan_receive`` and the layout's
+four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and stored in one kernel
+(``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
+``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
+the layout (``expand_cast_back``). Kernels on one stream may launch while the one before them
+finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over
+its local experts and stores it straight into block ``me`` of its home rank at the row it came from
 (``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
 (``weighted_reduce`` with unit weights, in rank order, float32).
 
@@ -68,7 +68,8 @@ class SideStream:
 
     Tensors allocated beside are used on the current stream after ``join``; the caching allocator
     hands their blocks out again only to work beside, which starts after everything queued on the
-    current stream (the ``with``'s wait), so no ``record_stream`` is needed."""
+    current stream (the ``with``'s wait), so no ``record_stream`` is needed, as long as they are
+    used on that stream only (a dispatch's route, for instance, on the stream that dispatched)."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
@@ -97,6 +98,7 @@ class SideStream:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
 
     def join(self) -> None:
+        """The current stream waits for everything queued beside so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
@@ -144,7 +146,7 @@ class NVLinkDispatcher:
     def num_recv_rows(self) -> int:
         return self.world * self.max_tokens
 
-    # The transport: regions of one half of the heap, filled by put_rows, then one barrier.
+    # The transport: regions of one half of the heap, filled by peer stores, then the barriers.
     def _regions(self, *widths: tuple[int, int, torch.dtype]) -> list[PeerRegion]:
         """One region per ``(rows, width, dtype)`` in the half of the heap this call uses."""
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
@@ -197,7 +199,8 @@ class NVLinkDispatcher:
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
-        """Moves tokens, routes and weights in one barrier; plans the way back. ``x_TD`` is [T, D],
+        """Moves tokens, routes and weights (the routes and the rows behind a barrier each, on two
+        streams); plans the way back. ``x_TD`` is [T, D],
         or ``Fp8Rows`` (sent as they are: the rows a two-stage route's rail received). Returns the
         route (with the local experts' layout), the received rows ([R, D] in x's dtype, or
         ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport

@@ -1,6 +1,6 @@
 """Symmetric heaps: one buffer of the same size on every rank of a group, each rank's copy
 readable and writable by every other. The ``nvlink`` backend moves tokens by storing them straight
-into peers' copies (``kernels.comm.put_rows``), then one barrier makes the stores visible.
+into peers' copies (``kernels.comm.put_rows``), then a barrier makes the stores visible.
 
 - ``CudaHeap``: torch symmetric memory (NVLink peer mappings); the barrier runs on the current
   stream (no host sync) and CUDA graphs can capture it.
@@ -136,7 +136,7 @@ class CudaHeap:
                 "(pytorch/pytorch#196082): use one nvlink EP group per process, e.g. one process set per EP size")
 
     def barrier(self, channel: int = 0) -> None:
-        if self.handle is not None:  # one rank: the stream orders everything
+        if self.handle is not None:  # one rank: no peer to wait for; stream order does the rest
             self.handle.barrier(channel=channel)
 
 

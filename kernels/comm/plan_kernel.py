@@ -35,6 +35,7 @@ from .put_rows_kernel import peer_copy
 from .reference import ReceivePlan, RouteRegions
 
 THREADS = 256
+MAX_TOPK = 16  # put_routes stages THREADS tokens' 2K words in shared memory: 32 KB at 16
 
 
 def goes_to(ids, w, e_local):
@@ -155,6 +156,9 @@ def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions
     num_tokens, topk = topk_idx_TK.shape
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(num_tokens, topk),
                  device=topk_idx_TK.device)
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk_idx_TK: expected at most {MAX_TOPK} routes a token (a CTA stages its tokens' "
+                         f"routes in shared memory), got {topk}")
     world = regions.counts.world
     meta = peer_copy(regions.meta, "regions.meta", dtype=torch.int32, width=2 * topk)
     counts = peer_copy(regions.counts, "regions.counts", dtype=torch.int32, width=1)

@@ -9,8 +9,8 @@ never written to or read back from this rank's memory. The routes travel ahead o
 
 Peers are reached as in :mod:`kernels.comm.put_rows_kernel`: each region is given as rank 0's
 copy, and rank w's lies ``delta_W[w]`` bytes from it (every region of one symmetric heap shares the
-offsets). The e4m3 rows are stored as ``vec``-byte vectors, 16 where the row allows, a thread's
-own (rank 0's copy viewed ``[C, vec]``, so the peer offset falls on a vector boundary; 16-byte
+offsets). The e4m3 rows are stored as ``vec``-byte vectors, 16 where the row and the scale group
+allow, a thread's own (rank 0's copy viewed ``[C, vec]``, so the peer offset falls on a vector boundary; 16-byte
 stores took 95.2 us against 8-byte ones' 96.4 with the barrier at 4096 tokens per rank on two
 H100s, ``bench/scripts/dispatch_parts.py``); scales as 4-byte words. Those stores lie outside the
 buffers the kernel is given, so TileLang's out-of-bounds guards are off and every access is
@@ -20,6 +20,8 @@ goes nowhere, as -1 does.
 Shape suffixes: T tokens, D hidden, K routes, W ranks, G scale groups, C vectors of a region, V
 vectors of a tile row, E elements of a vector.
 """
+
+import math
 
 import tilelang
 import torch
@@ -55,7 +57,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
     consecutive elements a thread holds, casts and stores as one vector (for tuning sweeps, which
     pass the regions' e4m3 rows viewed as vectors of ``vec``)."""
     num_tokens, num_dst = T.dynamic("num_tokens"), T.dynamic("num_dst")
-    vec = vec or vector_width(hidden, 1)  # a thread casts and stores one 16-byte vector of the e4m3 row
+    vec = vec or math.gcd(vector_width(hidden, 1), group)  # a thread's 16-byte e4m3 vector, in one group
     tile_m, tile_n, threads = tile or blockwise_tile(hidden, (1, group), vec)
     tile_g, tile_v = tile_n // group, tile_n // vec
     nv, groups = hidden // vec, -(-hidden // group)
@@ -138,6 +140,6 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
         return
     index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")
     kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, topk_idx_TK.shape[1], index_dtype)
-    vec = vector_width(d, 1)
+    vec = math.gcd(vector_width(d, 1), group)
     kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q.view(E4M3).view(-1, vec), sf.view(-1),
            num_local_experts, rank, max_tokens)

@@ -113,12 +113,11 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
     """
     world = regions.q.world
     max_tokens = regions.q.views[0].shape[0] // world
-    weights_TK = torch.zeros(topk_idx_TK.shape, dtype=torch.float32, device=topk_idx_TK.device)  # not stored
-    plan = plan_send(topk_idx_TK, weights_TK, num_local_experts=num_local_experts, world=world, rank=rank,
-                     max_tokens=max_tokens)
+    dest_TW, _ = token_rows(topk_idx_TK, num_local_experts=num_local_experts, world=world, rank=rank,
+                            max_tokens=max_tokens)
     q_TD, sf_TG = per_token_cast(x_TD, group=group)
-    put_rows(q_TD.view(torch.uint8), plan.dest_TW, regions.q)
-    put_rows(sf_TG, plan.dest_TW, regions.sf)
+    put_rows(q_TD.view(torch.uint8), dest_TW, regions.q)
+    put_rows(sf_TG, dest_TW, regions.sf)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
@@ -197,9 +196,18 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
         topk_weights_TK: [T, K] float32.
         num_local_experts, world, rank, max_tokens: E_local, W, this rank, T_max (>= T).
     """
-    check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
+    dest_TW, home_TW = token_rows(topk_idx_TK, num_local_experts=num_local_experts, world=world, rank=rank,
+                                  max_tokens=max_tokens)
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
                  device=topk_idx_TK.device)
+    meta_TM = torch.cat([topk_idx_TK.to(torch.int32), topk_weights_TK.view(torch.int32)], 1)
+    return SendPlan(dest_TW=dest_TW, home_TW=home_TW, meta_TM=meta_TM)
+
+
+def token_rows(topk_idx_TK: torch.Tensor, *, num_local_experts: int, world: int, rank: int,
+               max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`plan_send`'s ``(dest_TW, home_TW)``, from the ids alone."""
+    check_tensor("topk_idx_TK", topk_idx_TK, dtype=(torch.int32, torch.int64), ndim=2)
     if topk_idx_TK.shape[0] > max_tokens:
         raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {topk_idx_TK.shape[0]}")
     if not 0 <= rank < world:
@@ -209,9 +217,8 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     token_T = torch.arange(idx_TK.shape[0], dtype=torch.int32, device=device)
     dest_TK = torch.where(idx_TK >= 0, idx_TK // num_local_experts, -1)
     goes_TW = (dest_TK[:, None, :] == ranks_W[None, :, None]).any(2)
-    return SendPlan(dest_TW=torch.where(goes_TW, rank * max_tokens + token_T[:, None], -1).int(),
-                    home_TW=torch.where(goes_TW, ranks_W * max_tokens + token_T[:, None], -1).int(),
-                    meta_TM=torch.cat([idx_TK, topk_weights_TK.view(torch.int32)], 1))
+    return (torch.where(goes_TW, rank * max_tokens + token_T[:, None], -1).int(),
+            torch.where(goes_TW, ranks_W * max_tokens + token_T[:, None], -1).int())
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,

@@ -225,6 +225,8 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
 
     check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, region.views[0].dtype, values=False)
     check_cuda("y_PD", y_PD)
+    if not (32 <= max_threads <= 1024 and max_threads % 32 == 0):
+        raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
                  device=y_PD.device)
     first = peer_copy(region, width=y_PD.shape[1])

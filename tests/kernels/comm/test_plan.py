@@ -37,8 +37,8 @@ def test_send_plan_rejects_more_tokens_than_the_rows():
 
 
 def test_put_routes_places_every_route(seed):
-    """Every byte of every heap: every token's routes to every rank at its fixed row, the count T at
-    row ``rank``, nothing else touched; the way there and back is plan_send's."""
+    """Every byte of both regions on every rank: every token's routes to every rank at its fixed
+    row, the count T at row ``rank``, nothing else touched; the way there and back is plan_send's."""
     t, world, e_local, k, t_max, me = 9, 3, 4, 3, 11, 1
     idx, weights = send_routes(t, k, world, e_local, seed=seed)
     _, regions = _heaps(world, t_max, k, seed=seed)
@@ -116,7 +116,8 @@ def test_send_plan_takes_the_routers_int64_ids(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("t,k,world,e_local", [(0, 8, 2, 128), (1, 8, 2, 4), (4096, 8, 2, 128), (5000, 8, 8, 32),
-                                               (300, 4, 3, 5), (2049, 6, 1, 16), (1024, 8, 8, 32), (1025, 8, 2, 128)])
+                                               (300, 4, 3, 5), (2049, 6, 1, 16), (1024, 8, 8, 32), (1025, 8, 2, 128),
+                                               (300, 3, 3, 5)])  # odd K: 8-byte route vectors
 def test_kernels_match_reference(t, k, world, e_local, index_dtype, seed):
     me, t_max = world - 1, max(t, 1) + 3
     idx, w = send_routes(t, k, world, e_local, seed=seed, device="cuda")
@@ -149,6 +150,10 @@ def test_put_routes_kernel_errors_name_the_argument():
     _, small = _heaps(2, 3, 2, device="cuda")
     with pytest.raises(ValueError, match="^topk_idx_TK: expected at most max_tokens=3 tokens, got 4"):
         put_routes(idx, weights, small, num_local_experts=3, rank=0)
+    wide_idx, wide_weights = send_routes(4, 17, 2, 9, device="cuda")
+    _, wide = _heaps(2, 4, 17, device="cuda")
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most 16 routes a token"):
+        put_routes(wide_idx, wide_weights, wide, num_local_experts=9, rank=0)
 
 
 def _chained(name: str, kernel) -> bool:
@@ -158,10 +163,10 @@ def _chained(name: str, kernel) -> bool:
 
 
 def test_compiles_for_sm90a():
-    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2; the router's int32 and
-    int64 ids."""
+    """2 and 8 ranks, top-8 (DeepSeek-V3); the tiny model's 2 ranks, top-2; top-3 (8-byte route
+    vectors); the router's int32 and int64 ids."""
     with lowering.compile_only():
-        for world, k in ((2, 8), (8, 8), (2, 2)):
+        for world, k in ((2, 8), (8, 8), (2, 2), (3, 3)):
             assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int32"))
             assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int64"))
             assert _chained("plan_receive_kernel", get_plan_receive_kernel(world, k))

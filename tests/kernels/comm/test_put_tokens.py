@@ -14,9 +14,10 @@ from kernels.quant.reference import per_token_cast
 from kernels.testing import cast_input, peer_heaps, send_routes
 
 
-def _heaps(world: int, rows: int, d: int, *, device: str, seed: int):
-    """``world`` heaps of random bytes holding q [rows, D] uint8 and sf [rows, G] float32; their regions."""
-    heaps, (q, sf) = peer_heaps(world, [((rows, d), torch.uint8), ((rows, -(-d // 128)), torch.float32)],
+def _heaps(world: int, rows: int, d: int, group: int = 128, *, device: str, seed: int):
+    """``world`` heaps of random bytes holding q [rows, D] uint8 and sf [rows, ceil(D / group)]
+    float32; their regions."""
+    heaps, (q, sf) = peer_heaps(world, [((rows, d), torch.uint8), ((rows, -(-d // group)), torch.float32)],
                                 device=device, seed=seed)
     return heaps, TokenRegions(q=q, sf=sf)
 
@@ -57,19 +58,21 @@ CASES = [  # (tokens, hidden, dtype, world, top-k, E_local): dispatch at DeepSee
     (40, 64, torch.float32, 2, 2, 4),
     (0, 7168, torch.bfloat16, 2, 8, 128),
 ]
+GROUPS = [128, 8]  # 8: a scale group narrower than a 16-byte vector of e4m3
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("t,d,dtype,world,k,e_local", CASES)
-def test_kernel_matches_reference_byte_for_byte(t, d, dtype, world, k, e_local, index_dtype, seed):
+def test_kernel_matches_reference_byte_for_byte(t, d, dtype, world, k, e_local, index_dtype, group, seed):
     t_max, me = max(t, 1) + (5 if t % 2 else 0), world - 1  # even T fill their block: rows up to W * T_max
     x_TD = cast_input(t, d, dtype=dtype, seed=seed, device="cuda")
     idx, _ = send_routes(t, k, world, e_local, seed=seed, device="cuda")
-    got, got_regions = _heaps(world, world * t_max, d, device="cuda", seed=seed)
-    want, want_regions = _heaps(world, world * t_max, d, device="cuda", seed=seed)
-    put_tokens(x_TD, idx.to(index_dtype), got_regions, num_local_experts=e_local, rank=me)
-    reference.put_tokens(x_TD, idx, want_regions, num_local_experts=e_local, rank=me)
+    got, got_regions = _heaps(world, world * t_max, d, group, device="cuda", seed=seed)
+    want, want_regions = _heaps(world, world * t_max, d, group, device="cuda", seed=seed)
+    put_tokens(x_TD, idx.to(index_dtype), got_regions, num_local_experts=e_local, rank=me, group=group)
+    reference.put_tokens(x_TD, idx, want_regions, num_local_experts=e_local, rank=me, group=group)
     torch.cuda.synchronize()
     for w in range(world):
         assert torch.equal(got[w], want[w]), w
@@ -95,9 +98,9 @@ def test_bad_input_names_the_argument():
 
 def test_compiles_for_sm90a():
     """Dispatch's rows at DeepSeek-V3's shape (bf16 tokens, top-8) for 2 and 8 ranks with the
-    router's int64 ids, and the tiny model's (float32 tokens of 64, top-2)."""
+    router's int64 ids, the tiny model's (float32 tokens of 64, top-2), and scale groups of 8."""
     with lowering.compile_only():
         for spec in [(7168, "bfloat16", 128, 2, 8, "int64"), (7168, "bfloat16", 128, 8, 8, "int64"),
-                     (64, "float32", 128, 2, 2, "int32")]:
+                     (64, "float32", 128, 2, 2, "int32"), (7168, "bfloat16", 8, 2, 8, "int32")]:
             source = lowering.kernel_source(get_put_tokens_kernel(*spec))
             assert "q_CE" in source and lowering.waits_first(source), spec

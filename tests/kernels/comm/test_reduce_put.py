@@ -79,6 +79,8 @@ def test_bad_input_names_the_argument():
         reduce_put(y_PD, pos_RK, weights_RK, dest_RW[:, :1], region)
     with pytest.raises(ValueError, match="^region.views"):
         reduce_put(y_PD[:, :32], pos_RK, weights_RK, dest_RW, region)
+    with pytest.raises(ValueError, match="^max_threads: expected a multiple of 32 from 32 to 1024, got 100"):
+        reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, max_threads=100)
 
 
 def test_compiles_for_sm90a():
