@@ -358,8 +358,33 @@ def main(argv: list[str] | None = None) -> dict | None:
         for name, ms, gbps in row["table"]:  # one rank sends nothing to others: no rate to show
             rate = f"{gbps:9.1f} GB/s" if row["dispatch_bytes_per_rank"] else ""
             print(f"    {name:<28} {ms * 1e3:10.1f} us {rate}".rstrip())
+        b = row["bars"]
+        if "dispatch_x_nccl" in b and "combine_x_nccl" in b:
+            print(f"    issue #9's bars: to_buffers {b['dispatch_pct_of_p2p_copy']:.0f}% of the P2P copy's rate "
+                  f"(>= 90), {b['dispatch_x_nccl']:.2f}x NCCL (>= 1.4); combine {b['combine_pct_of_p2p_copy']:.0f}%, "
+                  f"{b['combine_x_nccl']:.2f}x; dispatch + combine {b.get('step_us', float('nan')):.1f} us "
+                  "(< 40 at 128 tokens per rank)")
     print(f"wrote {path}")
     return report
+
+
+def bars(row: dict) -> dict:
+    """Issue #9's bars from one row of a GPU run (empty where the row lacks the graphs or the peers):
+    ``to_buffers`` (dispatch up to where DeepEP's ends) and combine as a percentage of the P2P copy's
+    rate (bar 90) and as a multiple of NCCL's rate on the same bytes (bar 1.4), and dispatch +
+    combine as one graph in us (bar: under 40 at 128 tokens per rank)."""
+    ms = {key[:-3]: value for key, value in row.items() if key.endswith("_ms") and value}
+    out = {}
+    if {"nvlink_graph_to_buffers", "p2p_copy", "nccl_a2a_dispatch"} <= ms.keys():
+        out["dispatch_pct_of_p2p_copy"] = 100 * ms["p2p_copy"] / ms["nvlink_graph_to_buffers"]
+        out["dispatch_x_nccl"] = ms["nccl_a2a_dispatch"] / ms["nvlink_graph_to_buffers"]
+    if {"nvlink_graph_combine", "p2p_copy", "nccl_a2a_combine"} <= ms.keys():
+        copy_rate = row["dispatch_bytes_per_rank"] / ms["p2p_copy"]
+        out["combine_pct_of_p2p_copy"] = 100 * row["combine_bytes_per_rank"] / ms["nvlink_graph_combine"] / copy_rate
+        out["combine_x_nccl"] = ms["nccl_a2a_combine"] / ms["nvlink_graph_combine"]
+    if "nvlink_graph_step" in ms:
+        out["step_us"] = 1e3 * ms["nvlink_graph_step"]
+    return out
 
 
 def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
@@ -377,6 +402,7 @@ def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
                 row[key[:-3] + "_gbps"] = bytes_ / ms / 1e6
                 table.append((key[:-3], ms, bytes_ / ms / 1e6))
         row["table"] = table
+        row["bars"] = bars(row) if row["dispatch_bytes_per_rank"] else {}
     return {
         "benchmark": "dispatch", "device": result["device"], "world_size": result["world_size"],
         "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -89,3 +89,17 @@ def test_mhc_overhead_bench_reports_the_mhc_share_of_the_moe_layer(tmp_path):
         assert r["moe_ms"] > 0 and r["mhc_ms"] > 0 and r["mhc_around_moe_ms"] > 0
         assert r["mhc_fraction_of_moe"] == r["mhc_ms"] / r["moe_ms"]
         assert r["added_fraction_of_moe"] == r["mhc_around_moe_ms"] / r["moe_ms"] - 1
+
+
+def test_dispatch_bars_from_a_row():
+    """The bars' arithmetic on a made-up GPU row: same bytes as the copy in the same time is 100%;
+    NCCL 1.4x as slow is 1.4x; the combine's bytes are its own."""
+    from ep_runtime.bench.dispatch import bars
+
+    row = {"dispatch_bytes_per_rank": 100, "combine_bytes_per_rank": 200, "nvlink_graph_to_buffers_ms": 0.1,
+           "p2p_copy_ms": 0.1, "nccl_a2a_dispatch_ms": 0.14, "nvlink_graph_combine_ms": 0.4,
+           "nccl_a2a_combine_ms": 0.2, "nvlink_graph_step_ms": 0.046}
+    got = bars(row)
+    assert got == pytest.approx({"dispatch_pct_of_p2p_copy": 100, "dispatch_x_nccl": 1.4, "combine_pct_of_p2p_copy": 50,
+                                 "combine_x_nccl": 0.5, "step_us": 46})
+    assert bars({"dispatch_bytes_per_rank": 100, "nvlink_dispatch_ms": 1.0}) == {}
