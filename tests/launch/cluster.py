@@ -81,8 +81,7 @@ class RayCluster:
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="ep-ray-", dir="/tmp"))  # short: Ray's socket paths
-        self.port = free_port()
-        self.address = f"127.0.0.2:{self.port}"
+        self.port, self.address = 0, ""  # set by the head's start
         self.sessions: list[int] = []
 
     def _ports(self) -> list[str]:
@@ -91,21 +90,35 @@ class RayCluster:
                 "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port())]
 
     def start(self) -> RayCluster:
-        ray = str(BIN / "ray")
-        head = [ray, "start", "--head", "--node-ip-address", "127.0.0.2", "--port", str(self.port),
+        """Starts both nodes; a node whose ``ray start`` fails is stopped and started once more, on
+        fresh ports: Ray gives a raylet 30 s to register, which a 2-core CI machine busy with other
+        tests can exceed (seen once in session 16)."""
+        self._start_node(0, self._head)
+        self._start_node(1, self._second)
+        return self
+
+    def _head(self) -> list[str]:
+        self.port = free_port()
+        self.address = f"127.0.0.2:{self.port}"
+        return [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.2", "--port", str(self.port),
                 "--num-cpus", "1", "--num-gpus", "1", "--temp-dir", str(self.dir), "--include-dashboard", "false",
                 "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
                 "--disable-usage-stats", *self._ports()]
-        second = [ray, "start", "--address", self.address, "--node-ip-address", "127.0.0.3", "--num-cpus", "1",
-                  "--temp-dir", str(self.dir / "node_b"),
-                  "--num-gpus", "1", "--resources", json.dumps({"node_b": 1}), "--disable-usage-stats",
-                  *self._ports()]
-        for i, cmd in enumerate((head, second)):
-            proc = start(cmd, job_env(), self.dir / f"ray-start-{i}.log")
-            self.sessions.append(proc.pid)
-            if proc.wait(timeout=120) != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{(self.dir / f'ray-start-{i}.log').read_text()}")
-        return self
+
+    def _second(self) -> list[str]:
+        return [str(BIN / "ray"), "start", "--address", self.address, "--node-ip-address", "127.0.0.3", "--num-cpus",
+                "1", "--temp-dir", str(self.dir / "node_b"), "--num-gpus", "1", "--resources",
+                json.dumps({"node_b": 1}), "--disable-usage-stats", *self._ports()]
+
+    def _start_node(self, i: int, command) -> None:
+        for attempt in range(2):
+            cmd, log = command(), self.dir / f"ray-start-{i}-{attempt}.log"
+            proc = start(cmd, job_env(), log)
+            if proc.wait(timeout=120) == 0:
+                self.sessions.append(proc.pid)
+                return
+            end_session(proc.pid)
+        raise RuntimeError(f"{' '.join(cmd)} failed twice:\n{log.read_text()}")
 
     def stop(self) -> None:
         for sid in reversed(self.sessions):
