@@ -81,26 +81,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     device, group, world, rank = ctx.device, ctx.ep_group, ctx.world_size, ctx.rank
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    timer = _Timer(device)
     num_local = a.experts // world
-
-    def sync():
-        dist.barrier(group=group, **({"device_ids": [device.index]} if on_gpu else {}))
-
-    flag = torch.zeros(1, device=device)
-
-    def align():  # on the stream, after the GPU's head start: every rank's GPU starts the call together
-        dist.all_reduce(flag, group=group)
-
-    def time_ms(fn, head_start: bool = True) -> float:
-        sync()
-        return timer.time(fn, head_start, align if on_gpu and world > 1 else None)
-
-    def median_ms(fn, head_start: bool = True) -> float:
-        samples = [time_ms(fn, head_start) for _ in range(a.warmup + a.iters)][a.warmup:]
-        worst = torch.tensor(samples, dtype=torch.float64, device=device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        return statistics.median(worst.tolist())
+    median_ms, time_ms = timers(group, device, a.warmup, a.iters)
 
     rows = []
     for tokens in a.tokens:
@@ -144,6 +126,33 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     result = {"device": _device_name(device), "world_size": world, "rows": rows}
     dist.destroy_process_group()
     return result if rank == 0 else None
+
+
+def timers(group, device, warmup: int, iters: int):
+    """``(median_ms, time_ms)`` over ``group``: ``time_ms(fn, head_start=True)`` times one call of
+    ``fn`` from a host barrier (on GPUs after the head start, the ranks' GPUs lined up by an
+    on-stream all-reduce); ``median_ms`` the median over ``iters`` (after ``warmup``) of the
+    slowest rank's time."""
+    import torch
+    import torch.distributed as dist
+
+    on_gpu, world = device.type == "cuda", dist.get_world_size(group)
+    timer, flag = _Timer(device), torch.zeros(1, device=device)
+
+    def align():  # on the stream, after the GPU's head start: every rank's GPU starts the call together
+        dist.all_reduce(flag, group=group)
+
+    def time_ms(fn, head_start: bool = True) -> float:
+        dist.barrier(group=group, **({"device_ids": [device.index]} if on_gpu else {}))
+        return timer.time(fn, head_start, align if on_gpu and world > 1 else None)
+
+    def median_ms(fn, head_start: bool = True) -> float:
+        samples = [time_ms(fn, head_start) for _ in range(warmup + iters)][warmup:]
+        worst = torch.tensor(samples, dtype=torch.float64, device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        return statistics.median(worst.tolist())
+
+    return median_ms, time_ms
 
 
 def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers, a, show: bool) -> dict:

@@ -7,15 +7,13 @@ the median over iterations of the slowest rank)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..dispatch import NVLinkDispatcher
-from .dispatch import _capture, _routing
-from .ep_scaling import _Timer
+from .dispatch import _capture, _routing, timers
 
 
 def parse_args(doc: str) -> argparse.Namespace:
@@ -67,23 +65,13 @@ def check_same(candidates: dict, snapshot, shipped) -> None:
 
 def time_parts(parts: dict, a: argparse.Namespace, s: Setup, header: str) -> None:
     """Each part captured as a CUDA graph and timed; rank 0 prints ``header`` and the table."""
-    timer, flag = _Timer(s.device), torch.zeros(1, device=s.device)
-
-    def time_ms(fn) -> float:
-        samples = []
-        for _ in range(5 + a.iters):
-            dist.barrier(device_ids=[s.rank])
-            samples.append(timer.time(fn, True, lambda: dist.all_reduce(flag)))
-        worst = torch.tensor(samples[5:], dtype=torch.float64, device=s.device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        return statistics.median(worst.tolist())
-
+    median_ms, _ = timers(dist.group.WORLD, s.device, 5, a.iters)
     graphs = _capture(*parts.values())
     if s.rank == 0:
         print(f"{torch.cuda.get_device_name(s.device)} x {s.world}, {a.tokens} tokens per rank, hidden {a.hidden}, "
               f"{header}, {a.iters} iterations, median of the slowest rank:")
     for name, graph in zip(parts, graphs):
-        ms = time_ms(graph.replay)
+        ms = median_ms(graph.replay)
         if s.rank == 0:
             print(f"  {name:50s} {ms * 1e3:8.1f} us")
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ each instead of a few dozen small ones (what bounds a small batch's latency).
 Both are a thread per row (token, or received row). A token's rows are fixed (its index in the
 sender's block), so ``put_routes`` needs no scan over the batch: each thread plans its token's way
 there and back and stores the token's routes (2K words) into every rank's region, the first thread
-the count. It runs ahead of the rows (``put_tokens`` or ``put_rows``), on a stream of its own in the
+the count. It runs beside the rows (``put_tokens`` or ``put_rows``), on a stream of its own in the
 ``nvlink`` dispatcher, so the receivers lay the routes out while the rows travel.
 
 Each thread loads its row (ids, weight bits, metadata) into registers before it computes, and a

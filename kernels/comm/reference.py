@@ -223,8 +223,8 @@ def token_rows(topk_idx_TK: torch.Tensor, *, num_local_experts: int, world: int,
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_experts: int, rank: int,
                  max_tokens: int) -> ReceivePlan:
-    """The receiving side of :func:`put_routes`: ``meta_RM`` [W * T_max, 2K]
-    int32 as it arrived (unused rows hold anything), ``count_W`` [W] int32 each rank's T."""
+    """The receiving side of :func:`put_routes`: ``meta_RM`` [W * T_max, 2K] int32 as it arrived
+    (unused rows hold anything), ``count_W`` [W] int32 each rank's T."""
     check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
     check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)
     world, topk = count_W.shape[0], meta_RM.shape[1] // 2

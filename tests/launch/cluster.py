@@ -81,8 +81,12 @@ class RayCluster:
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="ep-ray-", dir="/tmp"))  # short: Ray's socket paths
-        self.port, self.address = 0, ""  # set by the head's start
+        self.port = 0  # the head's, set when it starts
         self.sessions: list[int] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.2:{self.port}"
 
     def _ports(self) -> list[str]:
         return ["--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
@@ -99,7 +103,6 @@ class RayCluster:
 
     def _head(self) -> list[str]:
         self.port = free_port()
-        self.address = f"127.0.0.2:{self.port}"
         return [str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.2", "--port", str(self.port),
                 "--num-cpus", "1", "--num-gpus", "1", "--temp-dir", str(self.dir), "--include-dashboard", "false",
                 "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
