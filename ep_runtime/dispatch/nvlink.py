@@ -25,10 +25,11 @@ four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and st
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
 the layout (``expand_cast_back``). Kernels on one stream may launch while the one before them
-finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each received row over
-its local experts and stores it straight into block ``me`` of its home rank at the row it came from
-(``kernels.comm.reduce_put``), and the home rank sums its blocks' rows per token
-(``weighted_reduce`` with unit weights, in rank order, float32).
+finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
+a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
+it came from (``kernels.comm.reduce_put``); after the barrier, the home rank reduces its own rows
+and sums each token's rows in rank order, float32, in one pass (``kernels.comm.reduce_sum_home``:
+the bits of storing its own row home too and summing with ``weighted_reduce``'s unit weights).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_layout,
-                          reduce_put)
+                          reduce_put, reduce_sum_home)
 from kernels.permute import ExpertLayout, max_rows
 from kernels.validate import check_positive
 
@@ -175,12 +176,17 @@ class NVLinkDispatcher:
         return self._sum_home(region, route)
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute) -> torch.Tensor:
-        """Each received row reduced over its local experts and stored straight into its home
-        rank's region, in one kernel (``kernels.comm.reduce_put``): the reduced rows never land
-        in this rank's memory."""
+        """Each peer's row reduced over the local experts and stored straight into its home rank's
+        region (``kernels.comm.reduce_put``); after the barrier, this rank's own rows reduced into
+        the sum of those that came back (``kernels.comm.reduce_sum_home``): no reduced row lands in
+        memory before it is summed, and the home rows cost one pass, not a store and a re-read."""
         (region,) = self._regions((self.num_recv_rows, y_PD.shape[1], y_PD.dtype))
-        reduce_put(y_PD, route.layout.pos_TK, weights_RK, route.back_RW, region)
-        return self._sum_home(region, route)
+        pos_RK = route.layout.pos_TK
+        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank)
+        self.heap.barrier(ROWS)
+        own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)
+        return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], region.views[self.rank], route.home_TW,
+                               rank=self.rank)
 
     def _sum_home(self, region: PeerRegion, route: PeerRoute) -> torch.Tensor:
         """After the rows' stores: the barrier, then each token's rows summed home."""

@@ -139,11 +139,11 @@ def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
     max_threads: int = PUT_THREADS,
 ):
-    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV)`` kernel: row t's reduction
-    stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's copy
-    as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it, as
-    in ``kernels.comm.put_rows``) instead of to an output of its own; -1 and rows outside the
-    region go nowhere."""
+    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, skip_rank)`` kernel: row t's
+    reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's
+    copy as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it,
+    as in ``kernels.comm.put_rows``) instead of to an output of its own; -1, rows outside the region
+    and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
                                                    max_threads=max_threads)
@@ -160,6 +160,7 @@ def get_weighted_reduce_put_kernel(
         dest_TW: T.Tensor[(num_tokens, world), "int32"],
         delta_W: T.Tensor[(world,), "int64"],
         dst_CV: T.Tensor[(num_dst * nv, vec), out_dtype],
+        skip_rank: T.int32,
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
@@ -168,19 +169,87 @@ def get_weighted_reduce_put_kernel(
             out_buf = T.alloc_local((vec,), out_dtype)
             rows_W = T.alloc_local((world,), "int64")
             deltas_W = T.alloc_local((world,), "int64")
+            live = T.alloc_var(T.int32)
+            live = 0
             if c < num_cols // vec:
                 # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are
                 # not __restrict__ and a load after a store would wait for its own round trip
                 for w in T.unroll(world):
                     rows_W[w] = T.Cast("int64", dest_TW[t, w])
+                    if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
+                        rows_W[w] = -1
+                    else:
+                        live = 1
                     deltas_W[w] = delta_W[w]
-                reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
-                for w in T.unroll(world):
-                    if rows_W[w] >= 0 and rows_W[w] < num_dst:
-                        for j in T.vectorized(vec):
-                            dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
+                if live == 1:
+                    reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
+                    for w in T.unroll(world):
+                        if rows_W[w] >= 0:
+                            for j in T.vectorized(vec):
+                                dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
 
     return weighted_reduce_put
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int):
+    """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, home_TW, out_TD, rank)`` kernel of
+    :func:`kernels.comm.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
+    vector of token t's own row (the weighted reduce's macro, rounded to the output dtype as
+    ``reduce_put`` stores it), then adds it and the returned rows' vectors in rank order, every load
+    issued before the one store."""
+    num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
+
+    @T.prim_func
+    def reduce_sum_home(
+        y_PD: T.Tensor[(num_rows, num_cols), y_dtype],
+        sf_PG: T.Tensor[(num_rows, T.ceildiv(num_cols, 128)), "float32"],
+        pos_TK: T.Tensor[(num_tokens, topk), "int32"],
+        weights_TK: T.Tensor[(num_tokens, topk), "float32"],
+        rows_SD: T.Tensor[(num_src, num_cols), out_dtype],
+        home_TW: T.Tensor[(num_tokens, world), "int32"],
+        out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
+        rank: T.int32,
+    ):
+        with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            chained()
+            t, pn = row_major(pid, tiles)
+            c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
+            rows_W = T.alloc_local((world,), "int64")
+            home_buf = T.alloc_local((world * vec,), out_dtype)
+            own_buf = T.alloc_local((vec,), out_dtype)
+            acc = T.alloc_local((vec,), "float32")
+            own = T.alloc_var(T.int32)
+            own = 0
+            if c < num_cols // vec:
+                for w in T.unroll(world):
+                    rows_W[w] = T.Cast("int64", home_TW[t, w])
+                    if w == rank:
+                        if rows_W[w] >= 0:
+                            own = 1
+                    elif rows_W[w] >= num_src:  # values are not checked on the host: out of range reads as -1
+                        rows_W[w] = -1
+                for w in T.unroll(world):
+                    if T.And(w != rank, rows_W[w] >= 0):
+                        for j in T.vectorized(vec):
+                            home_buf[w * vec + j] = rows_SD[rows_W[w], c * vec + j]
+                if own == 1:
+                    reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
+                for j in T.unroll(vec):
+                    acc[j] = T.float32(0)
+                for w in T.unroll(world):  # rank order, a missing row adding nothing (as sum_home)
+                    if rows_W[w] >= 0:
+                        if w == rank:
+                            for j in T.unroll(vec):
+                                acc[j] = T.ieee_add(acc[j], T.cast(own_buf[j], "float32"))
+                        else:
+                            for j in T.unroll(vec):
+                                acc[j] = T.ieee_add(acc[j], T.cast(home_buf[w * vec + j], "float32"))
+                for j in T.vectorized(vec):
+                    out_TD[t, c * vec + j] = T.cast(acc[j], out_dtype)
+
+    return reduce_sum_home
 
 
 def weighted_reduce(
@@ -217,11 +286,13 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, max_threads: int = PUT_THREADS) -> None:
+               region, *, skip_rank: int = -1, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
-    from kernels.comm.put_rows_kernel import peer_copy  # here: kernels.comm's reference imports kernels.reduce
+    # here, not at the top: kernels.comm's reference imports kernels.reduce
+    from kernels.comm.put_rows_kernel import peer_copy
+    from kernels.comm.reference import check_skip_rank
 
     check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, region.views[0].dtype, values=False)
     check_cuda("y_PD", y_PD)
@@ -229,6 +300,7 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
                  device=y_PD.device)
+    check_skip_rank(skip_rank, region.world)
     first = peer_copy(region, width=y_PD.shape[1])
     r, k = pos_RK.shape
     p, d = y_PD.shape
@@ -239,5 +311,23 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world,
                                             max_threads)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
-           dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec))
+           dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec), skip_rank)
 
+
+def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SX: torch.Tensor,
+                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
+    """The TileLang twin of :func:`kernels.comm.reference.reduce_sum_home` (same arguments, same
+    bits); tensors must be on a CUDA device."""
+    from kernels.comm import reference  # here, not at the top: kernels.comm's reference imports kernels.reduce
+
+    reference.check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank)
+    check_cuda("y_PD", y_PD)
+    (t, k), (p, d) = pos_TK.shape, y_PD.shape
+    if k == 0 or p == 0 or t == 0 or d == 0:  # no own row to reduce, or nothing to sum: no launch
+        return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank=rank)
+    out_TD = torch.empty((t, d), dtype=rows_SX.dtype, device=y_PD.device)
+    sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
+    kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(rows_SX.dtype), home_TW.shape[1])
+    kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SX),
+           home_TW.to(torch.int32).contiguous(), out_TD, rank)
+    return out_TD

@@ -25,10 +25,14 @@ def _inputs(r: int, k: int, p: int, d: int, world: int, dtype: torch.dtype, seed
     return [t.to(device) for t in (y_PD, pos_RK, weights_RK, dest_RW)]
 
 
-def test_reference_matches_a_loop(seed):
+@pytest.mark.parametrize("skip", [False, True])
+def test_reference_matches_a_loop(skip, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(12, 3, 20, 5, 3, torch.float32, seed)
+    busiest = int(dest_RW.ge(0).sum(0).argmax())  # a rank with rows to leave out
+    skip_rank = busiest if skip else -1
     views = tuple(torch.zeros(30, 5) for _ in range(3))
-    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=views))
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=views), skip_rank=skip_rank)
+    assert (views[busiest] != 0).any() != skip
     want = [torch.zeros(30, 5) for _ in range(3)]
     for r in range(12):
         row = torch.zeros(5)
@@ -36,7 +40,7 @@ def test_reference_matches_a_loop(seed):
             if pos_RK[r, k] >= 0:
                 row += weights_RK[r, k] * y_PD[pos_RK[r, k]]
         for w in range(3):
-            if dest_RW[r, w] >= 0:
+            if dest_RW[r, w] >= 0 and w != skip_rank:
                 want[w][dest_RW[r, w]] = row
     for got, expected in zip(views, want):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -52,17 +56,18 @@ CASES = [  # (received rows, K, P, D, dtype, world): combine at DeepSeek-V3 and 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("skip_rank", [-1, 1])
 @pytest.mark.parametrize("r,k,p,d,dtype,world", CASES)
-def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed):
+def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_rank, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
     rows = max(2 * r, 4)
     poison_allocator("cuda")
     start = [random_bits(rows, d, dtype=dtype, device="cuda", seed=seed + 1 + w) for w in range(world)]
     got = tuple(t.clone() for t in start)
     delta = torch.tensor([t.data_ptr() - got[0].data_ptr() for t in got], dtype=torch.int64, device="cuda")
-    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta))
+    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta), skip_rank=skip_rank)
     want = tuple(t.clone() for t in start)
-    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=want))
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=want), skip_rank=skip_rank)
     torch.cuda.synchronize()
     for w in range(world):
         assert torch.equal(got[w].view(torch.uint8), want[w].view(torch.uint8)), w
@@ -81,6 +86,8 @@ def test_bad_input_names_the_argument():
         reduce_put(y_PD[:, :32], pos_RK, weights_RK, dest_RW, region)
     with pytest.raises(ValueError, match="^max_threads: expected a multiple of 32 from 32 to 1024, got 100"):
         reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, max_threads=100)
+    with pytest.raises(ValueError, match="^skip_rank: expected -1 \\(none\\) or a rank below 2, got 2"):
+        reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=2)
 
 
 def test_compiles_for_sm90a():
