@@ -230,22 +230,18 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
             home_buf = T.alloc_local((world * vec,), out_dtype)
             own_buf = T.alloc_local((vec,), out_dtype)
             acc = T.alloc_local((vec,), "float32")
-            own = T.alloc_var(T.int32)
-            own = 0
             if c < num_cols // vec:
                 for w in T.unroll(world):
                     rows_W[w] = T.Cast("int64", home_TW[t, w])
-                    if w == rank:
-                        if rows_W[w] >= 0:
-                            own = 1
-                    elif rows_W[w] >= num_src:  # values are not checked on the host: out of range reads as -1
+                    if T.And(w != rank, rows_W[w] >= num_src):  # not checked on the host: out of range is -1
                         rows_W[w] = -1
                 for w in T.unroll(world):
                     if T.And(w != rank, rows_W[w] >= 0):
                         for j in T.vectorized(vec):
                             home_buf[w * vec + j] = rows_SD[rows_W[w], c * vec + j]
-                if own == 1:
-                    reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
+                # not gated on home_TW[t, rank] (the sum is): the routes' loads go out beside
+                # home_TW's, not after them, and in a combine a token not sent here has none
+                reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
                 for j in T.unroll(vec):
                     acc[j] = T.float32(0)
                 for w in T.unroll(world):  # rank order, a missing row adding nothing (as sum_home)
