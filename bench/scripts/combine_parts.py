@@ -6,9 +6,9 @@ included, then the unit-weight ``sum_home``), the same reduce into local memory
 as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s timer), on the
 routes and expert rows of a real DeepSeek-V3-shaped dispatch. Then candidates, each first checked
 to leave the same bits in every rank's region as the shipped kernel: ``reduce_put`` with other CTA
-sizes (``max_threads``) or on a few CTAs that take the rows in turn (``max_ctas``); and whole
-combines, checked against the shipped combine's output: the peers' rows on a few CTAs beside the
-home rows' reduce on the other SMs (``split``: the link's time and the memory's overlapped).
+sizes (``max_threads``). (Session 16's staged and split combines and session 17's few-CTA
+``reduce_put`` beside the home rows, which overlapped nothing, are in this script's history:
+``kernels/comm/NOTES.md``.)
 
     torchrun --standalone --nproc-per-node 2 bench/scripts/combine_parts.py [--tokens 4096]
 """
@@ -22,8 +22,6 @@ from ep_runtime.dispatch.all_to_all import sum_home
 from kernels.comm import put_rows, reduce_put, reduce_sum_home
 from kernels.reduce import weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
-
-SPLIT_CTAS = (16, 32, 66, 132)
 
 
 def main() -> None:
@@ -56,24 +54,6 @@ def main() -> None:
     candidates = {f"reduce_put to the peers, max_threads {n} + barrier": lambda n=n: (
         reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_threads=n),
         d.heap.barrier()) for n in (128, 256)}
-    candidates |= {f"reduce_put to the peers on {n} CTAs + barrier": lambda n=n: (
-        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_ctas=n),
-        d.heap.barrier()) for n in SPLIT_CTAS}
-    side = torch.cuda.Stream(s.device)
-
-    def split(ctas: int):
-        """The peers' rows on ``ctas`` CTAs (link-bound) beside the home rows stored home on the
-        other SMs (memory-bound), then the barrier and the unit-weight sum."""
-        main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            reduce_put(y_PD, pos_RK[mine], weights_RK[mine], back_RW[mine], region)
-        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_ctas=ctas)
-        main.wait_stream(side)
-        d.heap.barrier()
-        return sum_home(region.views[rank], route.home_TW)
-
-    combines = {f"split: peers on {n} CTAs beside the home rows, sum_home": lambda n=n: split(n) for n in SPLIT_CTAS}
 
     def snapshot(fn):
         region.views[rank].zero_()
@@ -83,8 +63,7 @@ def main() -> None:
         return (region.views[rank].clone(),)
 
     check_same(candidates, snapshot, shipped)
-    check_same(combines, lambda fn: (fn(),), lambda: d.combine(y_PD, handle))
-    time_parts(parts | candidates | combines, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
+    time_parts(parts | candidates, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
                                          f"{int((back_RW >= 0).sum())} rows reduced here")
 
 

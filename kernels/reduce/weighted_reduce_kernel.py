@@ -138,46 +138,19 @@ def get_weighted_reduce_kernel(
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = PUT_THREADS, max_ctas: int = 0,
+    max_threads: int = PUT_THREADS,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, skip_rank)`` kernel: row t's
     reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's
     copy as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it,
     as in ``kernels.comm.put_rows``) instead of to an output of its own; -1, rows outside the region
-    and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced. ``max_ctas``:
-    that many CTAs take the row tiles in turn (the SMs left to work beside), 0 for a CTA a tile."""
+    and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
                                                    max_threads=max_threads)
     sf_dtype = "uint8" if packed else "float32"
     vector_bytes = vec * T.dtype(out_dtype).bytes
     nv = num_cols // vec
-
-    @T.macro
-    def put_tile(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, skip_rank, tile):
-        t, pn = row_major(tile, tiles)
-        c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
-        out_buf = T.alloc_local((vec,), out_dtype)
-        rows_W = T.alloc_local((world,), "int64")
-        deltas_W = T.alloc_local((world,), "int64")
-        live = T.alloc_var(T.int32)
-        live = 0
-        if c < num_cols // vec:
-            # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are
-            # not __restrict__ and a load after a store would wait for its own round trip
-            for w in T.unroll(world):
-                rows_W[w] = T.Cast("int64", dest_TW[t, w])
-                if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
-                    rows_W[w] = -1
-                else:
-                    live = 1
-                deltas_W[w] = delta_W[w]
-            if live == 1:
-                reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
-                for w in T.unroll(world):
-                    if rows_W[w] >= 0:
-                        for j in T.vectorized(vec):
-                            dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
 
     @T.prim_func
     def weighted_reduce_put(
@@ -190,13 +163,31 @@ def get_weighted_reduce_put_kernel(
         dst_CV: T.Tensor[(num_dst * nv, vec), out_dtype],
         skip_rank: T.int32,
     ):
-        num_tiles = num_tokens * tiles
-        with T.Kernel(max_ctas if max_ctas else num_tiles, threads=threads) as pid:
+        with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
-            for i in T.serial(T.ceildiv(num_tiles, max_ctas) if max_ctas else 1):
-                tile = i * max_ctas + pid
-                if tile < num_tiles:
-                    put_tile(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, skip_rank, tile)
+            t, pn = row_major(pid, tiles)
+            c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
+            out_buf = T.alloc_local((vec,), out_dtype)
+            rows_W = T.alloc_local((world,), "int64")
+            deltas_W = T.alloc_local((world,), "int64")
+            live = T.alloc_var(T.int32)
+            live = 0
+            if c < num_cols // vec:
+                # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are
+                # not __restrict__ and a load after a store would wait for its own round trip
+                for w in T.unroll(world):
+                    rows_W[w] = T.Cast("int64", dest_TW[t, w])
+                    if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
+                        rows_W[w] = -1
+                    else:
+                        live = 1
+                    deltas_W[w] = delta_W[w]
+                if live == 1:
+                    reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
+                    for w in T.unroll(world):
+                        if rows_W[w] >= 0:
+                            for j in T.vectorized(vec):
+                                dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
 
     return weighted_reduce_put
 
@@ -292,7 +283,7 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, max_threads: int = PUT_THREADS, max_ctas: int = 0) -> None:
+               region, *, skip_rank: int = -1, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
@@ -304,8 +295,6 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     check_cuda("y_PD", y_PD)
     if not (32 <= max_threads <= 1024 and max_threads % 32 == 0):
         raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
-    if max_ctas < 0:
-        raise ValueError(f"max_ctas: expected 0 (a CTA a row tile) or a CTA count, got {max_ctas}")
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
                  device=y_PD.device)
     check_skip_rank(skip_rank, region.world)
@@ -317,7 +306,7 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world,
-                                            max_threads, max_ctas)
+                                            max_threads)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
            dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec), skip_rank)
 
