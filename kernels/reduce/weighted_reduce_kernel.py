@@ -320,7 +320,9 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     reference.check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank)
     check_cuda("y_PD", y_PD)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
-    if k == 0 or p == 0 or t == 0 or d == 0:  # no own row to reduce, or nothing to sum: no launch
+    if t == 0 or d == 0:  # nothing to sum, and no host sync (a rank without tokens in a CUDA graph)
+        return torch.empty((t, d), dtype=rows_SX.dtype, device=y_PD.device)
+    if k == 0 or p == 0:  # no routes or no expert rows (never in a combine): the reference
         return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank=rank)
     out_TD = torch.empty((t, d), dtype=rows_SX.dtype, device=y_PD.device)
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
