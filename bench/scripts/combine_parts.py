@@ -19,8 +19,8 @@ import torch
 
 from ep_runtime.bench.peer_tuning import check_same, parse_args, setup, time_parts
 from ep_runtime.dispatch.all_to_all import sum_home
-from kernels.comm import put_rows, reduce_put, reduce_sum_home
-from kernels.reduce import weighted_reduce
+from kernels.comm import put_rows, reduce_put
+from kernels.reduce import reduce_sum_home, weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
 
 
@@ -45,8 +45,8 @@ def main() -> None:
         "reduce_put to the peers + barrier": shipped,
         "reduce_sum_home": lambda: reduce_sum_home(y_PD, pos_RK[mine], weights_RK[mine], region.views[rank],
                                                    route.home_TW, rank=rank),
-        "before: reduce_put, every store + barrier": lambda: (reduce_put(y_PD, pos_RK, weights_RK, back_RW, region),
-                                                              d.heap.barrier()),
+        "before (at today's CTA size): reduce_put, every store + barrier": lambda: (
+            reduce_put(y_PD, pos_RK, weights_RK, back_RW, region), d.heap.barrier()),
         "before: sum_home": lambda: sum_home(region.views[rank], route.home_TW),
         "weighted_reduce into local memory": lambda: weighted_reduce(y_PD, pos_RK, weights_RK),
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),

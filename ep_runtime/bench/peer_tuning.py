@@ -57,7 +57,8 @@ def check_same(candidates: dict, snapshot, shipped) -> None:
     ran) equals the shipped kernel's, on every rank."""
     want = snapshot(shipped)
     for name, fn in candidates.items():
-        same = torch.tensor([all(map(torch.equal, snapshot(fn), want))], device=want[0].device)
+        same = torch.tensor([all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bits: -0 is not +0
+                                 for a, b in zip(snapshot(fn), want))], device=want[0].device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         if not same.item():
             raise AssertionError(f"{name}: not the shipped kernel's bytes")

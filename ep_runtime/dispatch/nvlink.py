@@ -28,7 +28,7 @@ the layout (``expand_cast_back``). Kernels on one stream may launch while the on
 finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); after the barrier, the home rank reduces its own rows
-and sums each token's rows in rank order, float32, in one pass (``kernels.comm.reduce_sum_home``:
+and sums each token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``:
 the bits of storing its own row home too and summing with ``weighted_reduce``'s unit weights).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_layout,
-                          reduce_put, reduce_sum_home)
+                          reduce_put)
 from kernels.permute import ExpertLayout, max_rows
+from kernels.reduce import reduce_sum_home
 from kernels.validate import check_positive
 
 from .all_to_all import sum_home
@@ -178,8 +179,8 @@ class NVLinkDispatcher:
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         """Each peer's row reduced over the local experts and stored straight into its home rank's
         region (``kernels.comm.reduce_put``); after the barrier, this rank's own rows reduced into
-        the sum of those that came back (``kernels.comm.reduce_sum_home``): no reduced row lands in
-        memory before it is summed, and the home rows cost one pass, not a store and a re-read."""
+        the sum of those that came back (``kernels.reduce.reduce_sum_home``): the own rows cost
+        one pass, not a store and a re-read."""
         (region,) = self._regions((self.num_recv_rows, y_PD.shape[1], y_PD.dtype))
         pos_RK = route.layout.pos_TK
         reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank)

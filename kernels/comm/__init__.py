@@ -7,8 +7,7 @@ rank's view) otherwise: CPU processes sharing memory files, or a CUDA group with
 rank), ``put_tokens`` (dispatch's FP8 cast and rows stored into the peers' regions in one launch)
 and ``reduce_put`` (combine's weighted reduce stored straight into the peers' regions; the peer
 variant of ``kernels.reduce``'s weighted-reduce kernel) take their kernels on the same terms as
-``put_rows``; ``reduce_sum_home`` (the home rank's own rows reduced into its sum of the returned
-ones) where ``use_tilelang`` says so. ``plan_receive`` (what each received row is) runs its TileLang kernel where
+``put_rows``. ``plan_receive`` (what each received row is) runs its TileLang kernel where
 ``use_tilelang`` says so, the reference otherwise. ``receive_layout`` (``plan_receive`` and the
 local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise.
@@ -23,7 +22,7 @@ from . import reference
 from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "TokenRegions", "plan_receive", "put_routes", "put_rows",
-           "put_tokens", "receive_layout", "reduce_put", "reduce_sum_home"]
+           "put_tokens", "receive_layout", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -65,16 +64,6 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
 
         return kernel(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank)
     return reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank)
-
-
-def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SX: torch.Tensor,
-                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
-    """See :func:`kernels.comm.reference.reduce_sum_home`."""
-    if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device):
-        from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as kernel
-
-        return kernel(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank=rank)
-    return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank=rank)
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, **sizes) -> ReceivePlan:

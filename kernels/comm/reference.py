@@ -16,7 +16,7 @@ import torch
 
 from kernels.permute.reference import ExpertLayout, expert_layout
 from kernels.quant.reference import per_token_cast
-from kernels.reduce.reference import check_weighted_reduce_args, weighted_reduce
+from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_tensor
 
 
@@ -132,57 +132,23 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         dest_RW: [R, W] int32 or int64 destination rows, -1 for none.
         region: ``[M, D]`` copies, one per rank.
         skip_rank: a rank whose rows are left out (as if its column of ``dest_RW`` were -1; the
-            combine's home rank, which sums its own rows in with :func:`reduce_sum_home`), -1 for none.
+            combine's home rank, which sums its own rows in with
+            :func:`kernels.reduce.reference.reduce_sum_home`), -1 for none.
     """
     dtype = region.views[0].dtype if isinstance(region, PeerRegion) and region.views else None
-    check_skip_rank(skip_rank, len(region.views) if dtype is not None else 0)
+    if dtype is None:
+        raise TypeError(f"region: expected a PeerRegion with one view per rank, got {region!r}")
+    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(None, region.world))
+    check_skip_rank(skip_rank, region.world)
     if skip_rank >= 0:
         dest_RW = dest_RW.clone()
         dest_RW[:, skip_rank] = -1
     put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=dtype), dest_RW, region)
 
 
-def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SX: torch.Tensor,
-                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
-    """Combine's home side with the home rank's own rows reduced in: what :func:`reduce_put`
-    storing token t's own row home and then ``ep_runtime``'s ``sum_home`` return, bit for bit,
-    without the row's trip through memory. Token t's routes to this rank are reduced (in
-    ``rows_SX``'s dtype, as ``reduce_put`` stores them) and summed with the rows the other ranks
-    returned, ``rows_SX[home_TW[t, w]]``, in float32 in rank order, the own row at position ``rank``.
-
-    Args:
-        y_PD: [P, D] expert outputs; pos_TK, weights_TK: [T, K] routes of this rank's own received
-            rows (token t's row ``rank * T_max + t``), as :func:`reduce_put` takes them.
-        rows_SX: [S, D] this rank's copy of the region the other ranks returned rows into.
-        home_TW: [T, W] int32 or int64 rows of ``rows_SX``, -1 for none; column ``rank`` only says
-            whether token t has a route here (>= 0).
-        rank: this rank.
-
-    Returns:
-        [T, D] in ``rows_SX``'s dtype.
-    """
-    check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank)
-    own_TD = weighted_reduce(y_PD, pos_TK, weights_TK, out_dtype=rows_SX.dtype)
-    num_rows, num_tokens = rows_SX.shape[0], home_TW.shape[0]
-    rows_TW = home_TW.long().clone()
-    own = torch.arange(num_rows, num_rows + num_tokens, device=home_TW.device)
-    rows_TW[:, rank] = torch.where(home_TW[:, rank] >= 0, own, -1)
-    return weighted_reduce(torch.cat([rows_SX, own_TD]), rows_TW, None)
-
-
 def check_skip_rank(skip_rank: int, world: int) -> None:
-    if not -1 <= skip_rank < world:
+    if type(skip_rank) is not int or not -1 <= skip_rank < world:
         raise ValueError(f"skip_rank: expected -1 (none) or a rank below {world}, got {skip_rank}")
-
-
-def check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank) -> None:
-    check_tensor("rows_SX", rows_SX, ndim=2)
-    check_weighted_reduce_args(y_PD, pos_TK, weights_TK, None, 128, rows_SX.dtype, values=False)
-    check_tensor("rows_SX", rows_SX, shape=(None, y_PD.shape[1]), device=y_PD.device)
-    check_tensor("home_TW", home_TW, dtype=(torch.int32, torch.int64), shape=(pos_TK.shape[0], None),
-                 device=y_PD.device)
-    if not 0 <= rank < home_TW.shape[1]:
-        raise ValueError(f"rank: expected a column of home_TW's {home_TW.shape[1]}, got {rank}")
 
 
 def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:

@@ -1,9 +1,11 @@
 """Weighted reduction of expert outputs per token, and its backward (see
 :mod:`kernels.reduce.reference`).
 
-``weighted_reduce`` runs its TileLang kernel (bit-exact, also fused with FP8 dequantization) and
-``weighted_reduce_backward`` its kernel (both gradients in one pass over the routed rows only)
-where :func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the reference otherwise.
+``weighted_reduce`` runs its TileLang kernel (bit-exact, also fused with FP8 dequantization),
+``weighted_reduce_backward`` its kernel (both gradients in one pass over the routed rows only) and
+``reduce_sum_home`` its kernel (a combine's home side: the own rows reduced into the sum of the
+returned ones) where :func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the
+reference otherwise.
 """
 
 import torch
@@ -39,4 +41,14 @@ def weighted_reduce_backward(
     return kernel(grad_TD, y_PD, weights_TK, layout)
 
 
-__all__ = ["weighted_reduce", "weighted_reduce_backward"]
+def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
+                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
+    """See :func:`kernels.reduce.reference.reduce_sum_home`."""
+    if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device):
+        from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as kernel
+
+        return kernel(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank)
+    return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank)
+
+
+__all__ = ["reduce_sum_home", "weighted_reduce", "weighted_reduce_backward"]

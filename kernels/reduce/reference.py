@@ -5,7 +5,7 @@ token's output is the router-weighted sum of its routes' rows. Routes marked -1 
 elsewhere) are skipped, so a token with no routes gets zeros.
 
 Shape suffixes: T tokens, K routes per token (top-k), P layout rows, D hidden, G scale groups along
-D (``ceil(D / group)``).
+D (``ceil(D / group)``), S rows returned to a home rank, W ranks.
 """
 
 from __future__ import annotations
@@ -90,6 +90,50 @@ def weighted_reduce_backward(
     grad_PD = torch.zeros_like(y_PD)
     grad_PD[rows_N] = (grad_ND * weights_TK[routed_TK][:, None]).to(y_PD.dtype)
     return grad_PD, grad_weights_TK
+
+
+def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
+                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
+    """A combine's home side with the home rank's own rows reduced in: what
+    ``kernels.comm.reduce_put`` storing token t's own row home and then the unit-weight sum over the
+    returned rows (``ep_runtime``'s ``sum_home``) give, bit for bit, without the row's trip through
+    memory. Token t's routes to this rank are reduced (:func:`weighted_reduce`, in ``rows_SD``'s
+    dtype, as ``reduce_put`` stores them) and summed with the rows the other ranks returned,
+    ``rows_SD[home_TW[t, w]]``, in float32 in rank order, the own row at position ``rank``.
+
+    Args:
+        y_PD: [P, D] expert outputs; pos_TK, weights_TK: [T, K] routes of this rank's own received
+            rows (token t's row ``rank * T_max + t``), as ``reduce_put`` takes them.
+        rows_SD: [S, D] this rank's copy of the region the other ranks returned rows into.
+        home_TW: [T, W] int32 or int64 rows of ``rows_SD`` (-1: none); column ``rank`` only says
+            whether token t has a route here (>= 0).
+        rank: this rank.
+
+    Returns:
+        [T, D] in ``rows_SD``'s dtype.
+    """
+    check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank)
+    num_rows, num_tokens = rows_SD.shape[0], home_TW.shape[0]
+    others = [w for w in range(home_TW.shape[1]) if w != rank]
+    check_index_range("home_TW", home_TW[:, others], num_rows)
+    own_TD = weighted_reduce(y_PD, pos_TK, weights_TK, out_dtype=rows_SD.dtype)
+    rows_TW = home_TW.long().clone()
+    own = torch.arange(num_rows, num_rows + num_tokens, device=home_TW.device)
+    rows_TW[:, rank] = torch.where(home_TW[:, rank] >= 0, own, -1)
+    return weighted_reduce(torch.cat([rows_SD, own_TD]), rows_TW, None)
+
+
+def check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank) -> None:
+    """Validates :func:`reduce_sum_home`'s arguments but for ``home_TW``'s values (shared with its
+    kernel, which reads an out-of-range row as -1: checking costs a host sync)."""
+    check_tensor("rows_SD", rows_SD, dtype=FLOAT_DTYPES, ndim=2)
+    check_tensor("y_PD", y_PD, dtype=FLOAT_DTYPES, ndim=2, device=rows_SD.device)
+    check_weighted_reduce_args(y_PD, pos_TK, weights_TK, None, 128, rows_SD.dtype, values=False)
+    check_tensor("rows_SD", rows_SD, shape=(None, y_PD.shape[1]))
+    check_tensor("home_TW", home_TW, dtype=(torch.int32, torch.int64), shape=(pos_TK.shape[0], None),
+                 device=y_PD.device)
+    if type(rank) is not int or not 0 <= rank < home_TW.shape[1]:
+        raise ValueError(f"rank: expected a column of home_TW's {home_TW.shape[1]}, got {rank!r}")
 
 
 def check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout, *, values: bool = True) -> None:

@@ -12,9 +12,10 @@ a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into
 result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
 treated as -1. The columns are split into the fewest tiles of at most ``MAX_THREADS``
 vectors (``PUT_THREADS`` for the peer variant), evenly (hidden 7168: 4 CTAs of 224 threads per
-token for bf16, 2 for e4m3; 7 of 128 for the peer variant), so no CTA runs half empty.
+token for bf16, 2 for e4m3; one of 896 for the peer variant), so no CTA runs half empty.
 
-Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups.
+Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups, S rows
+returned home, W ranks, C and V vectors of a peer region.
 """
 
 import math
@@ -24,7 +25,8 @@ import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
-from kernels.reduce.reference import check_weighted_reduce_args
+from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
+from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
 from kernels.validate import check_tensor
 from kernels.quant.tiles import (
     PASS_CONFIGS,
@@ -195,7 +197,7 @@ def get_weighted_reduce_put_kernel(
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, home_TW, out_TD, rank)`` kernel of
-    :func:`kernels.comm.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
+    :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
     vector of token t's own row (the weighted reduce's macro, rounded to the output dtype as
     ``reduce_put`` stores it), then adds it and the returned rows' vectors in rank order, every load
     issued before the one store."""
@@ -311,22 +313,21 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
            dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec), skip_rank)
 
 
-def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SX: torch.Tensor,
+def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
                     home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
-    """The TileLang twin of :func:`kernels.comm.reference.reduce_sum_home` (same arguments, same
-    bits); tensors must be on a CUDA device."""
-    from kernels.comm import reference  # here, not at the top: kernels.comm's reference imports kernels.reduce
-
-    reference.check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank)
+    """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
+    bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
+    (values are not checked: a host sync)."""
+    check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank)
     check_cuda("y_PD", y_PD)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
     if t == 0 or d == 0:  # nothing to sum, and no host sync (a rank without tokens in a CUDA graph)
-        return torch.empty((t, d), dtype=rows_SX.dtype, device=y_PD.device)
+        return torch.empty((t, d), dtype=rows_SD.dtype, device=y_PD.device)
     if k == 0 or p == 0:  # no routes or no expert rows (never in a combine): the reference
-        return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SX, home_TW, rank=rank)
-    out_TD = torch.empty((t, d), dtype=rows_SX.dtype, device=y_PD.device)
+        return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank)
+    out_TD = torch.empty((t, d), dtype=rows_SD.dtype, device=y_PD.device)
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
-    kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(rows_SX.dtype), home_TW.shape[1])
-    kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SX),
+    kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(rows_SD.dtype), home_TW.shape[1])
+    kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
            home_TW.to(torch.int32).contiguous(), out_TD, rank)
     return out_TD

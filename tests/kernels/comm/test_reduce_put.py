@@ -90,6 +90,18 @@ def test_bad_input_names_the_argument():
         reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=2)
 
 
+def test_reference_rejects_bad_skip_rank_and_region():
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(4, 2, 8, 16, 2, torch.float32, 0)
+    region = PeerRegion(views=tuple(torch.zeros(8, 16) for _ in range(2)))
+    for bad in (2, -2, True):
+        with pytest.raises(ValueError, match=f"^skip_rank: expected -1 \\(none\\) or a rank below 2, got {bad}"):
+            reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=bad)
+    with pytest.raises(TypeError, match="^region: expected a PeerRegion"):
+        reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, None, skip_rank=1)
+    with pytest.raises(ValueError, match="^dest_RW: expected a 2-D tensor"):
+        reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW[:, 0], region, skip_rank=1)
+
+
 def test_compiles_for_sm90a():
     """Combine's reduce at DeepSeek-V3's shape for 2 and 8 ranks, and the tiny model's."""
     with lowering.compile_only():
