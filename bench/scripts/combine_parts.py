@@ -1,6 +1,6 @@
 """Where the nvlink combine's time goes on two GPUs (a tuning record, not a product benchmark):
 its two kernels (``kernels.comm.reduce_put`` of the rows bound for the peers, with the barrier, and
-``kernels.comm.reduce_sum_home``), what they replaced (``reduce_put`` storing every row, home ones
+``kernels.reduce.reduce_sum_home``), what they replaced (``reduce_put`` storing every row, home ones
 included, then the unit-weight ``sum_home``), the same reduce into local memory
 (``weighted_reduce``) and the reduced rows' transport alone (``put_rows`` of the same bytes), each
 as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s timer), on the

@@ -174,7 +174,8 @@ class NVLinkDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_RX.shape[1], rows_RX.dtype))
         put_rows(rows_RX.contiguous(), route.back_RW, region)
-        return self._sum_home(region, route)
+        self.heap.barrier(ROWS)
+        return sum_home(region.views[self.rank], route.home_TW)
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         """Each peer's row reduced over the local experts and stored straight into its home rank's
@@ -188,11 +189,6 @@ class NVLinkDispatcher:
         own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)
         return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], region.views[self.rank], route.home_TW,
                                rank=self.rank)
-
-    def _sum_home(self, region: PeerRegion, route: PeerRoute) -> torch.Tensor:
-        """After the rows' stores: the barrier, then each token's rows summed home."""
-        self.heap.barrier(ROWS)
-        return sum_home(region.views[self.rank], route.home_TW)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)

@@ -135,15 +135,13 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
             combine's home rank, which sums its own rows in with
             :func:`kernels.reduce.reference.reduce_sum_home`), -1 for none.
     """
-    dtype = region.views[0].dtype if isinstance(region, PeerRegion) and region.views else None
-    if dtype is None:
-        raise TypeError(f"region: expected a PeerRegion with one view per rank, got {region!r}")
+    check_region(region)
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(None, region.world))
     check_skip_rank(skip_rank, region.world)
     if skip_rank >= 0:
         dest_RW = dest_RW.clone()
         dest_RW[:, skip_rank] = -1
-    put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=dtype), dest_RW, region)
+    put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=region.views[0].dtype), dest_RW, region)
 
 
 def check_skip_rank(skip_rank: int, world: int) -> None:
@@ -151,9 +149,13 @@ def check_skip_rank(skip_rank: int, world: int) -> None:
         raise ValueError(f"skip_rank: expected -1 (none) or a rank below {world}, got {skip_rank}")
 
 
-def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
+def check_region(region: PeerRegion) -> None:
     if not isinstance(region, PeerRegion) or not region.views:
         raise TypeError(f"region: expected a PeerRegion with one view per rank, got {region!r}")
+
+
+def check_put_rows_args(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
+    check_region(region)
     first = region.views[0]
     check_tensor("src_NX", src_NX, ndim=2, dtype=first.dtype, device=first.device)
     if src_NX.shape[1] != first.shape[1]:
