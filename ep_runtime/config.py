@@ -58,6 +58,7 @@ class MoEConfig:
     # the DeepSeek-V3 shape on an H100; bench/results/h100/2026-11-25-s11).
     alignment: int = 8
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
+    fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all and nvlink within a node)
     dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -69,6 +70,8 @@ class MoEConfig:
         _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts", ">= 0", self.num_shared_experts)
         _require(self.alignment >= 1, f"{p}.alignment", ">= 1", self.alignment)
         _require(self.dispatcher in DISPATCHERS, f"{p}.dispatcher", f"one of {DISPATCHERS}", self.dispatcher)
+        _require(not (self.fp8_combine and self.dispatcher == "deepep"), f"{p}.fp8_combine",
+                 "false with the deepep dispatcher (its combine is bf16)", self.fp8_combine)
         _require(_is_int(self.max_tokens_per_rank) and self.max_tokens_per_rank >= 1, f"{p}.max_tokens_per_rank",
                  "an int >= 1", self.max_tokens_per_rank)
         _require(self.num_experts % self.router.num_groups == 0, f"{p}.router.num_groups",

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
-from kernels.quant import per_token_cast
+from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
 from kernels.validate import check_index_range
 
@@ -75,7 +75,7 @@ class AllToAllDispatcher:
     """Dispatch/combine over ``all_to_all_single`` within ``group`` (None: a single process)."""
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None, alignment: int = 128,
-                 fp8: bool = False):
+                 fp8: bool = False, fp8_combine: bool = False):
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         if num_experts % self.world:
@@ -83,7 +83,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world
         self.alignment = alignment
-        self.fp8 = fp8
+        self.fp8, self.fp8_combine = fp8, fp8_combine
 
     # The transport: rows grouped by peer, in rank order.
     def scatter(self, rows_TX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
@@ -92,8 +92,21 @@ class AllToAllDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
         return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
 
-    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TokenRoute) -> torch.Tensor:
-        return self.gather_home(weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype), route)
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TokenRoute, *,
+                    fp8: bool = False) -> torch.Tensor:
+        rows_RD = weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype)
+        if not fp8:
+            return self.gather_home(rows_RD, route)
+        # Every row travels as e4m3 (the own block too: one collective), but the own block's
+        # rows are summed as they were: they never leave this rank.
+        q_RD, sf_RG = per_token_cast(rows_RD, group=FP8_GROUP)
+        back = route.splits.recv, route.splits.send
+        q_SD = self._exchange(q_RD.view(torch.uint8), *back).view(torch.float8_e4m3fn)
+        rows_SD = cast_back(q_SD, self._exchange(sf_RG, *back), block=(1, FP8_GROUP), out_dtype=torch.float32)
+        me = 0 if self.group is None else dist.get_rank(self.group)
+        own_R, own_S = (slice(sum(splits[:me]), sum(splits[:me + 1])) for splits in back)
+        rows_SD[own_S] = rows_RD[own_R].float()
+        return sum_home(rows_SD, route.home_TW).to(y_PD.dtype)
 
     def _exchange(self, rows: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         if self.group is None:
@@ -147,4 +160,4 @@ class AllToAllDispatcher:
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, self.fp8_combine)

@@ -59,10 +59,14 @@ class Transport(Protocol):
         """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32."""
         ...
 
-    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route) -> torch.Tensor:
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route, *,
+                    fp8: bool = False) -> torch.Tensor:
         """Combine's forward: each received row's routes in ``y_PD`` reduced with their weights
         (float32 sums, in y's dtype; ``kernels.reduce.weighted_reduce``), then home as
-        ``gather_home`` brings them (a backend may fuse the two)."""
+        ``gather_home`` brings them (a backend may fuse the two). With ``fp8`` (backends with an
+        FP8 combine) a row that travels to another rank goes as e4m3 with per-token 1 x 128 scales
+        (``kernels.quant.per_token_cast`` of the reduced row) and is dequantized (``q * sf``, float32)
+        into the home sum; a rank's rows for itself stay in y's dtype; the sum is in y's dtype."""
         ...
 
 
@@ -94,12 +98,15 @@ class DispatchFn(torch.autograd.Function):
 
 
 class CombineFn(torch.autograd.Function):
-    """(y_PD, weights_RK) -> out_TD: weighted reduce per received row, send home, sum there."""
+    """(y_PD, weights_RK) -> out_TD: weighted reduce per received row, send home, sum there (the
+    rows as FP8 when ``fp8``: the backward then passes the gradient straight through the cast)."""
 
     @staticmethod
-    def forward(ctx, y_PD, weights_RK, route: Route, transport: Transport):
+    def forward(ctx, y_PD, weights_RK, route: Route, transport: Transport, fp8: bool):
         ctx.route, ctx.transport = route, transport
         ctx.save_for_backward(y_PD, weights_RK)
+        if fp8:
+            return transport.reduce_home(y_PD, weights_RK, route, fp8=True)
         return transport.reduce_home(y_PD, weights_RK, route)
 
     @staticmethod
@@ -108,4 +115,4 @@ class CombineFn(torch.autograd.Function):
         grad_RD = ctx.transport.scatter(grad_TD.contiguous(), ctx.route)
         # Over the routed rows only: a static receive capacity costs nothing here.
         grad_PD, grad_weights_RK = weighted_reduce_backward(grad_RD, y_PD, weights_RK, ctx.route.layout)
-        return grad_PD, grad_weights_RK, None, None
+        return grad_PD, grad_weights_RK, None, None, None

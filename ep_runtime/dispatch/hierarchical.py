@@ -81,4 +81,4 @@ class HierarchicalDispatcher:
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, False)

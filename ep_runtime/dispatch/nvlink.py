@@ -29,7 +29,9 @@ finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each 
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); after the barrier, the home rank reduces its own rows
 and sums each token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``:
-the bits of storing its own row home too and summing with ``weighted_reduce``'s unit weights).
+the bits of storing its own row home too and summing with ``weighted_reduce``'s unit weights). With
+``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token 1x128 scales, cast in the
+same pass as their reduce, and are dequantized in the home sum (half the link's bytes).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -130,7 +132,7 @@ class NVLinkDispatcher:
     processes of one host). Experts are placed contiguously, as in ``AllToAllDispatcher``."""
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, device: torch.device, max_tokens_per_rank: int,
-                 alignment: int = 128, fp8: bool = False):
+                 alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):
         self.group, self.device = group, device
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % self.world:
@@ -139,7 +141,7 @@ class NVLinkDispatcher:
         self.num_local_experts = num_experts // self.world
         self.max_tokens = check_positive("max_tokens_per_rank", max_tokens_per_rank)
         self.alignment = check_positive("alignment", alignment)
-        self.fp8 = fp8
+        self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
         self.beside = SideStream(device)
@@ -177,18 +179,25 @@ class NVLinkDispatcher:
         self.heap.barrier(ROWS)
         return sum_home(region.views[self.rank], route.home_TW)
 
-    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute) -> torch.Tensor:
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute, *,
+                    fp8: bool = False) -> torch.Tensor:
         """Each peer's row reduced over the local experts and stored straight into its home rank's
-        region (``kernels.comm.reduce_put``); after the barrier, this rank's own rows reduced into
-        the sum of those that came back (``kernels.reduce.reduce_sum_home``): the own rows cost
-        one pass, not a store and a re-read."""
-        (region,) = self._regions((self.num_recv_rows, y_PD.shape[1], y_PD.dtype))
+        region (``kernels.comm.reduce_put``; as e4m3 rows and scales when ``fp8``); after the
+        barrier, this rank's own rows reduced into the sum of those that came back
+        (``kernels.reduce.reduce_sum_home``): the own rows cost one pass, not a store and a re-read."""
+        rows, hidden = self.num_recv_rows, y_PD.shape[1]
+        if fp8:
+            q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
+            region, returned, scales = TokenRegions(q=q, sf=sf), q.views[self.rank].view(torch.float8_e4m3fn), sf.views[self.rank]
+        else:
+            (region,) = self._regions((rows, hidden, y_PD.dtype))
+            returned, scales = region.views[self.rank], None
         pos_RK = route.layout.pos_TK
-        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank)
+        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
         self.heap.barrier(ROWS)
         own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)
-        return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], region.views[self.rank], route.home_TW,
-                               rank=self.rank)
+        return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], returned, route.home_TW, rank=self.rank,
+                               sf_SG=scales, group=FP8_GROUP)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
@@ -250,4 +259,4 @@ class NVLinkDispatcher:
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, self.fp8_combine)

@@ -121,27 +121,38 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region: PeerRegion, *, skip_rank: int = -1) -> None:
+               region: PeerRegion | TokenRegions, *, skip_rank: int = -1, group: int = 128) -> None:
     """Combine's reduce and its transport in one pass: row r's routes reduced
     (:func:`kernels.reduce.reference.weighted_reduce`: float32 sums, in the region's dtype) and put
-    into row ``dest_RW[r, w]`` of rank w's copy of ``region`` (:func:`put_rows`).
+    into row ``dest_RW[r, w]`` of rank w's copy of ``region`` (:func:`put_rows`). With
+    :class:`TokenRegions` (combine's FP8 transport) the rows are reduced in ``y_PD``'s dtype, then
+    cast to e4m3 with per-token scales (:func:`kernels.quant.reference.per_token_cast`, 1 x
+    ``group``): the bytes go to ``q``, the scales to ``sf``.
 
     Args:
         y_PD: [P, D] expert outputs, float32, bfloat16 or float16, on the region's device.
         pos_RK: [R, K] int32 or int64 rows of ``y_PD`` (-1: none); weights_RK: [R, K] float32.
         dest_RW: [R, W] int32 or int64 destination rows, -1 for none.
-        region: ``[M, D]`` copies, one per rank.
+        region: ``[M, D]`` copies, one per rank; or ``TokenRegions`` of ``[M, D]`` uint8 and
+            ``[M, ceil(D / group)]`` float32 copies.
         skip_rank: a rank whose rows are left out (as if its column of ``dest_RW`` were -1; the
             combine's home rank, which sums its own rows in with
             :func:`kernels.reduce.reference.reduce_sum_home`), -1 for none.
+        group: columns per scale (``TokenRegions`` only).
     """
-    check_region(region)
-    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(None, region.world))
-    check_skip_rank(skip_rank, region.world)
+    rows = region.q if isinstance(region, TokenRegions) else region
+    check_region(rows)
+    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(None, rows.world))
+    check_skip_rank(skip_rank, rows.world)
     if skip_rank >= 0:
         dest_RW = dest_RW.clone()
         dest_RW[:, skip_rank] = -1
-    put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=region.views[0].dtype), dest_RW, region)
+    if rows is region:
+        put_rows(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=region.views[0].dtype), dest_RW, region)
+        return
+    q_RD, sf_RG = per_token_cast(weighted_reduce(y_PD, pos_RK, weights_RK, out_dtype=y_PD.dtype), group=group)
+    put_rows(q_RD.view(torch.uint8), dest_RW, region.q)
+    put_rows(sf_RG, dest_RW, region.sf)
 
 
 def check_skip_rank(skip_rank: int, world: int) -> None:

@@ -93,13 +93,18 @@ def weighted_reduce_backward(
 
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
-                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
+                    home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
+                    group: int = 128) -> torch.Tensor:
     """A combine's home side with the home rank's own rows reduced in: what
     ``kernels.comm.reduce_put`` storing token t's own row home and then the unit-weight sum over the
     returned rows (``ep_runtime``'s ``sum_home``) give, bit for bit, without the row's trip through
     memory. Token t's routes to this rank are reduced (:func:`weighted_reduce`, in ``rows_SD``'s
     dtype, as ``reduce_put`` stores them) and summed with the rows the other ranks returned,
     ``rows_SD[home_TW[t, w]]``, in float32 in rank order, the own row at position ``rank``.
+
+    With e4m3 ``rows_SD`` (combine's FP8 transport: ``reduce_put`` into ``TokenRegions``) the
+    returned rows are dequantized with ``sf_SG`` (``q.float() * sf``), the own row stays in
+    ``y_PD``'s dtype (it never travels), and the sum is in ``y_PD``'s dtype.
 
     Args:
         y_PD: [P, D] expert outputs; pos_TK, weights_TK: [T, K] routes of this rank's own received
@@ -108,32 +113,45 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
         home_TW: [T, W] int32 or int64 rows of ``rows_SD`` (-1: none); column ``rank`` only says
             whether token t has a route here (>= 0).
         rank: this rank.
+        sf_SG: [S, ceil(D / group)] float32 scales of e4m3 ``rows_SD`` (None otherwise).
+        group: columns per scale.
 
     Returns:
-        [T, D] in ``rows_SD``'s dtype.
+        [T, D] in ``rows_SD``'s dtype (``y_PD``'s for e4m3 rows).
     """
-    check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank)
+    out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     num_rows, num_tokens = rows_SD.shape[0], home_TW.shape[0]
     others = [w for w in range(home_TW.shape[1]) if w != rank]
     check_index_range("home_TW", home_TW[:, others], num_rows)
-    own_TD = weighted_reduce(y_PD, pos_TK, weights_TK, out_dtype=rows_SD.dtype)
+    own_TD = weighted_reduce(y_PD, pos_TK, weights_TK, out_dtype=out_dtype)
+    if rows_SD.dtype == E4M3:
+        rows_SD, own_TD = cast_back(rows_SD, sf_SG, block=(1, group), out_dtype=torch.float32), own_TD.float()
     rows_TW = home_TW.long().clone()
     own = torch.arange(num_rows, num_rows + num_tokens, device=home_TW.device)
     rows_TW[:, rank] = torch.where(home_TW[:, rank] >= 0, own, -1)
-    return weighted_reduce(torch.cat([rows_SD, own_TD]), rows_TW, None)
+    return weighted_reduce(torch.cat([rows_SD, own_TD]), rows_TW, None, out_dtype=out_dtype)
 
 
-def check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank) -> None:
+def check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG=None, group=128) -> torch.dtype:
     """Validates :func:`reduce_sum_home`'s arguments but for ``home_TW``'s values (shared with its
-    kernel, which reads an out-of-range row as -1: checking costs a host sync)."""
-    check_tensor("rows_SD", rows_SD, dtype=FLOAT_DTYPES, ndim=2)
+    kernel, which reads an out-of-range row as -1: checking costs a host sync); returns the output
+    dtype."""
+    check_tensor("rows_SD", rows_SD, dtype=(*FLOAT_DTYPES, E4M3), ndim=2)
     check_tensor("y_PD", y_PD, dtype=FLOAT_DTYPES, ndim=2, device=rows_SD.device)
-    check_weighted_reduce_args(y_PD, pos_TK, weights_TK, None, 128, rows_SD.dtype, values=False)
+    out_dtype = y_PD.dtype if rows_SD.dtype == E4M3 else rows_SD.dtype
+    check_weighted_reduce_args(y_PD, pos_TK, weights_TK, None, 128, out_dtype, values=False)
     check_tensor("rows_SD", rows_SD, shape=(None, y_PD.shape[1]))
+    if rows_SD.dtype == E4M3:
+        check_positive("group", group)
+        check_tensor("sf_SG", sf_SG, dtype=torch.float32, shape=(rows_SD.shape[0], -(-y_PD.shape[1] // group)),
+                     device=rows_SD.device)
+    elif sf_SG is not None:
+        raise ValueError(f"sf_SG: expected None with {rows_SD.dtype} rows_SD (scales only with float8_e4m3fn)")
     check_tensor("home_TW", home_TW, dtype=(torch.int32, torch.int64), shape=(pos_TK.shape[0], None),
                  device=y_PD.device)
     if type(rank) is not int or not 0 <= rank < home_TW.shape[1]:
         raise ValueError(f"rank: expected a column of home_TW's {home_TW.shape[1]}, got {rank!r}")
+    return out_dtype
 
 
 def check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout, *, values: bool = True) -> None:

@@ -35,7 +35,9 @@ from kernels.quant.tiles import (
     aligned,
     check_cuda,
     row_major,
+    scale_and_inverse,
     tl_dtype,
+    to_e4m3,
     unpack_scale,
 )
 
@@ -137,22 +139,56 @@ def get_weighted_reduce_kernel(
     return weighted_reduce
 
 
+def fp8_lanes(num_cols: int, y_bytes: int, group: int, max_threads: int = PUT_THREADS) -> int:
+    """Threads that share one scale group in ``reduce_put``'s FP8 variant (their amax meets by warp
+    shuffles), 0 where the kernel cannot cast (a group not a whole number of vectors, or wider than a
+    warp's): the reference takes those."""
+    vec = reduce_tile(num_cols, y_bytes, max_threads)[0]
+    lanes = group // vec
+    return lanes if group % vec == 0 and lanes <= 32 and lanes & (lanes - 1) == 0 else 0
+
+
+@T.macro
+def cast_vector(out_buf, q_buf, lanes: int):
+    """A thread's ``vec`` values to e4m3 with its scale group's float32 scale (returned), the group
+    being ``lanes`` adjacent threads of a warp (every one of them must call this): the amax meets by
+    shuffles, then each value is multiplied by the quantizing inverse, as ``cast_per_token`` does."""
+    vec = out_buf.shape[0]
+    amax = T.alloc_local((1,), "float32")  # local, not a var: its initializer would precede PDL's wait
+    amax[0] = T.float32(0)
+    for j in T.unroll(vec):
+        amax[0] = T.max(amax[0], T.abs(T.cast(out_buf[j], "float32")))
+    for o in T.unroll(lanes.bit_length() - 1):
+        amax[0] = T.max(amax[0], T.shfl_xor(amax[0], lanes >> (o + 1)))
+    sf, inv = scale_and_inverse(amax[0], False, False)
+    for j in T.unroll(vec):
+        q_buf[j] = to_e4m3(T.cast(out_buf[j], "float32") * inv)
+    return sf
+
+
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = PUT_THREADS,
+    max_threads: int = PUT_THREADS, fp8_group: int = 0,
 ):
-    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, skip_rank)`` kernel: row t's
-    reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank 0's
-    copy as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from it,
-    as in ``kernels.comm.put_rows``) instead of to an output of its own; -1, rows outside the region
-    and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced."""
+    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, sf_F, skip_rank)`` kernel: row
+    t's reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank
+    0's copy as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from
+    it, as in ``kernels.comm.put_rows``) instead of to an output of its own; -1, rows outside the
+    region and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced. With
+    ``fp8_group``, the row (reduced in ``out_dtype``) is cast to e4m3, one float32 scale per
+    ``fp8_group`` columns: ``dst_CV`` holds the e4m3 vectors and ``sf_F`` rank 0's copy of the
+    scales region, flat (unread otherwise)."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
+    num_sf = T.dynamic("num_sf")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
                                                    max_threads=max_threads)
     sf_dtype = "uint8" if packed else "float32"
-    vector_bytes = vec * T.dtype(out_dtype).bytes
+    dst_dtype = "float8_e4m3fn" if fp8_group else out_dtype
+    vector_bytes = vec * T.dtype(dst_dtype).bytes
     nv = num_cols // vec
+    lanes = fp8_group // vec
+    groups = -(-num_cols // fp8_group) if fp8_group else 0
 
     @T.prim_func
     def weighted_reduce_put(
@@ -162,7 +198,8 @@ def get_weighted_reduce_put_kernel(
         weights_TK: T.Tensor[(num_tokens, topk), "float32"],
         dest_TW: T.Tensor[(num_tokens, world), "int32"],
         delta_W: T.Tensor[(world,), "int64"],
-        dst_CV: T.Tensor[(num_dst * nv, vec), out_dtype],
+        dst_CV: T.Tensor[(num_dst * nv, vec), dst_dtype],
+        sf_F: T.Tensor[(num_sf,), "float32"],
         skip_rank: T.int32,
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
@@ -170,24 +207,36 @@ def get_weighted_reduce_put_kernel(
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
+            q_buf = T.alloc_local((vec,), dst_dtype)
             rows_W = T.alloc_local((world,), "int64")
             deltas_W = T.alloc_local((world,), "int64")
             live = T.alloc_var(T.int32)
             live = 0
-            if c < num_cols // vec:
-                # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are
-                # not __restrict__ and a load after a store would wait for its own round trip
-                for w in T.unroll(world):
-                    rows_W[w] = T.Cast("int64", dest_TW[t, w])
-                    if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
-                        rows_W[w] = -1
-                    else:
-                        live = 1
-                    deltas_W[w] = delta_W[w]
-                if live == 1:
+            # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are not
+            # __restrict__ and a load after a store would wait for its own round trip
+            for w in T.unroll(world):
+                rows_W[w] = T.Cast("int64", dest_TW[t, w])
+                if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
+                    rows_W[w] = -1
+                else:
+                    live = 1
+                deltas_W[w] = delta_W[w]
+            if live == 1:  # the same for every thread of the CTA (one token's row): shuffles are safe
+                for j in T.unroll(vec):
+                    out_buf[j] = T.cast(0, out_dtype)
+                if c < nv:
                     reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
+                if fp8_group:
+                    sf = cast_vector(out_buf, q_buf, lanes)
                     for w in T.unroll(world):
-                        if rows_W[w] >= 0:
+                        if T.And(rows_W[w] >= 0, c < nv):
+                            for j in T.vectorized(vec):
+                                dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = q_buf[j]
+                            if c % lanes == 0:
+                                sf_F[deltas_W[w] // 4 + rows_W[w] * groups + c // lanes] = sf
+                else:
+                    for w in T.unroll(world):
+                        if T.And(rows_W[w] >= 0, c < nv):
                             for j in T.vectorized(vec):
                                 dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
 
@@ -195,13 +244,18 @@ def get_weighted_reduce_put_kernel(
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int):
-    """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, home_TW, out_TD, rank)`` kernel of
+def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
+                               rows_dtype: str | None = None, group: int = 128):
+    """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank)`` kernel of
     :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
     vector of token t's own row (the weighted reduce's macro, rounded to the output dtype as
     ``reduce_put`` stores it), then adds it and the returned rows' vectors in rank order, every load
-    issued before the one store."""
+    issued before the one store. Returned rows of ``rows_dtype`` e4m3 are dequantized with their
+    ``sf_SG`` scale (one per ``group`` columns; ``sf_SG`` unread for rows in ``out_dtype``)."""
     num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
+    num_sf = T.dynamic("num_sf")
+    rows_dtype = rows_dtype or out_dtype
+    dequantize = rows_dtype == "float8_e4m3fn"
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
 
     @T.prim_func
@@ -210,7 +264,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
         sf_PG: T.Tensor[(num_rows, T.ceildiv(num_cols, 128)), "float32"],
         pos_TK: T.Tensor[(num_tokens, topk), "int32"],
         weights_TK: T.Tensor[(num_tokens, topk), "float32"],
-        rows_SD: T.Tensor[(num_src, num_cols), out_dtype],
+        rows_SD: T.Tensor[(num_src, num_cols), rows_dtype],
+        sf_SG: T.Tensor[(num_sf, T.ceildiv(num_cols, group)), "float32"],
         home_TW: T.Tensor[(num_tokens, world), "int32"],
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
         rank: T.int32,
@@ -220,7 +275,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             rows_W = T.alloc_local((world,), "int64")
-            home_buf = T.alloc_local((world * vec,), out_dtype)
+            home_buf = T.alloc_local((world * vec,), rows_dtype)
+            scales_W = T.alloc_local((world,), "float32")
             own_buf = T.alloc_local((vec,), out_dtype)
             acc = T.alloc_local((vec,), "float32")
             if c < num_cols // vec:
@@ -232,6 +288,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                     if T.And(w != rank, rows_W[w] >= 0):
                         for j in T.vectorized(vec):
                             home_buf[w * vec + j] = rows_SD[rows_W[w], c * vec + j]
+                        if dequantize:  # a vector lies in one scale group (the wrapper checks)
+                            scales_W[w] = sf_SG[rows_W[w], c * vec // group]
                 # not gated on home_TW[t, rank] (the sum is): the routes' loads go out beside
                 # home_TW's, not after them, and in a combine a token not sent here has none
                 reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
@@ -244,7 +302,11 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                                 acc[j] = T.ieee_add(acc[j], T.cast(own_buf[j], "float32"))
                         else:
                             for j in T.unroll(vec):
-                                acc[j] = T.ieee_add(acc[j], T.cast(home_buf[w * vec + j], "float32"))
+                                if dequantize:
+                                    acc[j] = T.ieee_add(acc[j], T.ieee_mul(T.cast(home_buf[w * vec + j], "float32"),
+                                                                           scales_W[w]))
+                                else:
+                                    acc[j] = T.ieee_add(acc[j], T.cast(home_buf[w * vec + j], "float32"))
                 for j in T.vectorized(vec):
                     out_TD[t, c * vec + j] = T.cast(acc[j], out_dtype)
 
@@ -284,50 +346,68 @@ def weighted_reduce(
     return out_TD
 
 
+
+
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, max_threads: int = PUT_THREADS) -> None:
+               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
-    ``kernels.comm.PeerRegion``, with ``delta_W``), never to memory of its own."""
+    ``kernels.comm.PeerRegion``, with ``delta_W``; or ``TokenRegions`` of one heap, the rows cast
+    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.put_rows_kernel import peer_copy
-    from kernels.comm.reference import check_skip_rank
+    from kernels.comm.reference import TokenRegions, check_skip_rank
 
-    check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, region.views[0].dtype, values=False)
+    fp8 = isinstance(region, TokenRegions)
+    rows = region.q if fp8 else region
+    out_dtype = y_PD.dtype if fp8 else rows.views[0].dtype
+    check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, out_dtype, values=False)
     check_cuda("y_PD", y_PD)
     if not (32 <= max_threads <= 1024 and max_threads % 32 == 0):
         raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
-    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], region.world),
+    check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], rows.world),
                  device=y_PD.device)
-    check_skip_rank(skip_rank, region.world)
-    first = peer_copy(region, width=y_PD.shape[1])
+    check_skip_rank(skip_rank, rows.world)
     r, k = pos_RK.shape
     p, d = y_PD.shape
+    if fp8:
+        if not fp8_lanes(d, y_PD.element_size(), group, max_threads):
+            raise ValueError(f"group: expected whole vectors of {d} {y_PD.dtype} columns, at most a warp's, per scale "
+                             f"group, got {group} (kernels.comm.reduce_put takes the reference then)")
+        first = peer_copy(rows, "region.q", dtype=torch.uint8, width=d).view(torch.float8_e4m3fn)
+        sf_F = peer_copy(region.sf, "region.sf", dtype=torch.float32, width=-(-d // group)).view(-1)
+    else:
+        first = peer_copy(rows, width=d)
+        sf_F = torch.empty(1, dtype=torch.float32, device=y_PD.device)  # never read
     if r == 0 or d == 0:
         return
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
-    kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(first.dtype), 128, False, region.world,
-                                            max_threads)
+    kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
+                                            max_threads, group if fp8 else 0)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
-           dest_RW.to(torch.int32).contiguous(), region.delta_W, first.view(-1, vec), skip_rank)
+           dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank)
 
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
-                    home_TW: torch.Tensor, *, rank: int) -> torch.Tensor:
+                    home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
+                    group: int = 128) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
     bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
     (values are not checked: a host sync)."""
-    check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank)
+    out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     check_cuda("y_PD", y_PD)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
     if t == 0 or d == 0:  # nothing to sum, and no host sync (a rank without tokens in a CUDA graph)
-        return torch.empty((t, d), dtype=rows_SD.dtype, device=y_PD.device)
-    if k == 0 or p == 0:  # no routes or no expert rows (never in a combine): the reference
-        return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank)
-    out_TD = torch.empty((t, d), dtype=rows_SD.dtype, device=y_PD.device)
+        return torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+    # no routes or no expert rows (never in a combine), or scale groups that split a thread's vector
+    if k == 0 or p == 0 or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0]):
+        return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG,
+                                         group=group)
+    out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
-    kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(rows_SD.dtype), home_TW.shape[1])
+    kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), home_TW.shape[1],
+                                        tl_dtype(rows_SD.dtype), group)
     kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
-           home_TW.to(torch.int32).contiguous(), out_TD, rank)
+           sf_PG if sf_SG is None else sf_SG.contiguous(), home_TW.to(torch.int32).contiguous(), out_TD, rank)
     return out_TD

@@ -17,9 +17,15 @@ HIDDEN = 160  # not a multiple of the FP8 group (128): a ragged last group
 TOPK = 4
 
 
-def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool, max_tokens: int):
+FP8_COMBINE = ("all_to_all", "nvlink")  # the backends with an FP8 combine
+
+
+def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):
+    """``fp8``: False, True (FP8 dispatch) or "combine" (FP8 dispatch and combine)."""
+    fp8, fp8_combine = bool(fp8), fp8 == "combine"
     if backend == "all_to_all":
-        return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8)
+        return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
+                                  fp8_combine=fp8_combine)
     if backend == "deepep":  # the adapter, over ep-runtime's facade of DeepEP's Buffer
         return DeepEPDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
                                 buffer_api=deep_ep_facade)
@@ -28,7 +34,7 @@ def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool, max_tokens: 
                                       node_group=ctx.ep_node_group, device=ctx.device, max_tokens_per_rank=max_tokens,
                                       alignment=8, fp8=fp8)
     return NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
-                            max_tokens_per_rank=max_tokens, alignment=8, fp8=fp8)
+                            max_tokens_per_rank=max_tokens, alignment=8, fp8=fp8, fp8_combine=fp8_combine)
 
 
 def routing(case: str, rank: int, num_tokens: int, num_experts: int, device):
@@ -81,8 +87,9 @@ def run_case(dispatcher, x_TD, idx_TK, weights_TK, first_expert: int):
             "padding_zero": bool((x_PD[pad] == 0).all())}
 
 
-def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int, backends: tuple[str, ...]) -> dict:
-    """For each (routing, tokens per rank, fp8) case and backend (``all_to_all`` first): the
+def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, backends: tuple[str, ...]) -> dict:
+    """For each (routing, tokens per rank, fp8) case (``fp8`` "combine": both ways as FP8, on the
+    backends of ``FP8_COMBINE`` only) and backend (``all_to_all`` first): the
     largest error of out, grad_x and grad_w against the definition (exact arithmetic in float64);
     whether ``nvlink`` and ``deepep`` (the adapter, over ep-runtime's facade of DeepEP's Buffer)
     gave ``all_to_all``'s bits and rows per expert in the same order, and ``hierarchical`` (the
@@ -95,9 +102,9 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int, backend
     results = {}
     max_tokens = max(t for _, t, _ in cases)
     dispatchers = {(backend, fp8): make_dispatcher(backend, ctx, num_experts, fp8, max_tokens)
-                   for backend in backends for fp8 in (False, True)}
+                   for _, _, fp8 in cases for backend in backends if fp8 != "combine" or backend in FP8_COMBINE}
     for case, num_tokens, fp8 in cases:
-        name = f"{case}-{num_tokens}{'-fp8' if fp8 else ''}"
+        name = case_name(case, num_tokens, fp8)
         if case == "idle" and ctx.rank == 0:  # one rank with no tokens (it still receives)
             num_tokens = 0
         idx, weights = routing(case, ctx.rank, num_tokens, num_experts, ctx.device)
@@ -110,7 +117,7 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int, backend
             x[:, 0], x[:, 1], x[:, 128] = torch.arange(num_tokens, device=ctx.device) % 8 - 4, 7, -7
         want = expected(x, idx, weights)
         got = {}
-        for backend in backends:
+        for backend in (b for b in backends if (b, fp8) in dispatchers):
             got[backend] = run_case(dispatchers[backend, fp8], x, idx, weights,
                                     first_expert=ctx.ep_rank * (num_experts // world))
         base = got["all_to_all"]
@@ -144,6 +151,10 @@ def conformance(cases: list[tuple[str, int, bool]], ranks_per_node: int, backend
             results[f"overflow-{backend}"] = str(e)
     dist.destroy_process_group()
     return results
+
+
+def case_name(case: str, num_tokens: int, fp8: bool | str) -> str:
+    return f"{case}-{num_tokens}" + {False: "", True: "-fp8", "combine": "-fp8-combine"}[fp8]
 
 
 def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -> dict:
