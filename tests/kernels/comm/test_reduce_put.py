@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kernels import lowering
-from kernels.comm import PeerRegion, reference
+from kernels.comm import PeerRegion, TokenRegions, reference
+from kernels.quant.reference import per_token_cast
+from kernels.reduce.reference import weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_put_kernel, reduce_put
 from kernels.testing import poison_allocator, random_bits, reduce_routes
 
@@ -46,6 +48,20 @@ def test_reference_matches_a_loop(skip, seed):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_fp8_reference_is_the_cast_of_the_reduced_rows(seed):
+    """Into ``TokenRegions``: the reduced rows (in y's dtype) cast per token, bytes and scales at
+    the rows ``dest_RW`` names; a ragged last scale group (D = 160)."""
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(12, 3, 20, 160, 2, torch.bfloat16, seed)
+    regions = TokenRegions(q=PeerRegion(views=tuple(torch.zeros(30, 160, dtype=torch.uint8) for _ in range(2))),
+                           sf=PeerRegion(views=tuple(torch.zeros(30, 2) for _ in range(2))))
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, regions, skip_rank=1)
+    q_RD, sf_RG = per_token_cast(weighted_reduce(y_PD, pos_RK, weights_RK), group=128)
+    rows = (dest_RW[:, 0] >= 0).nonzero().squeeze(1)
+    assert rows.numel() and torch.equal(regions.q.views[0][dest_RW[rows, 0]], q_RD[rows].view(torch.uint8))
+    assert torch.equal(regions.sf.views[0][dest_RW[rows, 0]], sf_RG[rows])
+    assert not regions.q.views[1].any() and not regions.sf.views[1].any()  # skip_rank's
+
+
 CASES = [  # (received rows, K, P, D, dtype, world): combine at DeepSeek-V3 and tiny shapes
     (300, 8, 900, 7168, torch.bfloat16, 2),
     (257, 8, 700, 7168, torch.bfloat16, 8),
@@ -71,6 +87,40 @@ def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_ran
     torch.cuda.synchronize()
     for w in range(world):
         assert torch.equal(got[w].view(torch.uint8), want[w].view(torch.uint8)), w
+
+
+FP8_CASES = [  # (received rows, K, P, D, dtype, world): 16 / 32 lanes a scale group, a ragged last one
+    (300, 8, 900, 7168, torch.bfloat16, 2),
+    (257, 8, 700, 7168, torch.bfloat16, 8),
+    (33, 4, 40, 160, torch.float32, 3),
+    (40, 4, 50, 4096, torch.float16, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,k,p,d,dtype,world", FP8_CASES)
+def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed):
+    y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
+    rows, groups = max(2 * r, 4), -(-d // 128)
+    poison_allocator("cuda")
+    # one buffer a rank holding both regions, as a heap does (one delta_W for both)
+    start = [random_bits(rows, d + 4 * groups, dtype=torch.uint8, device="cuda", seed=seed + 1 + w).view(-1)
+             for w in range(world)]
+
+    flat = [t.clone() for t in start]
+    q_views = tuple(f[:rows * d].view(rows, d) for f in flat)
+    sf_views = tuple(f[rows * d:].view(torch.float32).view(rows, groups) for f in flat)
+    delta = torch.tensor([b.data_ptr() - flat[0].data_ptr() for b in flat], dtype=torch.int64, device="cuda")
+    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, TokenRegions(q=PeerRegion(views=q_views, delta_W=delta),
+                                                               sf=PeerRegion(views=sf_views, delta_W=delta)), skip_rank=0)
+    want = [t.clone() for t in start]
+    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW,
+                         TokenRegions(q=PeerRegion(views=tuple(f[:rows * d].view(rows, d) for f in want)),
+                                      sf=PeerRegion(views=tuple(f[rows * d:].view(torch.float32).view(rows, groups)
+                                                                for f in want))), skip_rank=0)
+    torch.cuda.synchronize()
+    for w in range(world):
+        assert torch.equal(flat[w], want[w]), w
 
 
 @pytest.mark.gpu
@@ -109,3 +159,7 @@ def test_compiles_for_sm90a():
                      (64, 2, "float32", "float32", 128, False, 2)]:
             source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
             assert "__fmul_rn" in source and lowering.waits_first(source), spec
+        for spec in [(7168, 8, "bfloat16", "bfloat16", 128, False, 2, 1024, 128),  # FP8 rows home
+                     (160, 4, "float32", "float32", 128, False, 3, 1024, 128)]:
+            source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
+            assert "__shfl_xor_sync" in source and lowering.waits_first(source), spec

@@ -11,6 +11,7 @@ from kernels.comm import PeerRegion
 from kernels.comm import reference as comm_reference
 from kernels.reduce import reference
 from kernels.reduce.weighted_reduce_kernel import get_reduce_sum_home_kernel, reduce_sum_home
+from kernels.quant.reference import per_token_cast
 from kernels.testing import poison_allocator, reduce_routes
 
 
@@ -54,6 +55,30 @@ def test_reference_is_reduce_put_home_then_the_sum(world, rank, seed):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
+def _fp8(rows_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returned rows as combine's FP8 transport stores them: e4m3 and per-token 1 x 128 scales."""
+    return per_token_cast(rows_SD, group=128)
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (3, 1)])
+def test_fp8_reference_dequantizes_the_returned_rows_in_rank_order(world, rank, seed):
+    """The own row in y's dtype, each returned row ``q.float() * sf``, summed in float32 in rank
+    order; a ragged last scale group (D = 160)."""
+    t, d = 10, 160
+    y_PD, pos_TK, weights_TK, rows_SD, home_TW = _inputs(t, 3, 20, d, world, rank, torch.bfloat16, seed)
+    q_SD, sf_SG = _fp8(rows_SD)
+    got = reference.reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG)
+    assert got.dtype == torch.bfloat16
+    own_TD = reference.weighted_reduce(y_PD, pos_TK, weights_TK)
+    scale_SD = sf_SG.repeat_interleave(128, 1)[:, :d]
+    want = torch.zeros(t, d)
+    for i in range(t):
+        for w in range(world):
+            if home_TW[i, w] >= 0:
+                want[i] += own_TD[i].float() if w == rank else q_SD[home_TW[i, w]].float() * scale_SD[home_TW[i, w]]
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
 CASES = [  # (tokens, K, P, D, dtype, world, rank, index dtype): DeepSeek-V3's home side and tiny ones
     (300, 8, 900, 7168, torch.bfloat16, 2, 1, torch.int32),
     (129, 8, 700, 7168, torch.bfloat16, 8, 5, torch.int64),
@@ -70,6 +95,19 @@ def test_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, in
     got = reduce_sum_home(*inputs, rank=rank)
     want = reference.reduce_sum_home(*inputs, rank=rank)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k,p,d,dtype,world,rank,index_dtype", CASES[:2] + [
+    (33, 4, 40, 160, torch.float32, 3, 0, torch.int32), (40, 4, 50, 4096, torch.float16, 2, 1, torch.int32)])
+def test_fp8_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, index_dtype, seed):
+    y_PD, pos_TK, weights_TK, rows_SD, home_TW = _inputs(t, k, p, d, world, rank, dtype, seed, device="cuda",
+                                                         index_dtype=index_dtype)
+    q_SD, sf_SG = _fp8(rows_SD)
+    poison_allocator("cuda")
+    got = reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG)
+    want = reference.reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.gpu
@@ -97,6 +135,13 @@ def test_bad_input_names_the_argument():
         reference.reduce_sum_home(y_PD.to(torch.float8_e4m3fn), pos_TK, weights_TK, rows_SD, home_TW, rank=0)
     with pytest.raises(TypeError, match="^rows_SD: expected dtype"):
         reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD.int(), home_TW, rank=0)
+    q_SD, sf_SG = _fp8(rows_SD)
+    with pytest.raises(TypeError, match="^sf_SG: expected a torch.Tensor, got NoneType"):
+        reference.reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=0)
+    with pytest.raises(ValueError, match="^sf_SG: expected None with torch.bfloat16 rows_SD"):
+        reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=0, sf_SG=sf_SG)
+    with pytest.raises(ValueError, match=r"^sf_SG: expected shape \(8, 1\)"):
+        reference.reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=0, sf_SG=sf_SG[:4])
     beyond = home_TW.clone()
     beyond[0, 1] = rows_SD.shape[0]  # a returned row past the region
     with pytest.raises(ValueError, match=r"^home_TW: expected entries in -1 or \[0, 8\)"):
@@ -110,3 +155,6 @@ def test_compiles_for_sm90a():
                      (64, 2, "float32", "float32", 2)]:
             source = lowering.kernel_source(get_reduce_sum_home_kernel(*spec))
             assert "__fmul_rn" in source and lowering.waits_first(source), spec
+        # FP8 rows home: dequantized in the sum
+        source = lowering.kernel_source(get_reduce_sum_home_kernel(7168, 8, "bfloat16", "bfloat16", 2, "float8_e4m3fn"))
+        assert "fp8_e4" in source and lowering.waits_first(source)
