@@ -28,7 +28,8 @@ rank's token goes to each other rank with probability about 1 - (1 - 1/W)^K).
 
 Bytes counted per rank: rows sent to *other* ranks (one per token per destination rank) as they
 travel: ``hidden`` FP8 bytes plus ``ceil(hidden / 128)`` float32 scales for dispatch with
-``--fp8``, ``hidden`` bf16 elements for combine; the routes and weights (2K words a token, to
+``--fp8``, ``hidden`` bf16 elements for combine (FP8 bytes and scales with ``--fp8-combine``,
+against NCCL moving those bytes); the routes and weights (2K words a token, to
 every rank under nvlink), the counts and rows a rank keeps are not counted. GB/s = those bytes /
 time. Times: median over ``--iters`` (after ``--warmup``) of the slowest rank per iteration, each
 iteration started from a barrier, measured with CUDA events (host timers on CPU). On GPUs the
@@ -91,7 +92,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
         sent = rows_per_rank(idx_TK, num_local, world)
         sent[rank] = 0  # rows a rank keeps are not counted
         token_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8 else a.hidden * x_TD.element_size()
-        home_bytes = a.hidden * x_TD.element_size()
+        home_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8_combine else a.hidden * x_TD.element_size()
         worst_sent = torch.tensor([sum(sent)], device=device)
         dist.all_reduce(worst_sent, op=dist.ReduceOp.MAX, group=group)
         dispatch_bytes, combine_bytes = int(worst_sent) * token_bytes, int(worst_sent) * home_bytes
@@ -104,10 +105,11 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             continue
         for backend in BACKENDS:
             if backend == "all_to_all":
-                d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment, fp8=a.fp8)
+                d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment, fp8=a.fp8,
+                                       fp8_combine=a.fp8_combine)
             else:
                 d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
-                                     alignment=a.alignment, fp8=a.fp8)
+                                     alignment=a.alignment, fp8=a.fp8, fp8_combine=a.fp8_combine)
             with torch.no_grad():
                 row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, (median_ms, time_ms), a,
                                          rank == 0))
@@ -323,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=8,
                    help="rows per expert segment (default 8, what the bf16 grouped GEMM needs; 128 before session 11)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
+    p.add_argument("--fp8-combine", action=argparse.BooleanOptionalAction, default=False,
+                   help="FP8 rows home too (issue #9's bars are for a bf16 combine)")
     p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
     p.add_argument("--profile", action="store_true", help="print a profile of nvlink dispatch + combine (GPU)")
     p.add_argument("--num-workers", type=int, default=2, help="CPU workers without torchrun (default 2)")
@@ -360,7 +364,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     path = out / "dispatch.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"dispatch/combine on {report['device']}, {report['world_size']} ranks, hidden {a.hidden}, "
-          f"{a.experts} experts, top-{a.topk}, {'FP8' if a.fp8 else 'bf16'} dispatch, bf16 combine:")
+          f"{a.experts} experts, top-{a.topk}, {'FP8' if a.fp8 else 'bf16'} dispatch, "
+          f"{'FP8' if a.fp8_combine else 'bf16'} combine:")
     for row in report["rows"]:
         print(f"  {row['tokens_per_rank']} tokens/rank, {row['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
               f"{row['combine_bytes_per_rank'] / 1e6:.1f} MB combine per rank:")
@@ -418,7 +423,8 @@ def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
         "torch": __import__("torch").__version__,
         "spec": {k: v for k, v in vars(a).items() if k not in ("out",)},
         "bytes_counted": "per rank: rows sent to other ranks (one per token per destination rank); dispatch "
-                         "= hidden FP8 bytes + float32 1x128 scales with fp8, combine = hidden bf16 elements; "
+                         "= hidden FP8 bytes + float32 1x128 scales with fp8, combine = hidden bf16 elements (the "
+                         "FP8 bytes and scales with fp8_combine); "
                          "routes, weights, counts and rows kept on the rank not counted",
         "timing": "median over iters (after warmup) of the slowest rank per iteration; CUDA events on GPU",
         "rows": result["rows"],
