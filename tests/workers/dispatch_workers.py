@@ -158,14 +158,14 @@ def case_name(case: str, num_tokens: int, fp8: bool | str) -> str:
 
 
 def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -> dict:
-    """On GPUs: the nvlink backend's dispatch + combine (FP8 and bf16) with CUDA's sync debug mode
+    """On GPUs: the nvlink backend's dispatch + combine (FP8 both ways, and bf16) with CUDA's sync debug mode
     set to error (any host synchronization raises), then captured in a CUDA graph and replayed on
     new inputs copied into the captured ones; the replays must give the eager results."""
     ctx = init_parallel(ParallelConfig())
     results = {}
     for fp8 in (False, True):
         d = NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
-                             max_tokens_per_rank=tokens, alignment=128, fp8=fp8)
+                             max_tokens_per_rank=tokens, alignment=128, fp8=fp8, fp8_combine=fp8)
         static = {}
 
         def step(x_TD, idx_TK, w_TK):
