@@ -5,8 +5,9 @@ rows' device and the region carries peer offsets, and the reference (plain index
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
 ``put_routes`` (dispatch's planning, with every token's routes and the count stored into every
 rank), ``put_tokens`` (dispatch's FP8 cast and rows stored into the peers' regions in one launch)
-and ``reduce_put`` (combine's weighted reduce stored straight into the peers' regions; the peer
-variant of ``kernels.reduce``'s weighted-reduce kernel) take their kernels on the same terms as
+and ``reduce_put`` (combine's weighted reduce stored straight into the peers' regions, as e4m3
+rows and scales into ``TokenRegions``; the peer variant of ``kernels.reduce``'s weighted-reduce
+kernel) take their kernels on the same terms as
 ``put_rows``. ``plan_receive`` (what each received row is) runs its TileLang kernel where
 ``use_tilelang`` says so, the reference otherwise. ``receive_layout`` (``plan_receive`` and the
 local experts' layout of what arrived) is one kernel for a small batch

@@ -63,8 +63,8 @@ class RouteRegions:
 
 @dataclass(frozen=True, eq=False)
 class TokenRegions:
-    """Where a dispatch's sender writes its FP8 rows, per rank: e4m3 rows ``q`` [R, D] (uint8
-    bits) and their float32 scales ``sf`` [R, ceil(D / group)]."""
+    """Where FP8 rows go, per rank (a dispatch's tokens, or an FP8 combine's rows home): e4m3 rows
+    ``q`` [R, D] (uint8 bits) and their float32 scales ``sf`` [R, ceil(D / group)]."""
 
     q: PeerRegion
     sf: PeerRegion

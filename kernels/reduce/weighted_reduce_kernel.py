@@ -10,7 +10,9 @@ thread are in flight instead of one vector at a time. Then it adds ``w[t, k] * y
 Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
 result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
-treated as -1. The columns are split into the fewest tiles of at most ``MAX_THREADS``
+treated as -1. The peer variant (``reduce_put``) can cast its rows to e4m3 on the way (the threads
+of a scale group meet their amax by warp shuffles), and ``reduce_sum_home`` dequantizes such
+returned rows in its sum. The columns are split into the fewest tiles of at most ``MAX_THREADS``
 vectors (``PUT_THREADS`` for the peer variant), evenly (hidden 7168: 4 CTAs of 224 threads per
 token for bf16, 2 for e4m3; one of 896 for the peer variant), so no CTA runs half empty.
 
