@@ -188,7 +188,8 @@ class NVLinkDispatcher:
         rows, hidden = self.num_recv_rows, y_PD.shape[1]
         if fp8:
             q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
-            region, returned, scales = TokenRegions(q=q, sf=sf), q.views[self.rank].view(torch.float8_e4m3fn), sf.views[self.rank]
+            region = TokenRegions(q=q, sf=sf)
+            returned, scales = q.views[self.rank].view(torch.float8_e4m3fn), sf.views[self.rank]
         else:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
             returned, scales = region.views[self.rank], None
