@@ -91,8 +91,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
         x_TD = torch.randn(tokens, a.hidden, device=device, dtype=dtype)
         sent = rows_per_rank(idx_TK, num_local, world)
         sent[rank] = 0  # rows a rank keeps are not counted
-        token_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8 else a.hidden * x_TD.element_size()
-        home_bytes = a.hidden + math.ceil(a.hidden / 128) * 4 if a.fp8_combine else a.hidden * x_TD.element_size()
+        wire_bytes = {True: a.hidden + math.ceil(a.hidden / 128) * 4, False: a.hidden * x_TD.element_size()}
+        token_bytes, home_bytes = wire_bytes[a.fp8], wire_bytes[a.fp8_combine]  # a row as it travels
         worst_sent = torch.tensor([sum(sent)], device=device)
         dist.all_reduce(worst_sent, op=dist.ReduceOp.MAX, group=group)
         dispatch_bytes, combine_bytes = int(worst_sent) * token_bytes, int(worst_sent) * home_bytes

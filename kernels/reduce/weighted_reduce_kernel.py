@@ -210,6 +210,7 @@ def get_weighted_reduce_put_kernel(
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
             q_buf = T.alloc_local((vec,), dst_dtype)
+            stored = q_buf if fp8_group else out_buf  # what goes to the peers
             rows_W = T.alloc_local((world,), "int64")
             deltas_W = T.alloc_local((world,), "int64")
             live = T.alloc_var(T.int32)
@@ -230,17 +231,12 @@ def get_weighted_reduce_put_kernel(
                     reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
                 if fp8_group:
                     sf = cast_vector(out_buf, q_buf, lanes)
-                    for w in T.unroll(world):
-                        if T.And(rows_W[w] >= 0, c < nv):
-                            for j in T.vectorized(vec):
-                                dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = q_buf[j]
-                            if c % lanes == 0:
-                                sf_F[deltas_W[w] // 4 + rows_W[w] * groups + c // lanes] = sf
-                else:
-                    for w in T.unroll(world):
-                        if T.And(rows_W[w] >= 0, c < nv):
-                            for j in T.vectorized(vec):
-                                dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = out_buf[j]
+                for w in T.unroll(world):
+                    if T.And(rows_W[w] >= 0, c < nv):
+                        for j in T.vectorized(vec):
+                            dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = stored[j]
+                        if fp8_group and c % lanes == 0:
+                            sf_F[deltas_W[w] // 4 + rows_W[w] * groups + c // lanes] = sf
 
     return weighted_reduce_put
 
