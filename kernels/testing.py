@@ -127,6 +127,20 @@ def fp8_rows(
     return q_PD.to(device), sf_PG.to(device)
 
 
+def arrived_routes(world: int, t_max: int, topk: int, num_local_experts: int, seed: int = 0,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(meta_RM, count_W)`` as a dispatch's receive region holds them: ids in ``[-3, W * E_local +
+    2)`` (every rank's, masked and out of range), random weight bits, each sender's count in
+    ``[0, t_max]`` (rank 1 sent nothing when W > 1; rows past a count are left from earlier calls)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-3, world * num_local_experts + 2, (world * t_max, topk), generator=g, dtype=torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (world * t_max, topk), generator=g, dtype=torch.int32)
+    count = torch.randint(0, t_max + 1, (world,), generator=g, dtype=torch.int32)
+    if world > 1:
+        count[1] = 0
+    return torch.cat([ids, bits], 1).to(device), count.to(device)
+
+
 def reduce_routes(
     num_tokens: int,
     topk: int,
@@ -206,3 +220,15 @@ def peer_heaps(world: int, shapes: list[tuple[tuple[int, int], torch.dtype]], *,
     regions = [PeerRegion(views=tuple(h[o:o + r * c * dt.itemsize].view(dt).view(r, c) for h in heaps), delta_W=delta_W)
                for ((r, c), dt), o in zip(shapes, offsets)]
     return heaps, regions
+
+
+def assert_same_receive(got: tuple, want: tuple) -> None:
+    """A receiver's ``(ReceivePlan, ExpertLayout)`` against the reference's, bit for bit (int32
+    everywhere, weights compared as bits)."""
+    (plan, layout), (want_plan, want_layout) = got, want
+    assert torch.equal(plan.local_idx_RK.cpu(), want_plan.local_idx_RK.cpu())
+    assert torch.equal(plan.weights_RK.cpu().view(torch.int32), want_plan.weights_RK.cpu().view(torch.int32))
+    assert torch.equal(plan.back_RW.cpu(), want_plan.back_RW.cpu())
+    for name in ("counts_E", "offsets_E", "pos_TK", "src_P"):
+        assert getattr(layout, name).dtype == torch.int32, name
+        assert torch.equal(getattr(layout, name).cpu(), getattr(want_layout, name).cpu()), name

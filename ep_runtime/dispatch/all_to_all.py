@@ -21,7 +21,7 @@ from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
 from kernels.validate import check_index_range
 
-from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows
+from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 
 
@@ -122,7 +122,8 @@ class AllToAllDispatcher:
             route, local_idx_RK, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
         layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)
         route = dataclasses.replace(route, layout=layout)
-        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, expand_rows(x_RD, layout), weights_RK, route,
+                                                 self)
         return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):

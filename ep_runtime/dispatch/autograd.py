@@ -4,9 +4,9 @@ A backend supplies the transport over a route it planned (``scatter``: each toke
 rank that holds one of its experts; ``gather_home``: each received row back to its token's home
 rank, summed there in float32; ``reduce_home``: a weighted reduce of each received row's routes,
 then ``gather_home``, which a backend may fuse into one pass) and moves the tokens forward itself
-(fused with its FP8 cast, its route planning); the local work around the transport (expand into
-the experts' layout, fused with the FP8 cast back when the rows travelled as FP8) and every
-backward are the same for all backends and use the kernel ops. The backward of dispatch is an
+(fused with its FP8 cast, its route planning) into the local experts' layout (``expand_rows``,
+fused with the FP8 cast back when the rows travelled as FP8, unless the backend fuses more); every
+backward is the same for all backends and uses the kernel ops. The backward of dispatch is an
 unweighted combine, the backward of combine a dispatch.
 
 Every collective of a layer's backward runs inside one of two autograd nodes, combine's then
@@ -72,15 +72,14 @@ class Transport(Protocol):
 
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
-    given the rows the backend already moved (``x_RD``, a tensor or ``Fp8Rows``, and
-    ``weights_RK``: no gradient of their own). ``weights_RK`` comes back as it is (autograd makes
-    the output a view of it, no copy), so a backend hands over a tensor of its own, never a view
-    of a buffer it reuses."""
+    given what the backend already moved and laid out (``x_PD`` and ``weights_RK``: no gradient of
+    their own). Both come back as they are (autograd makes the outputs views of them, no copy), so
+    a backend hands over tensors of its own, never views of a buffer it reuses."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, x_RD, weights_RK, route: Route, transport: Transport):
+    def forward(ctx, x_TD, weights_TK, x_PD, weights_RK, route: Route, transport: Transport):
         ctx.route, ctx.transport = route, transport
-        return expand_rows(x_RD, route.layout), weights_RK
+        return x_PD, weights_RK
 
     @staticmethod
     def backward(ctx, grad_PD, grad_weights_RK):

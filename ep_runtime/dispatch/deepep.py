@@ -23,7 +23,7 @@ from kernels.permute import ExpertLayout, expert_layout
 from kernels.quant import per_token_cast
 from kernels.reduce import weighted_reduce
 
-from .autograd import CombineFn, DispatchFn, Fp8Rows
+from .autograd import CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 
 
@@ -83,7 +83,8 @@ class DeepEPDispatcher:
                 recv_x = Fp8Rows(q_RD=recv_x[0], sf_RG=recv_x[1], dtype=x_TD.dtype)
         layout = expert_layout(recv_idx_RK, self.num_local_experts, alignment=self.alignment)
         route = BufferRoute(handle=handle, layout=layout, num_tokens=x_TD.shape[0], hidden=x_TD.shape[1])
-        x_PD, weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, recv_x, recv_weights_RK, route, self)
+        x_PD, weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, expand_rows(recv_x, layout), recv_weights_RK, route,
+                                            self)
         return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=weights_RK)
 
     def combine(self, y_PD, handle: DispatchHandle):

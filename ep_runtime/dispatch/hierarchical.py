@@ -74,9 +74,9 @@ class HierarchicalDispatcher:
                              f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")
         with torch.no_grad():
             rail, node_idx_R1K, x_R1D, weights_R1K = self.rail.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
-            node, x_RD, weights_RK = self.node.move_tokens(x_R1D, node_idx_R1K, weights_R1K)
+            node, x_PD, weights_RK = self.node.move_tokens(x_R1D, node_idx_R1K, weights_R1K, expand=True)
         route = TwoStageRoute(rail=rail, node=node, layout=node.layout, num_tokens=x_TD.shape[0])
-        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_PD, weights_RK, route, self)
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def combine(self, y_PD, handle: DispatchHandle):

@@ -24,7 +24,10 @@ experts holds no data of this call), one launch for a small batch (``plan_receiv
 four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and stored in one kernel
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
-the layout (``expand_cast_back``). Kernels on one stream may launch while the one before them
+the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.receive_expand_fits``:
+up to 4096 received routes) skips the bookkeeping beside: after both barriers one launch
+(``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
+place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows. Kernels on one stream may launch while the one before them
 finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); after the barrier, the home rank reduces its own rows
@@ -50,14 +53,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_layout,
-                          reduce_put)
-from kernels.permute import ExpertLayout, max_rows
+from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_expand,
+                          receive_expand_fits, receive_layout, receive_rows, reduce_put)
+from kernels.permute import ExpertLayout
 from kernels.reduce import reduce_sum_home
 from kernels.validate import check_positive
 
 from .all_to_all import sum_home
-from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows
+from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
 from .symmetric import SymmetricHeap, aligned, make_heap
 
@@ -207,17 +210,18 @@ class NVLinkDispatcher:
             raise ValueError(f"x_TD: rank {self.rank} of the EP group dispatches {num_tokens} tokens, more than the "
                              f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")
         with torch.no_grad():
-            route, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
-        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_RD, weights_RK, route, self)
+            route, x_PD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK, expand=True)
+        x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, x_PD, weights_RK, route, self)
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
-    def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
+    def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK, *, expand: bool = False):
         """Moves tokens, routes and weights (the routes and the rows behind a barrier each, on two
         streams); plans the way back. ``x_TD`` is [T, D],
         or ``Fp8Rows`` (sent as they are: the rows a two-stage route's rail received). Returns the
         route (with the local experts' layout), the received rows ([R, D] in x's dtype, or
         ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport
-        call) and their weights to local experts ([R, K]). Not differentiable."""
+        call), or with ``expand`` the rows in the local experts' layout ([P, D] in the tokens'
+        dtype), and their weights to local experts ([R, K]). Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
         num_tokens, topk = topk_idx_TK.shape
         fp8 = self.fp8 or isinstance(x_TD, Fp8Rows)
@@ -226,18 +230,21 @@ class NVLinkDispatcher:
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        # The routes go ahead, beside the rows (their stores need nothing of the rows'), and the
-        # receivers lay them out while the rows travel: what arrived is rank w's routes in block w's
-        # first count[w] rows (data where they name our experts).
+        # A small batch's FP8 rows are laid out and dequantized in one launch once everything has
+        # arrived (kernels.comm.receive_expand: the layout costs no launch of its own there).
+        # Otherwise the routes go ahead, beside the rows (their stores need nothing of the rows'),
+        # and the receivers lay them out while the rows travel: what arrived is rank w's routes in
+        # block w's first count[w] rows (data where they name our experts).
+        fused = expand and fp8 and receive_expand_fits(world, t_max, topk, e_local)
         with self.beside:
             dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
                                           num_local_experts=e_local, rank=me)
             planned = self.beside.mark()
             self.heap.barrier(ROUTES)
-            recv, layout = receive_layout(
-                meta.views[me], counts.views[me][:, 0], num_local_experts=e_local, rank=me, max_tokens=t_max,
-                alignment=self.alignment,
-                num_rows=max_rows(self.num_recv_rows, min(topk, e_local), e_local, self.alignment))
+            if not fused:
+                recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
+                                              rank=me, max_tokens=t_max, alignment=self.alignment,
+                                              num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
         if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
             put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local, rank=me,
                        group=FP8_GROUP)
@@ -253,10 +260,16 @@ class NVLinkDispatcher:
             x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
         else:
             x_RD = data[0].views[me]
+        if fused:
+            recv, layout, x_PD = receive_expand(meta.views[me], counts.views[me][:, 0], x_RD.q_RD, x_RD.sf_RG,
+                                                num_local_experts=e_local, rank=me, max_tokens=t_max,
+                                                alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype)
+        elif expand:
+            x_PD = expand_rows(x_RD, layout)
 
         route = PeerRoute(dest_TW=dest_TW, back_RW=recv.back_RW, home_TW=home_TW, layout=layout,
                           num_tokens=num_tokens)
-        return route, x_RD, recv.weights_RK
+        return route, x_PD if expand else x_RD, recv.weights_RK
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)

@@ -11,19 +11,22 @@ kernel) take their kernels on the same terms as
 ``put_rows``. ``plan_receive`` (what each received row is) runs its TileLang kernel where
 ``use_tilelang`` says so, the reference otherwise. ``receive_layout`` (``plan_receive`` and the
 local experts' layout of what arrived) is one kernel for a small batch
-(``receive_layout_kernel.fits``), the two ops otherwise.
+(``receive_layout_kernel.fits``), the two ops otherwise. ``receive_expand`` (that, then the FP8
+rows dequantized into the layout) is one kernel for a batch that :func:`receive_expand_fits`, the
+public ``receive_layout`` and ``kernels.quant.expand_cast_back`` otherwise.
 """
 
 import torch
 
 from kernels.permute import ExpertLayout, expert_layout
+from kernels.quant import expand_cast_back
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions
+from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions, receive_rows
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "TokenRegions", "plan_receive", "put_routes", "put_rows",
-           "put_tokens", "receive_layout", "reduce_put"]
+           "put_tokens", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
@@ -91,3 +94,28 @@ def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_ex
                           alignment=alignment, num_rows=num_rows)
     plan = plan_receive(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens)
     return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows)
+
+
+def receive_expand_fits(world: int, max_tokens: int, topk: int, num_local_experts: int) -> bool:
+    """Whether :func:`receive_expand` takes ``W * T_max`` received rows of ``topk`` routes in one
+    launch on a GPU (a small batch; its layout then costs no launch of its own)."""
+    from .receive_expand_kernel import fits
+
+    return fits(world, max_tokens, topk, num_local_experts)
+
+
+def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Tensor, sf_RG: torch.Tensor, *,
+                   num_local_experts: int, rank: int, max_tokens: int, alignment: int, group: int = 128,
+                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
+    """See :func:`kernels.comm.reference.receive_expand`."""
+    world, topk = count_W.shape[0], meta_RM.shape[-1] // 2
+    if (isinstance(meta_RM, torch.Tensor) and use_tilelang(meta_RM.device)
+            and receive_expand_fits(world, max_tokens, topk, num_local_experts)):
+        from .receive_expand_kernel import receive_expand as kernel
+
+        return kernel(meta_RM, count_W, q_RD, sf_RG, num_local_experts=num_local_experts, rank=rank,
+                      max_tokens=max_tokens, alignment=alignment, group=group, out_dtype=out_dtype)
+    plan, layout = receive_layout(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank,
+                                  max_tokens=max_tokens, alignment=alignment,
+                                  num_rows=receive_rows(world, max_tokens, topk, num_local_experts, alignment))
+    return plan, layout, expand_cast_back(q_RD, sf_RG, layout, group=group, out_dtype=out_dtype)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.permute.reference import ExpertLayout, expert_layout
-from kernels.quant.reference import per_token_cast
+from kernels.permute.reference import ExpertLayout, expert_layout, max_rows
+from kernels.quant.reference import expand_cast_back, per_token_cast
 from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_tensor
 
@@ -278,3 +278,24 @@ def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_ex
     ``num_local_experts`` experts, segments aligned to ``alignment``, ``num_rows`` rows)."""
     plan = plan_receive(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens)
     return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows)
+
+
+def receive_rows(world: int, max_tokens: int, topk: int, num_local_experts: int, alignment: int) -> int:
+    """P, a receiver's layout capacity: every one of the ``W * T_max`` received rows routed to
+    ``min(K, E)`` local experts, plus each expert's padding (:func:`kernels.permute.max_rows`)."""
+    return max_rows(world * max_tokens, min(topk, num_local_experts), num_local_experts, alignment)
+
+
+def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Tensor, sf_RG: torch.Tensor, *,
+                   num_local_experts: int, rank: int, max_tokens: int, alignment: int, group: int = 128,
+                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
+    """A dispatch's receiving side when its rows travelled as FP8: :func:`receive_layout` over
+    :func:`receive_rows` rows, then the received rows (``q_RD`` [R, D] e4m3, ``sf_RG`` [R, ceil(D /
+    group)] float32 per-token scales; unused rows hold anything) dequantized into that layout
+    (:func:`kernels.quant.reference.expand_cast_back`). Returns ``(plan, layout, x_PD)``, ``x_PD``
+    [P, D] in ``out_dtype``, unspecified past ``offsets_E[-1]``."""
+    world, topk = count_W.shape[0], meta_RM.shape[1] // 2
+    plan, layout = receive_layout(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank,
+                                  max_tokens=max_tokens, alignment=alignment,
+                                  num_rows=receive_rows(world, max_tokens, topk, num_local_experts, alignment))
+    return plan, layout, expand_cast_back(q_RD, sf_RG, layout, group=group, out_dtype=out_dtype)

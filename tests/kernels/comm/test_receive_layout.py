@@ -11,34 +11,12 @@ from kernels.comm import receive_layout
 from kernels.comm import reference
 from kernels.comm.receive_layout_kernel import MAX_EXPERTS, MAX_ROUTES, fits, get_receive_layout_kernel
 from kernels.permute import max_rows
-from kernels.testing import poison_allocator
-
-
-def arrived(world: int, t_max: int, k: int, e_local: int, seed: int, device="cpu"):
-    """``(meta_RM, count_W)`` as a receive region holds them: ids in [-3, W * E_local + 2), random
-    weight bits, each sender's count in [0, t_max] (one rank sent nothing when W > 1)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-3, world * e_local + 2, (world * t_max, k), generator=g, dtype=torch.int32)
-    bits = torch.randint(-(2**31), 2**31 - 1, (world * t_max, k), generator=g, dtype=torch.int32)
-    count = torch.randint(0, t_max + 1, (world,), generator=g, dtype=torch.int32)
-    if world > 1:
-        count[1] = 0
-    return torch.cat([ids, bits], 1).to(device), count.to(device)
+from kernels.testing import arrived_routes as arrived, assert_same_receive as assert_same, poison_allocator
 
 
 def sizes(world, t_max, k, e_local, alignment):
     return dict(num_local_experts=e_local, rank=world - 1, max_tokens=t_max, alignment=alignment,
                 num_rows=max_rows(world * t_max, k, e_local, alignment))
-
-
-def assert_same(got, want):
-    (plan, layout), (want_plan, want_layout) = got, want
-    assert torch.equal(plan.local_idx_RK.cpu(), want_plan.local_idx_RK.cpu())
-    assert torch.equal(plan.weights_RK.cpu().view(torch.int32), want_plan.weights_RK.cpu().view(torch.int32))
-    assert torch.equal(plan.back_RW.cpu(), want_plan.back_RW.cpu())
-    for name in ("counts_E", "offsets_E", "pos_TK", "src_P"):
-        assert getattr(layout, name).dtype == torch.int32, name
-        assert torch.equal(getattr(layout, name).cpu(), getattr(want_layout, name).cpu()), name
 
 
 def test_public_op_on_cpu_is_the_reference(seed):
