@@ -13,7 +13,8 @@ use (``offsets_E[-1]``: expand, the SwiGLU, combine's backward), so a generous `
 memory, not time, there; the passes over the ``W * T_max`` received rows (the FP8 cast back, the
 weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two
 halves of the heap: a rank may write call n + 1's rows while a peer still reads call n's, never
-call n - 1's (every rank read those before it entered call n's barriers).
+call n - 1's (every rank read those before it entered call n's barriers, or arrived on its split
+barrier, which every rank waits on within call n).
 
 Dispatch sends the routes beside the rows, on a stream of its own (``SideStream``):
 ``kernels.comm.put_routes`` (the way there and back, every token's routes and the count stored into
@@ -25,14 +26,18 @@ four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and st
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
 the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.receive_expand_fits``:
-up to 4096 received routes) skips the bookkeeping beside: after both barriers one launch
+up to 4096 received routes) skips the bookkeeping beside: after the barrier one launch
 (``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
-place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows. Kernels on one stream may launch while the one before them
+place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows; one
+barrier, after the side stream joins, then publishes the routes and the rows. Kernels on one stream may launch while the one before them
 finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
-it came from (``kernels.comm.reduce_put``); after the barrier, the home rank reduces its own rows
-and sums each token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``:
-the bits of storing its own row home too and summing with ``weighted_reduce``'s unit weights). With
+it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
+token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``: the bits of
+storing its own row home too and summing with ``weighted_reduce``'s unit weights). The barrier
+between them is split where the kernels take one (``SymmetricHeap.signal``): ``reduce_put``'s last
+CTA signals every peer, and ``reduce_sum_home`` waits for the peers' signals only after reducing
+its own rows, which hides the signals' flight (on CPU: the group's barrier). With
 ``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token 1x128 scales, cast in the
 same pass as their reduce, and are dequantized in the home sum (half the link's bytes).
 
@@ -197,11 +202,16 @@ class NVLinkDispatcher:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
             returned, scales = region.views[self.rank], None
         pos_RK = route.layout.pos_TK
-        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
-        self.heap.barrier(ROWS)
+        # A split barrier where the kernels take one: reduce_put arrives when its rows are stored,
+        # and reduce_sum_home waits for the peers' arrivals only after reducing its own rows.
+        signal = self.heap.signal()
+        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP,
+                   signal=signal)
+        if signal is None:
+            self.heap.barrier(ROWS)
         own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)
         return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], returned, route.home_TW, rank=self.rank,
-                               sf_SG=scales, group=FP8_GROUP)
+                               sf_SG=scales, group=FP8_GROUP, signal=signal)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
@@ -230,18 +240,19 @@ class NVLinkDispatcher:
         regions = self._regions((world, 1, torch.int32), (self.num_recv_rows, 2 * topk, torch.int32),
                                 *((self.num_recv_rows, width, dtype) for width, dtype in widths))
         counts, meta, *data = regions
-        # A small batch's FP8 rows are laid out and dequantized in one launch once everything has
-        # arrived (kernels.comm.receive_expand: the layout costs no launch of its own there).
-        # Otherwise the routes go ahead, beside the rows (their stores need nothing of the rows'),
-        # and the receivers lay them out while the rows travel: what arrived is rank w's routes in
-        # block w's first count[w] rows (data where they name our experts).
+        # The routes go beside the rows (their stores need nothing of the rows'). A small batch's FP8
+        # rows are laid out and dequantized in one launch once both have arrived, behind one
+        # barrier on this stream (kernels.comm.receive_expand: the layout costs no launch, and no
+        # wait across streams, of its own there). Otherwise the routes go ahead, behind a barrier of
+        # their own, and the receivers lay them out while the rows travel: what arrived is rank w's
+        # routes in block w's first count[w] rows (data where they name our experts).
         fused = expand and fp8 and receive_expand_fits(world, t_max, topk, e_local)
         with self.beside:
             dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
                                           num_local_experts=e_local, rank=me)
             planned = self.beside.mark()
-            self.heap.barrier(ROUTES)
             if not fused:
+                self.heap.barrier(ROUTES)
                 recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
                                               rank=me, max_tokens=t_max, alignment=self.alignment,
                                               num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
@@ -253,8 +264,11 @@ class NVLinkDispatcher:
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)
+        if fused:  # one barrier publishes the routes and the rows
+            self.beside.join()
         self.heap.barrier(ROWS)
-        self.beside.join()
+        if not fused:
+            self.beside.join()
 
         if fp8:
             x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)

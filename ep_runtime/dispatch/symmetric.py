@@ -9,7 +9,8 @@ into peers' copies (``kernels.comm.put_rows``), then a barrier makes the stores 
   CPU workers.
 
 Both hand out ``PeerRegion`` s: a typed ``[rows, width]`` slice at one byte offset of every
-rank's copy.
+rank's copy. A ``CudaHeap`` whose kernels are TileLang's also hands out a split barrier
+(``kernels.comm.Signal``: flags past its regions) that kernels arrive on and wait on themselves.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from kernels.comm import PeerRegion
+from kernels.comm import PeerRegion, Signal
+from kernels.select import use_tilelang
 
 ALIGN = 256  # byte alignment of every region (vector stores need 16)
 
@@ -39,6 +41,11 @@ class SymmetricHeap(Protocol):
         """Returns (on the device: the stream proceeds) once every rank reached it on ``channel``;
         stores into the heap made before it are visible after it. Barriers on different channels
         may run at once (on two streams); each channel's are met in the same order on every rank."""
+        ...
+
+    def signal(self) -> Signal | None:
+        """The heap's split barrier, where its kernels can take one (else None: use ``barrier``).
+        Its arrivals and waits go in one sequence, on one stream."""
         ...
 
 
@@ -77,6 +84,9 @@ class FileHeap:
     def barrier(self, channel: int = 0) -> None:
         dist.barrier(group=self.group)  # CPU work runs in line: one sequence, whatever the channel
 
+    def signal(self) -> None:
+        return None  # CPU processes synchronize through the group's barrier
+
 
 class CudaHeap:
     """A heap of ``nbytes`` per rank in torch symmetric memory over ``group`` (GPUs of one NVLink
@@ -107,18 +117,26 @@ class CudaHeap:
         if backend != "CUDA":
             raise RuntimeError(f"symmetric memory backend: expected 'CUDA' (its barrier orders peers' stores), got "
                                f"{backend!r} (TORCH_SYMMMEM or symm_mem.set_backend chose it)")
+        # Past the regions: the split barrier's int32 flags, one per sender, zero before any peer can
+        # arrive (every rank passes the barrier below first, behind its zeroing).
+        total = nbytes + aligned(self.world * 4)
         if self.world == 1:
-            self.handle, self.heaps = None, [torch.zeros(nbytes, dtype=torch.uint8, device=device)]
+            self.handle, whole = None, [torch.zeros(total, dtype=torch.uint8, device=device)]
         else:
             self._claim_group(group)
-            local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            local = symm_mem.empty(total, dtype=torch.uint8, device=device)
             local.zero_()
             self.handle = symm_mem.rendezvous(local, group)
             CudaHeap._kept.append(local)
-            self.heaps = [local if r == self.rank else self.handle.get_buffer(r, (nbytes,), torch.uint8)
-                          for r in range(self.world)]
-        ptrs = [h.data_ptr() for h in self.heaps]
+            whole = [local if r == self.rank else self.handle.get_buffer(r, (total,), torch.uint8)
+                     for r in range(self.world)]
+        self.heaps = [h[:nbytes] for h in whole]
+        ptrs = [h.data_ptr() for h in whole]
         self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
+        flags = [h[nbytes:nbytes + self.world * 4].view(torch.int32) for h in whole]
+        counters = torch.zeros(2, dtype=torch.int32, device=device)
+        self._signal = Signal(flags_W=flags[0], own_W=flags[self.rank], delta_W=self.delta_W, epoch_1=counters[:1],
+                              tickets_1=counters[1:], rank=self.rank)
         self.barrier()
 
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
@@ -138,6 +156,11 @@ class CudaHeap:
     def barrier(self, channel: int = 0) -> None:
         if self.handle is not None:  # one rank: no peer to wait for; stream order does the rest
             self.handle.barrier(channel=channel)
+
+    def signal(self) -> Signal | None:
+        if self.handle is None or not use_tilelang(self.delta_W.device):  # no peers, or no kernel to arrive
+            return None
+        return self._signal
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:

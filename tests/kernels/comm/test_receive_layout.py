@@ -4,7 +4,6 @@ of range; rows past their sender's count hold garbage), bit for bit, every outpu
 the public op's two paths; sm_90a compile."""
 
 import pytest
-import torch
 
 from kernels import lowering
 from kernels.comm import receive_layout
