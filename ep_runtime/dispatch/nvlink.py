@@ -13,8 +13,7 @@ use (``offsets_E[-1]``: expand, the SwiGLU, combine's backward), so a generous `
 memory, not time, there; the passes over the ``W * T_max`` received rows (the FP8 cast back, the
 weighted reduces, ``receive_layout``) still cost in proportion to it. Calls alternate between two
 halves of the heap: a rank may write call n + 1's rows while a peer still reads call n's, never
-call n - 1's (every rank read those before it entered call n's barriers, or arrived on its split
-barrier, which every rank waits on within call n).
+call n - 1's (every rank read those before it entered call n's barriers).
 
 Dispatch sends the routes beside the rows, on a stream of its own (``SideStream``):
 ``kernels.comm.put_routes`` (the way there and back, every token's routes and the count stored into
@@ -34,10 +33,10 @@ finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each 
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
 token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``: the bits of
-storing its own row home too and summing with ``weighted_reduce``'s unit weights). The barrier
-between them is split where the kernels take one (``SymmetricHeap.signal``): ``reduce_put``'s last
-CTA signals every peer, and ``reduce_sum_home`` waits for the peers' signals only after reducing
-its own rows, which hides the signals' flight (on CPU: the group's barrier). With
+storing its own row home too and summing with ``weighted_reduce``'s unit weights). Between them
+is the heap's barrier, which ``reduce_sum_home`` passes itself where the kernels take one
+(``SymmetricHeap.signal``): it signals every peer as it starts and waits for their signals only
+after reducing its own rows, which hides the signals' flight (on CPU: the group's barrier). With
 ``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token 1x128 scales, cast in the
 same pass as their reduce, and are dequantized in the home sum (half the link's bytes).
 
@@ -202,11 +201,10 @@ class NVLinkDispatcher:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
             returned, scales = region.views[self.rank], None
         pos_RK = route.layout.pos_TK
-        # A split barrier where the kernels take one: reduce_put arrives when its rows are stored,
-        # and reduce_sum_home waits for the peers' arrivals only after reducing its own rows.
+        # Where the kernels take one, reduce_sum_home passes the barrier itself: it signals as it
+        # starts and waits for the peers only after reducing its own rows.
         signal = self.heap.signal()
-        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP,
-                   signal=signal)
+        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
         if signal is None:
             self.heap.barrier(ROWS)
         own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)

@@ -9,8 +9,8 @@ into peers' copies (``kernels.comm.put_rows``), then a barrier makes the stores 
   CPU workers.
 
 Both hand out ``PeerRegion`` s: a typed ``[rows, width]`` slice at one byte offset of every
-rank's copy. A ``CudaHeap`` whose kernels are TileLang's also hands out a split barrier
-(``kernels.comm.Signal``: flags past its regions) that kernels arrive on and wait on themselves.
+rank's copy. A ``CudaHeap`` whose kernels are TileLang's also hands out a barrier that a kernel
+passes itself (``kernels.comm.Signal``: flags past its regions).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class SymmetricHeap(Protocol):
         ...
 
     def signal(self) -> Signal | None:
-        """The heap's split barrier, where its kernels can take one (else None: use ``barrier``).
-        Its arrivals and waits go in one sequence, on one stream."""
+        """The heap's barrier for a kernel to pass itself, where its kernels can (else None: use
+        ``barrier``). Its barriers go in one sequence, on one stream."""
         ...
 
 
@@ -117,8 +117,8 @@ class CudaHeap:
         if backend != "CUDA":
             raise RuntimeError(f"symmetric memory backend: expected 'CUDA' (its barrier orders peers' stores), got "
                                f"{backend!r} (TORCH_SYMMMEM or symm_mem.set_backend chose it)")
-        # Past the regions: the split barrier's int32 flags, one per sender, zero before any peer can
-        # arrive (every rank passes the barrier below first, behind its zeroing).
+        # Past the regions: the in-kernel barrier's int32 flags, one per sender, zero before any peer
+        # can signal (every rank passes the barrier below first, behind its zeroing).
         total = nbytes + aligned(self.world * 4)
         if self.world == 1:
             self.handle, whole = None, [torch.zeros(total, dtype=torch.uint8, device=device)]
@@ -158,7 +158,7 @@ class CudaHeap:
             self.handle.barrier(channel=channel)
 
     def signal(self) -> Signal | None:
-        if self.handle is None or not use_tilelang(self.delta_W.device):  # no peers, or no kernel to arrive
+        if self.handle is None or not use_tilelang(self.delta_W.device):  # no peers, or no kernel to pass it
             return None
         return self._signal
 

@@ -62,23 +62,17 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region: PeerRegion | TokenRegions, *, skip_rank: int = -1, group: int = 128,
-               signal: Signal | None = None) -> None:
+               region: PeerRegion | TokenRegions, *, skip_rank: int = -1, group: int = 128) -> None:
     """See :func:`kernels.comm.reference.reduce_put` (the kernel casts FP8 groups of whole vectors of at
-    most a warp: ``weighted_reduce_kernel.fp8_lanes``). With ``signal`` (a CUDA heap's, TileLang
-    kernels) the call then arrives on it: the first half of a split barrier."""
+    most a warp: ``weighted_reduce_kernel.fp8_lanes``)."""
     fp8 = isinstance(region, TokenRegions)
     rows = region.q if fp8 else region
     if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device) and getattr(rows, "delta_W", None) is not None:
         from kernels.reduce.weighted_reduce_kernel import fp8_lanes, reduce_put as kernel
 
         if not fp8 or fp8_lanes(y_PD.shape[-1], y_PD.element_size(), group):
-            return kernel(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank, group=group, signal=signal)
-    reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank, group=group)
-    if signal is not None:
-        from .signal_kernel import arrive_alone
-
-        arrive_alone(signal)
+            return kernel(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank, group=group)
+    return reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank, group=group)
 
 
 def plan_receive(meta_RM: torch.Tensor, count_W: torch.Tensor, **sizes) -> ReceivePlan:

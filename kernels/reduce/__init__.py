@@ -45,16 +45,16 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
                     home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
                     group: int = 128, signal=None) -> torch.Tensor:
     """See :func:`kernels.reduce.reference.reduce_sum_home`. With ``signal`` (a
-    ``kernels.comm.Signal``: a CUDA heap's, TileLang kernels) the returned rows are read once every
-    peer arrived on it: the second half of a split barrier."""
+    ``kernels.comm.Signal``: a CUDA heap's, TileLang kernels) the call first passes the heap's
+    barrier that the returned rows wait behind (the kernel itself, its own rows reduced meanwhile)."""
     if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device):
         from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as kernel
 
         return kernel(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG, group=group, signal=signal)
     if signal is not None:
-        from kernels.comm.signal_kernel import wait_alone
+        from kernels.comm.signal_kernel import barrier_alone
 
-        wait_alone(signal)
+        barrier_alone(signal)
     return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG, group=group)
 
 

@@ -26,7 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.comm.signal_kernel import arrive, arrive_alone, check_signal, wait, wait_alone
+from kernels.comm.signal_kernel import barrier_alone, check_signal, in_kernel_barrier
 from kernels.pdl import chained
 from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
 from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
@@ -172,21 +172,18 @@ def cast_vector(out_buf, q_buf, lanes: int):
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = PUT_THREADS, fp8_group: int = 0, signalled: bool = False,
+    max_threads: int = PUT_THREADS, fp8_group: int = 0,
 ):
-    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, sf_F, skip_rank, flags_W,
-    epoch_1, tickets_1, rank)`` kernel: row
+    """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, sf_F, skip_rank)`` kernel: row
     t's reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank
     0's copy as vectors of the reduction's ``vec`` elements; rank w's lies ``delta_W[w]`` bytes from
     it, as in ``kernels.comm.put_rows``) instead of to an output of its own; -1, rows outside the
     region and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced. With
     ``fp8_group``, the row (reduced in ``out_dtype``) is cast to e4m3, one float32 scale per
     ``fp8_group`` columns: ``dst_CV`` holds the e4m3 vectors and ``sf_F`` rank 0's copy of the
-    scales region, flat (unread otherwise). When ``signalled``, the kernel ends by arriving on a
-    split barrier (:func:`kernels.comm.signal_kernel.arrive`; ``flags_W`` etc. unread otherwise)."""
+    scales region, flat (unread otherwise)."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
-    num_sf, num_flags = T.dynamic("num_sf"), T.dynamic("num_flags")
-    arrive_ = arrive(world)
+    num_sf = T.dynamic("num_sf")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
                                                    max_threads=max_threads)
     sf_dtype = "uint8" if packed else "float32"
@@ -207,10 +204,6 @@ def get_weighted_reduce_put_kernel(
         dst_CV: T.Tensor[(num_dst * nv, vec), dst_dtype],
         sf_F: T.Tensor[(num_sf,), "float32"],
         skip_rank: T.int32,
-        flags_W: T.Tensor[(num_flags,), "int32"],
-        epoch_1: T.Tensor[(1,), "int32"],
-        tickets_1: T.Tensor[(1,), "int32"],
-        rank: T.int32,
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
@@ -245,30 +238,31 @@ def get_weighted_reduce_put_kernel(
                             dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = stored[j]
                         if fp8_group and c % lanes == 0:
                             sf_F[deltas_W[w] // 4 + rows_W[w] * groups + c // lanes] = sf
-            if signalled:
-                arrive_(flags_W, delta_W, epoch_1, tickets_1, rank, num_tokens * tiles)
 
     return weighted_reduce_put
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)  # a signal reaches the peers' flags through their offsets
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
                                rows_dtype: str | None = None, group: int = 128, signalled: bool = False):
-    """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, own_W, epoch_1)`` kernel of
+    """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,
+    epoch_1, tickets_1)`` kernel of
     :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
     vector of token t's own row (the weighted reduce's macro, rounded to the output dtype as
     ``reduce_put`` stores it), then adds it and the returned rows' vectors in rank order, every load
     issued before the one store. Returned rows of ``rows_dtype`` e4m3 are dequantized with their
     ``sf_SG`` scale (one per ``group`` columns; ``sf_SG`` unread for rows in ``out_dtype``). When
-    ``signalled``, the returned rows are loaded only after the peers' arrival on a split barrier
-    (:func:`kernels.comm.signal_kernel.wait`, after the own row's reduce; ``own_W`` and ``epoch_1``
-    unread otherwise)."""
+    ``signalled``, the kernel is the barrier before the returned rows (a
+    :class:`kernels.comm.Signal`'s, :func:`kernels.comm.signal_kernel.in_kernel_barrier`): its
+    first CTA signals the peers as it starts, and every CTA waits for their signals after its own
+    row's reduce, before it loads a returned row (the flags and counters unread otherwise)."""
     num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
     num_sf = T.dynamic("num_sf")
     rows_dtype = rows_dtype or out_dtype
     dequantize = rows_dtype == "float8_e4m3fn"
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
-    wait_ = wait(world)
+    signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
+    num_flags = T.dynamic("num_flags")
 
     @T.macro
     def load_returned(rows_SD, sf_SG, rows_W, home_buf, scales_W, rank, c):
@@ -290,13 +284,20 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
         home_TW: T.Tensor[(num_tokens, world), "int32"],
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
         rank: T.int32,
+        flags_W: T.Tensor[(num_flags,), "int32"],
         own_W: T.Tensor[(world,), "int32"],
+        delta_W: T.Tensor[(world,), "int64"],
         epoch_1: T.Tensor[(1,), "int32"],
+        tickets_1: T.Tensor[(1,), "int32"],
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
+            epoch = T.alloc_local((1,), "int32")  # this call's (a barrier of a signalled kernel)
+            if signalled:
+                epoch[0] = epoch_1[0] + 1
+                signal_peers(flags_W, delta_W, epoch[0], rank, pid == 0)
             rows_W = T.alloc_local((world,), "int64")
             home_buf = T.alloc_local((world * vec,), rows_dtype)
             scales_W = T.alloc_local((world,), "float32")
@@ -312,8 +313,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                 # not gated on home_TW[t, rank] (the sum is): the routes' loads go out beside
                 # home_TW's, not after them, and in a combine a token not sent here has none
                 reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
-            if signalled:  # the own row's reduce hid the peers' signal in flight
-                wait_(own_W, epoch_1, rank)
+            if signalled:  # the own row's reduce hid the peers' signals in flight
+                wait_peers(own_W, epoch[0], rank)
                 if c < num_cols // vec:
                     load_returned(rows_SD, sf_SG, rows_W, home_buf, scales_W, rank, c)
             if c < num_cols // vec:
@@ -333,6 +334,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                                     acc[j] = T.ieee_add(acc[j], T.cast(home_buf[w * vec + j], "float32"))
                 for j in T.vectorized(vec):
                     out_TD[t, c * vec + j] = T.cast(acc[j], out_dtype)
+            if signalled:
+                count_epoch(epoch_1, tickets_1, epoch[0], num_tokens * tiles)
 
     return reduce_sum_home
 
@@ -373,13 +376,11 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS,
-               signal=None) -> None:
+               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``; or ``TokenRegions`` of one heap, the rows cast
-    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own. With a
-    ``kernels.comm.Signal`` (of the same heap), the call then arrives on it."""
+    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.put_rows_kernel import peer_copy
     from kernels.comm.reference import TokenRegions, check_skip_rank
@@ -394,8 +395,6 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], rows.world),
                  device=y_PD.device)
     check_skip_rank(skip_rank, rows.world)
-    if signal is not None:
-        check_signal(signal, y_PD.device)
     r, k = pos_RK.shape
     p, d = y_PD.shape
     if fp8:
@@ -408,30 +407,13 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         first = peer_copy(rows, width=d)
         sf_F = torch.empty(1, dtype=torch.float32, device=y_PD.device)  # never read
     if r == 0 or d == 0:
-        if signal is not None:
-            arrive_alone(signal)
         return
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
-                                            max_threads, group if fp8 else 0, signal is not None)
-    flags = _signal_args(signal, y_PD.device)
+                                            max_threads, group if fp8 else 0)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
-           dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank, flags.flags_W,
-           flags.epoch_1, flags.tickets_1, flags.rank)
-
-
-class _Unsignalled:
-    """Stand-ins for a kernel's signal arguments when it has no signal (never read)."""
-
-    def __init__(self, device: torch.device, world: int = 1):
-        self.flags_W = self.own_W = torch.empty(world, dtype=torch.int32, device=device)
-        self.epoch_1 = self.tickets_1 = torch.empty(1, dtype=torch.int32, device=device)
-        self.rank = 0
-
-
-def _signal_args(signal, device: torch.device, world: int = 1):
-    return signal if signal is not None else _Unsignalled(device, world)
+           dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank)
 
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
@@ -440,7 +422,8 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
     bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
     (values are not checked: a host sync). With a ``kernels.comm.Signal``, the returned rows are
-    read only once every peer arrived on it (the own rows reduced meanwhile)."""
+    read only after the heap's barrier it stands for, which the kernel passes itself (the own rows
+    reduced while the peers' signals fly)."""
     out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     check_cuda("y_PD", y_PD)
     if signal is not None:
@@ -451,7 +434,7 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     # rows (never in a combine), or scale groups that split a thread's vector
     alone = t == 0 or d == 0 or k == 0 or p == 0 or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0])
     if alone and signal is not None:
-        wait_alone(signal)
+        barrier_alone(signal)
     if t == 0 or d == 0:
         return torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
     if alone:
@@ -461,8 +444,13 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
                                         tl_dtype(rows_SD.dtype), group, signal is not None)
-    flags = _signal_args(signal, y_PD.device, world)
+    if signal is None:  # stand-ins, never read
+        flags = torch.empty(world, dtype=torch.int32, device=y_PD.device)
+        counters = torch.empty(2, dtype=torch.int32, device=y_PD.device)
+        signal_args = (flags, flags, home_TW.new_empty(world, dtype=torch.int64), counters[:1], counters[1:])
+    else:
+        signal_args = (signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1)
     kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
            sf_PG if sf_SG is None else sf_SG.contiguous(), home_TW.to(torch.int32).contiguous(), out_TD, rank,
-           flags.own_W, flags.epoch_1)
+           *signal_args)
     return out_TD
