@@ -28,7 +28,8 @@ the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.rec
 up to 4096 received routes) skips the bookkeeping beside: after the barrier one launch
 (``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
 place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows; one
-barrier, after the side stream joins, then publishes the routes and the rows. Kernels on one stream may launch while the one before them
+barrier, after the side stream joins, then publishes the routes and the rows, and that launch
+passes it itself where the kernels take one (``SymmetricHeap.signal``: no barrier kernel). Kernels on one stream may launch while the one before them
 finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
@@ -262,9 +263,13 @@ class NVLinkDispatcher:
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)
-        if fused:  # one barrier publishes the routes and the rows
+        # One barrier publishes a small batch's routes and rows: receive_expand passes it itself
+        # where the kernels take one (it signals as it starts; nothing to do before the wait).
+        signal = self.heap.signal() if fused else None
+        if fused:
             self.beside.join()
-        self.heap.barrier(ROWS)
+        if signal is None:
+            self.heap.barrier(ROWS)
         if not fused:
             self.beside.join()
 
@@ -275,7 +280,8 @@ class NVLinkDispatcher:
         if fused:
             recv, layout, x_PD = receive_expand(meta.views[me], counts.views[me][:, 0], x_RD.q_RD, x_RD.sf_RG,
                                                 num_local_experts=e_local, rank=me, max_tokens=t_max,
-                                                alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype)
+                                                alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype,
+                                                signal=signal)
         elif expand:
             x_PD = expand_rows(x_RD, layout)
 

@@ -26,14 +26,15 @@ import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
-from kernels.quant.tiles import PEER_PASS_CONFIGS
+from kernels.quant.tiles import PASS_CONFIGS
 
 from .signal import Signal
 
 TIMEOUT_S = 120  # past any skew of the ranks' first-call compiles; a stuck peer still fails the job
 
 SOURCE = r"""
-__device__ __forceinline__ void ep_signal_sys(int* flag, int epoch) {
+__device__ __forceinline__ void ep_signal_sys(int* flags0, long long delta, int index, int epoch) {
+  int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(flags0) + delta) + index;
   __threadfence_system();
   asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(flag), "r"(epoch) : "memory");
 }
@@ -54,15 +55,16 @@ __device__ __forceinline__ void ep_wait_sys(const int* flag, int epoch, unsigned
 def in_kernel_barrier(world: int):
     """The macros ``signal_peers(flags_W, delta_W, epoch, rank, first)``, ``wait_peers(own_W,
     epoch, rank)`` and ``count_epoch(epoch_1, tickets_1, epoch, blocks)`` for ``world`` ranks (CTAs
-    of at least ``world`` threads; ``flags_W`` is rank 0's copy, reached at peer offsets: the kernel
-    runs with ``PEER_PASS_CONFIGS``; ``epoch`` is ``epoch_1[0] + 1`` as every CTA read it first)."""
+    of at least ``world`` threads; ``flags_W`` is rank 0's copy, the peers' reached at their byte
+    offsets inside the signal's C helper, out of TileLang's bounds checks; ``epoch`` is
+    ``epoch_1[0] + 1`` as every CTA read it first)."""
 
     @T.macro
     def signal_peers(flags_W, delta_W, epoch, rank, first):
         T.import_source(SOURCE)
         tid = T.get_thread_binding()
         if T.And(first, T.And(tid < world, tid != rank)):
-            T.call_extern("handle", "ep_signal_sys", T.address_of(flags_W[delta_W[tid] // 4 + rank]), epoch)
+            T.call_extern("handle", "ep_signal_sys", T.address_of(flags_W[0]), delta_W[tid], rank, epoch)
 
     @T.macro
     def wait_peers(own_W, epoch, rank):
@@ -83,15 +85,14 @@ def in_kernel_barrier(world: int):
     return signal_peers, wait_peers, count_epoch
 
 
-@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_barrier_kernel(world: int):
     """``(flags_W, own_W, delta_W, epoch_1, tickets_1, rank)``: one CTA passing the barrier."""
     signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
-    num_flags = T.dynamic("num_flags")
 
     @T.prim_func
     def barrier_kernel(
-        flags_W: T.Tensor[(num_flags,), T.int32],
+        flags_W: T.Tensor[(world,), T.int32],
         own_W: T.Tensor[(world,), T.int32],
         delta_W: T.Tensor[(world,), T.int64],
         epoch_1: T.Tensor[(1,), T.int32],
@@ -113,6 +114,16 @@ def barrier_alone(signal: Signal) -> None:
     """The barrier as a kernel of its own (after everything before it in the stream)."""
     kernel = get_barrier_kernel(signal.world)
     kernel(signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.rank)
+
+
+def signal_args(signal: Signal | None, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A signalled kernel's ``(flags_W, own_W, delta_W, epoch_1, tickets_1)``; stand-ins (never
+    read) for the same kernel's unsignalled build."""
+    if signal is not None:
+        return signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1
+    flags, counters = torch.empty(world, dtype=torch.int32, device=device), torch.empty(2, dtype=torch.int32,
+                                                                                        device=device)
+    return flags, flags, torch.empty(world, dtype=torch.int64, device=device), counters[:1], counters[1:]
 
 
 def check_signal(signal: Signal, device: torch.device) -> None:

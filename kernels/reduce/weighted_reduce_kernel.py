@@ -26,7 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.comm.signal_kernel import barrier_alone, check_signal, in_kernel_barrier
+from kernels.comm.signal_kernel import barrier_alone, check_signal, in_kernel_barrier, signal_args
 from kernels.pdl import chained
 from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
 from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
@@ -242,7 +242,7 @@ def get_weighted_reduce_put_kernel(
     return weighted_reduce_put
 
 
-@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)  # a signal reaches the peers' flags through their offsets
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
                                rows_dtype: str | None = None, group: int = 128, signalled: bool = False):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,
@@ -262,7 +262,6 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     dequantize = rows_dtype == "float8_e4m3fn"
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
     signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
-    num_flags = T.dynamic("num_flags")
 
     @T.macro
     def load_returned(rows_SD, sf_SG, rows_W, home_buf, scales_W, rank, c):
@@ -284,7 +283,7 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
         home_TW: T.Tensor[(num_tokens, world), "int32"],
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
         rank: T.int32,
-        flags_W: T.Tensor[(num_flags,), "int32"],
+        flags_W: T.Tensor[(world,), "int32"],
         own_W: T.Tensor[(world,), "int32"],
         delta_W: T.Tensor[(world,), "int64"],
         epoch_1: T.Tensor[(1,), "int32"],
@@ -444,13 +443,7 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
                                         tl_dtype(rows_SD.dtype), group, signal is not None)
-    if signal is None:  # stand-ins, never read
-        flags = torch.empty(world, dtype=torch.int32, device=y_PD.device)
-        counters = torch.empty(2, dtype=torch.int32, device=y_PD.device)
-        signal_args = (flags, flags, home_TW.new_empty(world, dtype=torch.int64), counters[:1], counters[1:])
-    else:
-        signal_args = (signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1)
     kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
            sf_PG if sf_SG is None else sf_SG.contiguous(), home_TW.to(torch.int32).contiguous(), out_TD, rank,
-           *signal_args)
+           *signal_args(signal, world, y_PD.device))
     return out_TD
