@@ -28,16 +28,15 @@ the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.rec
 up to 4096 received routes) skips the bookkeeping beside: after the barrier one launch
 (``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
 place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows; one
-barrier, after the side stream joins, then publishes the routes and the rows, and that launch
-passes it itself where the kernels take one (``SymmetricHeap.signal``: no barrier kernel). Kernels on one stream may launch while the one before them
+barrier, after the side stream joins, then publishes the routes and the rows. Kernels on one stream may launch while the one before them
 finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
 token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``: the bits of
 storing its own row home too and summing with ``weighted_reduce``'s unit weights). Between them
-is the heap's barrier, which ``reduce_sum_home`` passes itself where the kernels take one
-(``SymmetricHeap.signal``): it signals every peer as it starts and waits for their signals only
-after reducing its own rows, which hides the signals' flight (on CPU: the group's barrier). With
+is the heap's barrier, which a small batch's ``reduce_sum_home`` passes itself where the kernels
+take one (``SymmetricHeap.signal``): it signals every peer as it starts and waits for their
+signals only after reducing its own rows, which hides the signals' flight. With
 ``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token 1x128 scales, cast in the
 same pass as their reduce, and are dequantized in the home sum (half the link's bytes).
 
@@ -202,9 +201,12 @@ class NVLinkDispatcher:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
             returned, scales = region.views[self.rank], None
         pos_RK = route.layout.pos_TK
-        # Where the kernels take one, reduce_sum_home passes the barrier itself: it signals as it
-        # starts and waits for the peers only after reducing its own rows.
-        signal = self.heap.signal()
+        # A small batch's reduce_sum_home passes the barrier itself where the kernels take one: it
+        # signals as it starts and waits for the peers only after reducing its own rows (a large
+        # one's would load the returned rows only after its own, and lose more than the barrier).
+        topk = pos_RK.shape[1]
+        signal = self.heap.signal() if receive_expand_fits(self.world, self.max_tokens, topk,
+                                                           self.num_local_experts) else None
         reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
         if signal is None:
             self.heap.barrier(ROWS)
@@ -263,13 +265,9 @@ class NVLinkDispatcher:
             rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
             for rows_TX, region in zip(rows, data):
                 put_rows(rows_TX.contiguous(), dest_TW, region)
-        # One barrier publishes a small batch's routes and rows: receive_expand passes it itself
-        # where the kernels take one (it signals as it starts; nothing to do before the wait).
-        signal = self.heap.signal() if fused else None
-        if fused:
+        if fused:  # one barrier publishes the routes and the rows
             self.beside.join()
-        if signal is None:
-            self.heap.barrier(ROWS)
+        self.heap.barrier(ROWS)
         if not fused:
             self.beside.join()
 
@@ -280,8 +278,7 @@ class NVLinkDispatcher:
         if fused:
             recv, layout, x_PD = receive_expand(meta.views[me], counts.views[me][:, 0], x_RD.q_RD, x_RD.sf_RG,
                                                 num_local_experts=e_local, rank=me, max_tokens=t_max,
-                                                alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype,
-                                                signal=signal)
+                                                alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype)
         elif expand:
             x_PD = expand_rows(x_RD, layout)
 

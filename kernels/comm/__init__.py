@@ -107,22 +107,15 @@ def receive_expand_fits(world: int, max_tokens: int, topk: int, num_local_expert
 
 def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Tensor, sf_RG: torch.Tensor, *,
                    num_local_experts: int, rank: int, max_tokens: int, alignment: int, group: int = 128,
-                   out_dtype: torch.dtype = torch.bfloat16,
-                   signal: Signal | None = None) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
-    """See :func:`kernels.comm.reference.receive_expand`. With ``signal`` (a CUDA heap's, TileLang
-    kernels) the call first passes the heap's barrier the routes and rows came through (the
-    kernel itself, where one launch takes the batch)."""
+                   out_dtype: torch.dtype = torch.bfloat16) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
+    """See :func:`kernels.comm.reference.receive_expand`."""
     world, topk = count_W.shape[0], meta_RM.shape[-1] // 2
     if (isinstance(meta_RM, torch.Tensor) and use_tilelang(meta_RM.device)
             and receive_expand_fits(world, max_tokens, topk, num_local_experts)):
         from .receive_expand_kernel import receive_expand as kernel
 
         return kernel(meta_RM, count_W, q_RD, sf_RG, num_local_experts=num_local_experts, rank=rank,
-                      max_tokens=max_tokens, alignment=alignment, group=group, out_dtype=out_dtype, signal=signal)
-    if signal is not None:
-        from .signal_kernel import barrier_alone
-
-        barrier_alone(signal)
+                      max_tokens=max_tokens, alignment=alignment, group=group, out_dtype=out_dtype)
     plan, layout = receive_layout(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank,
                                   max_tokens=max_tokens, alignment=alignment,
                                   num_rows=receive_rows(world, max_tokens, topk, num_local_experts, alignment))

@@ -19,9 +19,7 @@ so the layout's latency is paid once in parallel instead of once in series:
    counts, zeroes them and stores -1 into ``src_P`` there and past the last segment.
 
 Positions ascend in route order within each expert, as the references lay them out, so the results
-are the references' bits. With a :class:`kernels.comm.Signal` the kernel also passes the heap's
-barrier before it reads anything (its first CTA signals the peers as it starts, every CTA waits for
-theirs; :mod:`kernels.comm.signal_kernel`): no barrier kernel, and no launch after one. Every CTA repeats the count (~8 KB of routes from L2 at 256 rows of
+are the references' bits. Every CTA repeats the count (~8 KB of routes from L2 at 256 rows of
 top-8): cheaper than a launch and a round trip through one CTA.
 
 Shape suffixes: R = W * T_max received rows, K routes, M = 2K metadata words, W ranks, E local
@@ -40,8 +38,6 @@ from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_dtype, check_tensor
 
 from .reference import ReceivePlan, receive_rows
-from .signal import Signal
-from .signal_kernel import check_signal, in_kernel_barrier, signal_args
 
 THREADS = 128
 MAX_ROUTES = 4096  # every CTA counts every route: 32 a thread
@@ -58,11 +54,10 @@ def fits(world: int, max_tokens: int, topk: int, num_local_experts: int) -> bool
 
 @tilelang.jit(pass_configs=CONFIGS)
 def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_experts: int, alignment: int,
-                              hidden: int, group: int, out_dtype: str, signalled: bool = False):
+                              hidden: int, group: int, out_dtype: str):
     """``(meta_RM, count_W, q_RD, sf_RG, local_idx_RK, weight_bits_RK, back_RW, counts_E, offsets_E,
-    pos_RK, src_P, x_PD, rank, flags_W, own_W, delta_W, epoch_1, tickets_1)`` for ``num_experts``
-    local experts; every size is static (a dispatcher's receive buffers are). ``signalled``: the
-    kernel passes a ``Signal``'s barrier first (its tensors unread otherwise)."""
+    pos_RK, src_P, x_PD, rank)`` for ``num_experts`` local experts; every size is static (a
+    dispatcher's receive buffers are)."""
     rows = world * max_tokens
     routes = rows * topk
     slots = -(-routes // THREADS)  # routes a thread counts
@@ -72,7 +67,6 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
     vec = vector_width(hidden, T.dtype(out_dtype).bytes)
     tile_n = -(-hidden // (THREADS * vec)) * THREADS * vec  # one whole row a CTA
     scan = block_scan(1, THREADS // WARP)
-    signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
 
     def aligned(count):
         return (count + alignment - 1) // alignment * alignment
@@ -92,19 +86,9 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
         src_P: T.Tensor[(num_rows,), T.int32],
         x_PD: T.Tensor[(num_rows, hidden), out_dtype],
         rank: T.int32,
-        flags_W: T.Tensor[(world,), T.int32],
-        own_W: T.Tensor[(world,), T.int32],
-        delta_W: T.Tensor[(world,), T.int64],
-        epoch_1: T.Tensor[(1,), T.int32],
-        tickets_1: T.Tensor[(1,), T.int32],
     ):
         with T.Kernel(pad_blocks + rows, threads=THREADS) as pid:
             chained()
-            epoch = T.alloc_local((1,), T.int32)
-            if signalled:  # the barrier before the routes and rows the peers stored
-                epoch[0] = epoch_1[0] + 1
-                signal_peers(flags_W, delta_W, epoch[0], rank, pid == 0)
-                wait_peers(own_W, epoch[0], rank)
             tid = T.get_thread_binding()
             row = pid - pad_blocks  # this CTA's received row; < 0: a padding CTA
             src = row // max_tokens  # its sender (row >= 0 where used)
@@ -234,18 +218,15 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
                 for r, j in T.Parallel(PAD_ROWS, hidden):
                     if pad_M[r] == 1:
                         x_PD[base + r, j] = T.cast(0, out_dtype)
-            if signalled:
-                count_epoch(epoch_1, tickets_1, epoch[0], pad_blocks + rows)
 
     return receive_expand
 
 
 def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Tensor, sf_RG: torch.Tensor, *,
                    num_local_experts: int, rank: int, max_tokens: int, alignment: int, group: int,
-                   out_dtype: torch.dtype, signal: Signal | None = None) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
+                   out_dtype: torch.dtype) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
     """The TileLang twin of :func:`kernels.comm.reference.receive_expand` (same values; ``x_PD``
-    unwritten past ``offsets_E[-1]``), for a batch that :func:`fits`, over ``receive_rows`` rows;
-    with ``signal``, after passing its barrier (the heap's the rows came through)."""
+    unwritten past ``offsets_E[-1]``), for a batch that :func:`fits`, over ``receive_rows`` rows."""
     check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
     check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)
     world, (rows, words) = count_W.shape[0], meta_RM.shape
@@ -255,8 +236,6 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
     check_tensor("q_RD", q_RD, dtype=E4M3, shape=(rows, hidden), device=meta_RM.device)
     check_tensor("sf_RG", sf_RG, dtype=torch.float32, shape=(rows, -(-hidden // group)), device=meta_RM.device)
     check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
-    if signal is not None:
-        check_signal(signal, meta_RM.device)
     if not fits(world, max_tokens, topk, num_local_experts):
         raise ValueError(f"meta_RM: one launch takes at most {MAX_ROUTES} routes and {MAX_EXPERTS} experts, got "
                          f"{rows * topk} routes ({rows} rows of {topk}) and {num_local_experts} experts")
@@ -267,9 +246,8 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
                           src_P=new(num_rows), alignment=alignment)
     x_PD = q_RD.new_empty((num_rows, hidden), dtype=out_dtype)
     kernel = get_receive_expand_kernel(world, max_tokens, topk, num_local_experts, alignment, hidden, group,
-                                       tl_dtype(out_dtype), signal is not None)
+                                       tl_dtype(out_dtype))
     kernel(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), plan.local_idx_RK,
-           plan.weights_RK, plan.back_RW, layout.counts_E, layout.offsets_E, layout.pos_TK, layout.src_P, x_PD, rank,
-           *signal_args(signal, world, meta_RM.device))
+           plan.weights_RK, plan.back_RW, layout.counts_E, layout.offsets_E, layout.pos_TK, layout.src_P, x_PD, rank)
     return ReceivePlan(local_idx_RK=plan.local_idx_RK, weights_RK=plan.weights_RK.view(torch.float32),
                        back_RW=plan.back_RW), layout, x_PD

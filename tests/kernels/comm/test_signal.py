@@ -1,8 +1,8 @@
-"""The barrier a kernel passes itself (``kernels.comm.Signal``; combine's home sum, a small
-dispatch's receive_expand): on one GPU, "ranks" whose heaps are separate allocations reached
-through their address offsets (as in test_reduce_put), each rank's kernel on a stream of its own,
-signalling every peer's flag and waiting for theirs, with the same bits as the kernel without a
-signal; the one-CTA barrier; sm_90a compile, the wait before the loads it guards."""
+"""The barrier a kernel passes itself (``kernels.comm.Signal``; a small combine's home sum): on
+one GPU, "ranks" whose heaps are separate allocations reached through their address offsets (as
+in test_reduce_put), each rank's kernel on a stream of its own, signalling every peer's flag and
+waiting for theirs, with the same bits as the kernel without a signal; the one-CTA barrier; sm_90a
+compile, the wait before the loads it guards."""
 
 import re
 
@@ -11,10 +11,9 @@ import torch
 
 from kernels import lowering
 from kernels.comm import Signal
-from kernels.comm.receive_expand_kernel import get_receive_expand_kernel, receive_expand
 from kernels.comm.signal_kernel import barrier_alone, get_barrier_kernel
 from kernels.reduce.weighted_reduce_kernel import get_reduce_sum_home_kernel, reduce_sum_home
-from kernels.testing import arrived_routes, assert_same_receive, fp8_rows, reduce_routes
+from kernels.testing import reduce_routes
 
 
 def signals(world: int) -> list[Signal]:
@@ -69,23 +68,6 @@ def test_home_sum_passes_the_barrier_with_the_same_bits(world, seed):
 
 
 @pytest.mark.gpu
-def test_receive_expand_passes_the_barrier_with_the_same_bits(seed):
-    world, t_max, k, e_local = 2, 64, 8, 16
-    meta, count = arrived_routes(world, t_max, k, e_local, seed, device="cuda")
-    q, sf = fp8_rows(world * t_max, 7168, seed=seed, device="cuda")
-    args = dict(num_local_experts=e_local, max_tokens=t_max, alignment=8, group=128, out_dtype=torch.bfloat16)
-    sigs = signals(world)
-    for barriers in (1, 2):
-        got = on_streams(world, lambda w: receive_expand(meta, count, q, sf, rank=w, signal=sigs[w], **args))
-        for w in range(world):
-            plan, layout, x_PD = receive_expand(meta, count, q, sf, rank=w, **args)
-            assert_same_receive(got[w][:2], (plan, layout))
-            used = int(layout.offsets_E[-1])
-            assert torch.equal(got[w][2][:used].view(torch.int16), x_PD[:used].view(torch.int16)), (barriers, w)
-        assert_counted(sigs, barriers)
-
-
-@pytest.mark.gpu
 def test_one_cta_barrier():
     """What a call without rows (or a reference fallback) passes the barrier with."""
     sigs = signals(3)
@@ -108,6 +90,3 @@ def test_compiles_for_sm90a():
             first_load = re.search(r"rows_SD(\[| \+)", body).start()
             assert lowering.waits_first(source)
             assert body.index("ep_signal_sys(") < body.index("y_PD") and body.index("ep_wait_sys(") < first_load
-        source = lowering.kernel_source(get_receive_expand_kernel(2, 128, 8, 128, 8, 7168, 128, "bfloat16", True))
-        body = source[source.index("cudaGridDependencySynchronize"):]
-        assert lowering.waits_first(source) and body.index("ep_wait_sys(") < body.index("meta_RM[")
