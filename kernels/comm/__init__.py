@@ -13,7 +13,9 @@ kernel) take their kernels on the same terms as
 local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise. ``receive_expand`` (that, then the FP8
 rows dequantized into the layout) is one kernel for a batch that :func:`receive_expand_fits`, the
-public ``receive_layout`` and ``kernels.quant.expand_cast_back`` otherwise.
+public ``receive_layout`` and ``kernels.quant.expand_cast_back`` otherwise. ``Signal`` is a
+symmetric heap's barrier that a kernel passes itself (``signal_kernel``; ``kernels.reduce``'s
+``reduce_sum_home`` takes one).
 """
 
 import torch
