@@ -25,11 +25,11 @@ four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and st
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
 the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.receive_expand_fits``:
-up to 4096 received routes) skips the bookkeeping beside: after the barrier one launch
-(``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
-place, so the layout's one-CTA latency chain no longer runs between the barriers and the rows; one
-barrier, after the side stream joins, then publishes the routes and the rows. Kernels on one stream may launch while the one before them
-finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
+up to 4096 received routes) skips the bookkeeping beside: one barrier, after the side stream
+joins, publishes the routes and the rows, then one launch (``kernels.comm.receive_expand``) lays
+the routes out in every CTA and dequantizes the rows into place, so the layout's one-CTA latency
+chain no longer runs between the barrier and the rows. Kernels on one stream may launch while the
+one before them finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
 a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
 it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
 token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``: the bits of
@@ -226,8 +226,9 @@ class NVLinkDispatcher:
         return x_PD, route.layout, DispatchHandle(route=route, recv_weights_RK=recv_weights_RK)
 
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK, *, expand: bool = False):
-        """Moves tokens, routes and weights (the routes and the rows behind a barrier each, on two
-        streams); plans the way back. ``x_TD`` is [T, D],
+        """Moves tokens, routes and weights (the routes beside the rows, on two streams, each behind
+        a barrier of its own, or both behind one for a small FP8 batch laid out in one launch);
+        plans the way back. ``x_TD`` is [T, D],
         or ``Fp8Rows`` (sent as they are: the rows a two-stage route's rail received). Returns the
         route (with the local experts' layout), the received rows ([R, D] in x's dtype, or
         ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport

@@ -431,7 +431,8 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     world = home_TW.shape[1]
     # nothing to sum (a rank without tokens in a CUDA graph: no host sync), no routes or no expert
     # rows (never in a combine), or scale groups that split a thread's vector
-    alone = t == 0 or d == 0 or k == 0 or p == 0 or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0])
+    alone = (t == 0 or d == 0 or k == 0 or p == 0
+             or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0]))
     if alone and signal is not None:
         barrier_alone(signal)
     if t == 0 or d == 0:
