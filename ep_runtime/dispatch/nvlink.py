@@ -24,21 +24,22 @@ experts holds no data of this call), one launch for a small batch (``plan_receiv
 four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and stored in one kernel
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
-the layout (``expand_cast_back``). A small batch of FP8 rows (``kernels.comm.receive_expand_fits``:
-up to 4096 received routes) skips the bookkeeping beside: one barrier, after the side stream
-joins, publishes the routes and the rows, then one launch (``kernels.comm.receive_expand``) lays
-the routes out in every CTA and dequantizes the rows into place, so the layout's one-CTA latency
-chain no longer runs between the barrier and the rows. Kernels on one stream may launch while the
-one before them finishes (programmatic dependent launch, ``kernels.pdl``). Combine reduces each row received from
-a peer over its local experts and stores it straight into block ``me`` of its home rank at the row
-it came from (``kernels.comm.reduce_put``); then the home rank reduces its own rows and sums each
-token's rows in rank order, float32, in one pass (``kernels.reduce.reduce_sum_home``: the bits of
-storing its own row home too and summing with ``weighted_reduce``'s unit weights). Between them
-is the heap's barrier, which a small batch's ``reduce_sum_home`` passes itself where the kernels
-take one (``SymmetricHeap.signal``): it signals every peer as it starts and waits for their
-signals only after reducing its own rows, which hides the signals' flight. With
-``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token 1x128 scales, cast in the
-same pass as their reduce, and are dequantized in the home sum (half the link's bytes).
+the layout (``expand_cast_back``). FP8 rows into small receive buffers (``small_buffers``: up to
+4096 routes, ``W * max_tokens_per_rank * topk``) skip the bookkeeping beside: one barrier, after the
+side stream joins, publishes the routes and the rows, then one launch
+(``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
+place, so the layout's one-CTA latency chain no longer runs between the barrier and the rows.
+Kernels on one stream may launch while the one before them finishes (programmatic dependent launch,
+``kernels.pdl``). Combine reduces each row received from a peer over its local experts and stores it
+straight into block ``me`` of its home rank at the row it came from (``kernels.comm.reduce_put``);
+then the home rank reduces its own rows and sums each token's rows in rank order, float32, in one
+pass (``kernels.reduce.reduce_sum_home``: the bits of storing its own row home too and summing with
+``weighted_reduce``'s unit weights). Between them is the heap's barrier, which ``reduce_sum_home``
+passes itself for small buffers where the kernels take one (``SymmetricHeap.signal``): it signals
+every peer as it starts and waits for their signals only after reducing its own rows, which hides
+the signals' flight. With ``fp8_combine`` the rows bound for the peers travel as e4m3 with per-token
+1x128 scales, cast in the same pass as their reduce, and are dequantized in the home sum (half the
+link's bytes).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
 symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
@@ -157,6 +158,13 @@ class NVLinkDispatcher:
     def num_recv_rows(self) -> int:
         return self.world * self.max_tokens
 
+    def small_buffers(self, topk: int) -> bool:
+        """Receive buffers whose routes one launch lays out (``kernels.comm.receive_expand_fits``:
+        ``W * max_tokens_per_rank * topk`` up to 4096), where a dispatch and a combine take the
+        small batch's path. Decided by the buffers' capacity, not by the tokens a call sends: a
+        generous ``max_tokens_per_rank`` takes the large batch's path."""
+        return receive_expand_fits(self.world, self.max_tokens, topk, self.num_local_experts)
+
     # The transport: regions of one half of the heap, filled by peer stores, then the barriers.
     def _regions(self, *widths: tuple[int, int, torch.dtype]) -> list[PeerRegion]:
         """One region per ``(rows, width, dtype)`` in the half of the heap this call uses."""
@@ -189,9 +197,11 @@ class NVLinkDispatcher:
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute, *,
                     fp8: bool = False) -> torch.Tensor:
         """Each peer's row reduced over the local experts and stored straight into its home rank's
-        region (``kernels.comm.reduce_put``; as e4m3 rows and scales when ``fp8``); after the
-        barrier, this rank's own rows reduced into the sum of those that came back
-        (``kernels.reduce.reduce_sum_home``): the own rows cost one pass, not a store and a re-read."""
+        region (``kernels.comm.reduce_put``; as e4m3 rows and scales when ``fp8``); then this
+        rank's own rows reduced into the sum of those that came back, behind the barrier
+        (``kernels.reduce.reduce_sum_home``): the own rows cost one pass, not a store and a re-read.
+        With small receive buffers the home sum passes the barrier itself, its own rows reduced
+        before it waits for the peers."""
         rows, hidden = self.num_recv_rows, y_PD.shape[1]
         if fp8:
             q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
@@ -201,12 +211,10 @@ class NVLinkDispatcher:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
             returned, scales = region.views[self.rank], None
         pos_RK = route.layout.pos_TK
-        # A small batch's reduce_sum_home passes the barrier itself where the kernels take one: it
-        # signals as it starts and waits for the peers only after reducing its own rows (a large
-        # one's would load the returned rows only after its own, and lose more than the barrier).
-        topk = pos_RK.shape[1]
-        signal = self.heap.signal() if receive_expand_fits(self.world, self.max_tokens, topk,
-                                                           self.num_local_experts) else None
+        # With small buffers reduce_sum_home passes the barrier itself where the kernels take one: it
+        # signals as it starts and waits for the peers only after reducing its own rows (with large
+        # ones it would load the returned rows only after its own, and lose more than the barrier).
+        signal = self.heap.signal() if self.small_buffers(pos_RK.shape[1]) else None
         reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
         if signal is None:
             self.heap.barrier(ROWS)
@@ -248,7 +256,7 @@ class NVLinkDispatcher:
         # wait across streams, of its own there). Otherwise the routes go ahead, behind a barrier of
         # their own, and the receivers lay them out while the rows travel: what arrived is rank w's
         # routes in block w's first count[w] rows (data where they name our experts).
-        fused = expand and fp8 and receive_expand_fits(world, t_max, topk, e_local)
+        fused = expand and fp8 and self.small_buffers(topk)
         with self.beside:
             dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
                                           num_local_experts=e_local, rank=me)

@@ -29,7 +29,8 @@ from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions, rece
 from .signal import Signal
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "Signal", "TokenRegions", "plan_receive", "put_routes",
-           "put_rows", "put_tokens", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows", "reduce_put"]
+           "put_rows", "put_tokens", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows",
+           "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:

@@ -19,11 +19,14 @@ so the layout's latency is paid once in parallel instead of once in series:
    counts, zeroes them and stores -1 into ``src_P`` there and past the last segment.
 
 Positions ascend in route order within each expert, as the references lay them out, so the results
-are the references' bits. Every CTA repeats the count (~8 KB of routes from L2 at 256 rows of
-top-8): cheaper than a launch and a round trip through one CTA.
+are the references' bits for routes to distinct experts (a router's): the layout holds
+``receive_rows`` rows, and routes past it (a row naming one local expert more than ``min(K, E)``
+times in all) are dropped where the reference raises. Every CTA repeats the count (~8 KB of routes
+from L2 at 256 rows of top-8): cheaper than a launch and a round trip through one CTA.
 
 Shape suffixes: R = W * T_max received rows, K routes, M = 2K metadata words, W ranks, E local
-experts, P layout rows, D hidden, G scale groups.
+experts, P layout rows, D hidden, G scale groups, S routes a thread counts, Y warps, Q a padding
+CTA's layout rows.
 """
 
 import tilelang
@@ -107,7 +110,7 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
             totals_1Y = T.alloc_shared((1, THREADS // WARP), T.int32)
             expert_K = T.alloc_shared((topk,), T.int32)
             pos_K = T.alloc_shared((topk,), T.int32)
-            pad_M = T.alloc_shared((PAD_ROWS,), T.int32)  # 1: a padding row of this CTA
+            pad_Q = T.alloc_shared((PAD_ROWS,), T.int32)  # 1: a padding row of this CTA
             layout = vector_layout(1, tile_n, THREADS, vec)
             T.annotate_layout({q_frag: layout, x_frag: layout})
 
@@ -123,7 +126,7 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
             own_1[0] = -1
             own_left_1[0] = 0
             own_bits_1[0] = 0
-            if row >= 0 and tid < topk:
+            if T.And(row >= 0, tid < topk):
                 own_1[0] = meta_RM[row, tid] - rank * num_experts
                 own_left_1[0] = count_W[src] - (row - src * max_tokens)
                 own_bits_1[0] = meta_RM[row, topk + tid]
@@ -143,7 +146,7 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
             if tid < topk:
                 expert_K[tid] = own_1[0]
             if tid < PAD_ROWS:
-                pad_M[tid] = 0
+                pad_Q[tid] = 0
             T.sync_threads()
 
             # 2. each local expert's routes, and those in the rows before this one
@@ -179,7 +182,7 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
                     if own_1[0] >= 0:
                         sum_1[0] = 0  # the same expert among the row's earlier routes
                         for k in T.unroll(topk):
-                            if k < tid and expert_K[k] == own_1[0]:
+                            if T.And(k < tid, expert_K[k] == own_1[0]):
                                 sum_1[0] = sum_1[0] + 1
                         pos_K[tid] = first_E[own_1[0]] + before_E[own_1[0]] + sum_1[0]
                         if pos_K[tid] < num_rows:
@@ -197,7 +200,7 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
                                                        row + (rank - src) * max_tokens, -1)
                 if sum_1[0] > 0:
                     for k in T.unroll(topk):
-                        if pos_K[k] >= 0 and pos_K[k] < num_rows:
+                        if T.And(pos_K[k] >= 0, pos_K[k] < num_rows):
                             for i, j in T.Parallel(1, tile_n):
                                 x_PD[pos_K[k], j] = x_frag[i, j]
             else:
@@ -209,14 +212,14 @@ def get_receive_expand_kernel(world: int, max_tokens: int, topk: int, num_expert
                         start = T.max(first_E[e] + total_E[e], base)
                         end = T.min(first_E[e] + aligned(total_E[e]), base + PAD_ROWS)
                         for p in T.serial(T.max(end - start, 0)):
-                            pad_M[start + p - base] = 1
+                            pad_Q[start + p - base] = 1
                 T.sync_threads()
                 used = first_E[num_experts - 1] + aligned(total_E[num_experts - 1])
                 if tid < PAD_ROWS and base + tid < num_rows:
-                    if T.Or(pad_M[tid] == 1, base + tid >= used):
+                    if T.Or(pad_Q[tid] == 1, base + tid >= used):
                         src_P[base + tid] = -1
                 for r, j in T.Parallel(PAD_ROWS, hidden):
-                    if pad_M[r] == 1:
+                    if T.And(pad_Q[r] == 1, base + r < num_rows):
                         x_PD[base + r, j] = T.cast(0, out_dtype)
 
     return receive_expand

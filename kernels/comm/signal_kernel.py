@@ -126,10 +126,13 @@ def signal_args(signal: Signal | None, world: int, device: torch.device) -> tupl
     return flags, flags, torch.empty(world, dtype=torch.int64, device=device), counters[:1], counters[1:]
 
 
-def check_signal(signal: Signal, device: torch.device) -> None:
-    """``signal``'s tensors on ``device``, of the dtypes a kernel takes."""
+def check_signal(signal: Signal, device: torch.device, world: int) -> None:
+    """``signal``'s tensors on ``device``, of the dtypes a kernel takes, over ``world`` ranks."""
     if not isinstance(signal, Signal):
         raise TypeError(f"signal: expected a kernels.comm.Signal, got {type(signal).__name__}")
+    if signal.world != world or signal.delta_W.shape != (world,):
+        raise ValueError(f"signal: expected flags and offsets for {world} ranks, got {signal.world} flags and "
+                         f"offsets of shape {tuple(signal.delta_W.shape)}")
     for name in ("flags_W", "own_W", "epoch_1", "tickets_1"):
         t = getattr(signal, name)
         if t.dtype != torch.int32 or t.device != device:

@@ -10,6 +10,7 @@ reference otherwise.
 
 import torch
 
+from kernels.comm.signal import Signal
 from kernels.permute.reference import ExpertLayout
 from kernels.reduce import reference
 from kernels.reduce.weighted_reduce_kernel import weighted_reduce as weighted_reduce_kernel
@@ -43,18 +44,18 @@ def weighted_reduce_backward(
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
                     home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
-                    group: int = 128, signal=None) -> torch.Tensor:
-    """See :func:`kernels.reduce.reference.reduce_sum_home`. With ``signal`` (a
-    ``kernels.comm.Signal``: a CUDA heap's, TileLang kernels) the call first passes the heap's
-    barrier that the returned rows wait behind (the kernel itself, its own rows reduced meanwhile)."""
+                    group: int = 128, signal: Signal | None = None) -> torch.Tensor:
+    """See :func:`kernels.reduce.reference.reduce_sum_home`. With ``signal`` (a CUDA heap's
+    ``kernels.comm.Signal``; TileLang kernels only) the call also passes the heap's barrier that
+    the returned rows wait behind: it signals the peers first and waits for theirs only before it
+    reads a returned row, its own rows reduced meanwhile."""
     if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device):
         from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as kernel
 
         return kernel(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG, group=group, signal=signal)
     if signal is not None:
-        from kernels.comm.signal_kernel import barrier_alone
-
-        barrier_alone(signal)
+        raise ValueError("signal: only the TileLang kernel passes a barrier itself (kernels.select chose the "
+                         "reference here); use the heap's barrier")
     return reference.reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG, group=group)
 
 

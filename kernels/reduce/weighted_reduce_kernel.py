@@ -26,6 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.comm.signal import Signal
 from kernels.comm.signal_kernel import barrier_alone, check_signal, in_kernel_barrier, signal_args
 from kernels.pdl import chained
 from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
@@ -417,22 +418,26 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
                     home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
-                    group: int = 128, signal=None) -> torch.Tensor:
+                    group: int = 128, signal: Signal | None = None) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
     bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
     (values are not checked: a host sync). With a ``kernels.comm.Signal``, the returned rows are
     read only after the heap's barrier it stands for, which the kernel passes itself (the own rows
-    reduced while the peers' signals fly)."""
+    reduced while the peers' signals fly; a CTA narrower than the ranks, a small hidden size, takes
+    the barrier as a kernel of its own first)."""
     out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     check_cuda("y_PD", y_PD)
-    if signal is not None:
-        check_signal(signal, y_PD.device)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
     world = home_TW.shape[1]
+    if signal is not None:
+        check_signal(signal, y_PD.device, world)
     # nothing to sum (a rank without tokens in a CUDA graph: no host sync), no routes or no expert
     # rows (never in a combine), or scale groups that split a thread's vector
     alone = (t == 0 or d == 0 or k == 0 or p == 0
              or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0]))
+    if not alone and signal is not None and reduce_tile(d, y_PD.element_size())[1] < world:
+        barrier_alone(signal)  # a thread a peer signals and waits: too few of them in a CTA
+        signal = None
     if alone and signal is not None:
         barrier_alone(signal)
     if t == 0 or d == 0:

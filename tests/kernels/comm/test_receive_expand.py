@@ -32,14 +32,9 @@ def assert_same(got, want):
     assert torch.equal(x_PD[:used].cpu().view(torch.uint8), want_x[:used].view(torch.uint8))
 
 
-def sizes(world, t_max, e_local, alignment, dtype=torch.bfloat16):
-    return dict(num_local_experts=e_local, rank=world - 1, max_tokens=t_max, alignment=alignment, out_dtype=dtype)
-
-
-def test_public_op_on_cpu_is_the_reference(seed):
-    meta, count, q, sf = received(2, 40, 8, 16, 300, seed)
-    args = sizes(2, 40, 16, 8)
-    assert_same(receive_expand(meta, count, q, sf, **args), reference.receive_expand(meta, count, q, sf, **args))
+def sizes(world, t_max, e_local, alignment, dtype=torch.bfloat16, seed=0):
+    """The op's keywords, for a receiving rank drawn from the seed."""
+    return dict(num_local_experts=e_local, rank=seed % world, max_tokens=t_max, alignment=alignment, out_dtype=dtype)
 
 
 def test_reference_is_receive_layout_then_expand_cast_back(seed):
@@ -47,7 +42,8 @@ def test_reference_is_receive_layout_then_expand_cast_back(seed):
     meta, count = arrived_routes(2, 12, 4, 6, seed)
     count[0] = 12  # rank 0 sent every row (rank 1 nothing), so rank 1 has routes
     q, sf = fp8_rows(24, 256, seed=seed)
-    plan, layout, x_PD = reference.receive_expand(meta, count, q, sf, **sizes(2, 12, 6, 8, torch.float32))
+    args = dict(sizes(2, 12, 6, 8, torch.float32), rank=1)
+    plan, layout, x_PD = reference.receive_expand(meta, count, q, sf, **args)
     used = int(layout.offsets_E[-1])
     assert used > 0 and layout.num_rows == reference.receive_rows(2, 12, 4, 6, 8)
     for p, src in enumerate(layout.src_P[:used].tolist()):
@@ -72,7 +68,7 @@ def test_reference_is_receive_layout_then_expand_cast_back(seed):
 def test_kernel_matches_reference(world, t_max, k, e_local, alignment, hidden, dtype, seed):
     assert receive_expand_fits(world, t_max, k, e_local)
     meta, count, q, sf = received(world, t_max, k, e_local, hidden, seed)
-    args = sizes(world, t_max, e_local, alignment, dtype)
+    args = sizes(world, t_max, e_local, alignment, dtype, seed)
     want = reference.receive_expand(meta, count, q, sf, **args)
     poison_allocator("cuda")
     assert_same(receive_expand(meta.cuda(), count.cuda(), q.cuda(), sf.cuda(), **args), want)
@@ -83,7 +79,7 @@ def test_a_larger_batch_takes_the_two_ops(seed):
     world, t_max, k, e_local = 2, MAX_ROUTES // 16 + 1, 8, 64  # one row past what one launch takes
     assert not receive_expand_fits(world, t_max, k, e_local)
     meta, count, q, sf = received(world, t_max, k, e_local, 256, seed)
-    args = sizes(world, t_max, e_local, 8)
+    args = sizes(world, t_max, e_local, 8, seed=seed)
     assert_same(receive_expand(meta.cuda(), count.cuda(), q.cuda(), sf.cuda(), **args),
                 reference.receive_expand(meta, count, q, sf, **args))
 

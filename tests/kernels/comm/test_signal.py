@@ -49,21 +49,35 @@ def assert_counted(sigs: list[Signal], barriers: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 3])
-def test_home_sum_passes_the_barrier_with_the_same_bits(world, seed):
+def test_home_sum_waits_for_its_peers_rows(world, seed):
+    """Each rank stores its block of every peer's returned rows (poisoned before) after a sleep
+    that is longer the lower its rank, then runs its home sum: the last rank starts first, so a
+    home sum that read before its peers' signals would sum poison."""
     t, k, p, d = 24, 8, 100, 7168  # 96 CTAs a rank: every rank's kernel resident at once
     g = torch.Generator().manual_seed(seed)
     ys = [torch.randn(p, d, generator=g).to(torch.bfloat16).cuda() for _ in range(world)]
-    rows = [torch.randn(world * t, d, generator=g).to(torch.bfloat16).cuda() for _ in range(world)]
+    truth = [torch.randn(world * t, d, generator=g).to(torch.bfloat16).cuda() for _ in range(world)]
+    rows = [torch.empty_like(x) for x in truth]
     pos_TK, weights_TK = (x.cuda() for x in reduce_routes(t, k, p, seed=seed))
     home_TW = torch.arange(world, dtype=torch.int32, device="cuda") * t + torch.arange(t, device="cuda")[:, None]
     home_TW[::5, 0] = -1
+    want = [reduce_sum_home(ys[w], pos_TK, weights_TK, truth[w], home_TW, rank=w) for w in range(world)]
     sigs = signals(world)
+
+    def rank_call(w):
+        torch.cuda._sleep((world - w) * 2_000_000)
+        for v in range(world):
+            if v != w:
+                rows[v][w * t:(w + 1) * t].copy_(truth[v][w * t:(w + 1) * t])
+        return reduce_sum_home(ys[w], pos_TK, weights_TK, rows[w], home_TW, rank=w, signal=sigs[w])
+
     for barriers in (1, 2):  # the epochs count on, the tickets start from 0 again
-        got = on_streams(world, lambda w: reduce_sum_home(ys[w], pos_TK, weights_TK, rows[w], home_TW, rank=w,
-                                                          signal=sigs[w]))
+        for x in rows:
+            x.view(torch.int16).fill_(-1)  # NaN
+        torch.cuda.synchronize()
+        got = on_streams(world, rank_call)
         for w in range(world):
-            want = reduce_sum_home(ys[w], pos_TK, weights_TK, rows[w], home_TW, rank=w)
-            assert torch.equal(got[w].view(torch.int16), want.view(torch.int16)), (barriers, w)
+            assert torch.equal(got[w].view(torch.int16), want[w].view(torch.int16)), (barriers, w)
         assert_counted(sigs, barriers)
 
 
