@@ -10,7 +10,7 @@ from kernels.comm import receive_layout
 from kernels.comm import reference
 from kernels.comm.receive_layout_kernel import MAX_EXPERTS, MAX_ROUTES, fits, get_receive_layout_kernel
 from kernels.permute import max_rows
-from kernels.testing import arrived_routes as arrived, assert_same_receive as assert_same, poison_allocator
+from kernels.testing import arrived_routes, assert_same_receive, poison_allocator
 
 
 def sizes(world, t_max, k, e_local, alignment):
@@ -19,9 +19,9 @@ def sizes(world, t_max, k, e_local, alignment):
 
 
 def test_public_op_on_cpu_is_the_reference(seed):
-    meta, count = arrived(2, 40, 8, 16, seed)
+    meta, count = arrived_routes(2, 40, 8, 16, seed)
     args = sizes(2, 40, 8, 16, 8)
-    assert_same(receive_layout(meta, count, **args), reference.receive_layout(meta, count, **args))
+    assert_same_receive(receive_layout(meta, count, **args), reference.receive_layout(meta, count, **args))
 
 
 @pytest.mark.gpu
@@ -36,11 +36,11 @@ def test_public_op_on_cpu_is_the_reference(seed):
 ])
 def test_kernel_matches_reference(world, t_max, k, e_local, alignment, seed):
     assert fits(world * t_max * k, e_local)
-    meta, count = arrived(world, t_max, k, e_local, seed)
+    meta, count = arrived_routes(world, t_max, k, e_local, seed)
     args = sizes(world, t_max, k, e_local, alignment)
     poison_allocator("cuda")
     got = receive_layout(meta.cuda(), count.cuda(), **args)
-    assert_same(got, reference.receive_layout(meta, count, **args))
+    assert_same_receive(got, reference.receive_layout(meta, count, **args))
 
 
 @pytest.mark.gpu
@@ -48,9 +48,9 @@ def test_a_larger_batch_takes_the_two_ops(seed):
     world, t_max, k, e_local = 2, MAX_ROUTES // 8, 8, 64  # one row past what one CTA takes
     t_max += 1
     assert not fits(world * t_max * k, e_local)
-    meta, count = arrived(world, t_max, k, e_local, seed)
+    meta, count = arrived_routes(world, t_max, k, e_local, seed)
     args = sizes(world, t_max, k, e_local, 8)
-    assert_same(receive_layout(meta.cuda(), count.cuda(), **args), reference.receive_layout(meta, count, **args))
+    assert_same_receive(receive_layout(meta.cuda(), count.cuda(), **args), reference.receive_layout(meta, count, **args))
 
 
 def test_compiles_for_sm90a():
