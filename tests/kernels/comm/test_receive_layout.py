@@ -50,7 +50,8 @@ def test_a_larger_batch_takes_the_two_ops(seed):
     assert not fits(world * t_max * k, e_local)
     meta, count = arrived_routes(world, t_max, k, e_local, seed)
     args = sizes(world, t_max, k, e_local, 8)
-    assert_same_receive(receive_layout(meta.cuda(), count.cuda(), **args), reference.receive_layout(meta, count, **args))
+    got = receive_layout(meta.cuda(), count.cuda(), **args)
+    assert_same_receive(got, reference.receive_layout(meta, count, **args))
 
 
 def test_compiles_for_sm90a():
