@@ -58,8 +58,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens, receive_expand,
-                          receive_expand_fits, receive_layout, receive_rows, reduce_put)
+from kernels.comm import (PeerRegion, RouteRegions, TokenRegions, put_routes, put_rows, put_tokens,
+                          put_tokens_and_routes, receive_expand, receive_expand_fits, receive_layout, receive_rows,
+                          reduce_put)
 from kernels.permute import ExpertLayout
 from kernels.reduce import reduce_sum_home
 from kernels.validate import check_positive
@@ -257,23 +258,29 @@ class NVLinkDispatcher:
         # their own, and the receivers lay them out while the rows travel: what arrived is rank w's
         # routes in block w's first count[w] rows (data where they name our experts).
         fused = expand and fp8 and self.small_buffers(topk)
-        with self.beside:
-            dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, RouteRegions(meta=meta, counts=counts),
-                                          num_local_experts=e_local, rank=me)
-            planned = self.beside.mark()
-            if not fused:
-                self.heap.barrier(ROUTES)
-                recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
-                                              rank=me, max_tokens=t_max, alignment=self.alignment,
-                                              num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
-        if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
-            put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local, rank=me,
-                       group=FP8_GROUP)
+        route_regions = RouteRegions(meta=meta, counts=counts)
+        if fused and not isinstance(x_TD, Fp8Rows):  # tokens and routes in one launch, one stream
+            dest_TW, home_TW = put_tokens_and_routes(x_TD, topk_idx_TK, topk_weights_TK,
+                                                     TokenRegions(q=data[0], sf=data[1]), route_regions,
+                                                     num_local_experts=e_local, rank=me, group=FP8_GROUP)
         else:
-            self.beside.wait(planned)  # put_rows goes by put_routes' dest_TW
-            rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
-            for rows_TX, region in zip(rows, data):
-                put_rows(rows_TX.contiguous(), dest_TW, region)
+            with self.beside:
+                dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, route_regions, num_local_experts=e_local,
+                                              rank=me)
+                planned = self.beside.mark()
+                if not fused:
+                    self.heap.barrier(ROUTES)
+                    recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
+                                                  rank=me, max_tokens=t_max, alignment=self.alignment,
+                                                  num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
+            if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
+                put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local,
+                           rank=me, group=FP8_GROUP)
+            else:
+                self.beside.wait(planned)  # put_rows goes by put_routes' dest_TW
+                rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
+                for rows_TX, region in zip(rows, data):
+                    put_rows(rows_TX.contiguous(), dest_TW, region)
         if fused:  # one barrier publishes the routes and the rows
             self.beside.join()
         self.heap.barrier(ROWS)

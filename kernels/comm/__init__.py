@@ -29,7 +29,7 @@ from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions, rece
 from .signal import Signal
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "Signal", "TokenRegions", "plan_receive", "put_routes",
-           "put_rows", "put_tokens", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows",
+           "put_rows", "put_tokens", "put_tokens_and_routes", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows",
            "reduce_put"]
 
 
@@ -62,6 +62,21 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
         return kernel(x_TD, topk_idx_TK, regions, num_local_experts=num_local_experts, rank=rank, group=group)
     return reference.put_tokens(x_TD, topk_idx_TK, regions, num_local_experts=num_local_experts, rank=rank,
                                 group=group)
+
+
+def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                          tokens: TokenRegions, routes: RouteRegions, *, num_local_experts: int, rank: int,
+                          group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.comm.reference.put_tokens_and_routes` (one kernel where ``put_tokens``
+    takes its own)."""
+    if (isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device)
+            and getattr(tokens.q, "delta_W", None) is not None):
+        from .put_tokens_kernel import put_tokens_and_routes as kernel
+
+        return kernel(x_TD, topk_idx_TK, topk_weights_TK, tokens, routes, num_local_experts=num_local_experts,
+                      rank=rank, group=group)
+    return reference.put_tokens_and_routes(x_TD, topk_idx_TK, topk_weights_TK, tokens, routes,
+                                           num_local_experts=num_local_experts, rank=rank, group=group)
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,

@@ -42,21 +42,27 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_tensor
 
-from .plan_kernel import goes_to
+from .plan_kernel import goes_to, put_routes
 from .put_rows_kernel import peer_copy
-from .reference import TokenRegions
+from .reference import RouteRegions, TokenRegions
 
 
 @tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk: int, index_dtype: str = "int32",
-                          tile: tuple[int, int, int] | None = None, vec: int | None = None):
-    """``(x_TD, idx_TK, delta_W, q_CE, sf_F, e_local, rank, t_max)`` kernel for tokens of ``hidden``
+                          tile: tuple[int, int, int] | None = None, vec: int | None = None, routes: bool = False):
+    """``(x_TD, idx_TK, delta_W, q_CE, sf_F, e_local, rank, t_max, weight_bits_TK, meta_F, counts_F,
+    dest_TW, home_TW)`` kernel for tokens of ``hidden``
     values of ``dtype``, one float32 scale per ``group`` columns, W = ``world`` ranks and ``topk``
     routes a token (ids int32 or int64; token and row counts dynamic). ``tile`` overrides
     :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` and ``vec`` the
     consecutive elements a thread holds, casts and stores as one vector (for tuning sweeps, which
-    pass the regions' e4m3 rows viewed as vectors of ``vec``)."""
+    pass the regions' e4m3 rows viewed as vectors of ``vec``). With ``routes``, the kernel also does
+    what ``put_routes`` does (a small batch's send in one launch): the first column tile of each
+    token stores its metadata row (ids, weight bits) into every rank's ``meta_F`` (rank 0's copy,
+    flat) and writes the way there and back, and the first CTA the count into every rank's
+    ``counts_F`` (all unread otherwise)."""
     num_tokens, num_dst = T.dynamic("num_tokens"), T.dynamic("num_dst")
+    num_meta, num_counts = T.dynamic("num_meta"), T.dynamic("num_counts")
     vec = vec or math.gcd(vector_width(hidden, 1), group)  # a thread's 16-byte e4m3 vector, in one group
     tile_m, tile_n, threads = tile or blockwise_tile(hidden, (1, group), vec)
     tile_g, tile_v = tile_n // group, tile_n // vec
@@ -73,6 +79,11 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
         e_local: T.int32,
         rank: T.int32,
         t_max: T.int32,
+        weight_bits_TK: T.Tensor[(num_tokens, topk), "int32"],
+        meta_F: T.Tensor[(num_meta,), "int32"],
+        counts_F: T.Tensor[(num_counts,), "int32"],
+        dest_TW: T.Tensor[(num_tokens, world), "int32"],
+        home_TW: T.Tensor[(num_tokens, world), "int32"],
     ):
         tiles_n = T.ceildiv(hidden, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
@@ -84,6 +95,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             sf_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             ids_MK = T.alloc_shared((tile_m, topk), "int32")  # -1 past the batch
+            bits_MK = T.alloc_shared((tile_m, topk), "int32")  # the weights' bits (with ``routes``)
             dest_MW = T.alloc_shared((tile_m, world), "int32")
             T.annotate_layout({x_frag: layout, q_frag: layout})
             # Every load before the first global store: the kernel waits for the one before it
@@ -91,6 +103,10 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
             for i, k in T.Parallel(tile_m, topk):
                 token = pm * tile_m + i
                 ids_MK[i, k] = T.if_then_else(token < num_tokens, T.Cast("int32", idx_TK[token, k]), -1)
+            if routes:
+                for i, k in T.Parallel(tile_m, topk):
+                    token = pm * tile_m + i
+                    bits_MK[i, k] = T.if_then_else(token < num_tokens, weight_bits_TK[token, k], 0)
             deltas = T.alloc_local((world,), "int64")
             for w in T.unroll(world):
                 deltas[w] = delta_W[w]
@@ -111,6 +127,22 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
                 for i, g in T.Parallel(tile_m, tile_g):
                     if dest_MW[i, w] >= 0 and pn * tile_g + g < groups:
                         sf_F[deltas[w] // 4 + T.Cast("int64", dest_MW[i, w]) * groups + pn * tile_g + g] = sf_frag[i, g]
+            if routes:  # put_routes' stores: every token's routes and the count go to every rank
+                if pn == 0:
+                    for w in T.unroll(world):
+                        for i, m in T.Parallel(tile_m, 2 * topk):
+                            token = pm * tile_m + i
+                            if token < num_tokens:
+                                meta_F[deltas[w] // 4 + T.Cast("int64", rank * t_max + token) * (2 * topk) + m] = \
+                                    T.if_then_else(m < topk, ids_MK[i, m % topk], bits_MK[i, m % topk])
+                    for i, w in T.Parallel(tile_m, world):
+                        token = pm * tile_m + i
+                        if token < num_tokens:
+                            dest_TW[token, w] = dest_MW[i, w]
+                            home_TW[token, w] = T.if_then_else(dest_MW[i, w] >= 0, w * t_max + token, -1)
+                tid = T.get_thread_binding()
+                if T.And(pid == 0, tid < world):
+                    counts_F[T.Cast("int64", delta_W[tid] // 4) + rank] = num_tokens
 
     return put_tokens
 
@@ -119,6 +151,29 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
                rank: int, group: int = 128) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.put_tokens` (same bytes in every region).
     The regions must lie in one symmetric heap (one ``delta_W``)."""
+    _put(x_TD, topk_idx_TK, None, regions, None, num_local_experts=num_local_experts, rank=rank, group=group)
+
+
+def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                          tokens: TokenRegions, routes: RouteRegions, *, num_local_experts: int, rank: int,
+                          group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TileLang twin of :func:`kernels.comm.reference.put_tokens_and_routes` (same bytes in
+    every region, the same way there and back), in one launch. All regions must lie in one
+    symmetric heap (one ``delta_W``)."""
+    if topk_idx_TK.shape[0] == 0:  # no rows; put_routes still tells every rank the count
+        return put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
+    meta = peer_copy(routes.meta, "routes.meta", dtype=torch.int32)
+    counts = peer_copy(routes.counts, "routes.counts", dtype=torch.int32, width=1)
+    if meta.shape[1] != 2 * topk_idx_TK.shape[-1] or counts.shape[0] != tokens.q.world:
+        raise ValueError(f"routes: expected meta rows of 2K = {2 * topk_idx_TK.shape[-1]} words and W = "
+                         f"{tokens.q.world} counts, got {tuple(meta.shape)} and {tuple(counts.shape)}")
+    return _put(x_TD, topk_idx_TK, topk_weights_TK, tokens, (meta, counts), num_local_experts=num_local_experts,
+                rank=rank, group=group)
+
+
+def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_experts, rank, group):
+    """``put_tokens``, and with ``routes`` (rank 0's meta and counts copies) ``put_routes``' stores
+    too, returning ``(dest_TW, home_TW)``."""
     check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
     check_cuda("x_TD", x_TD)
     if not supports_block((1, group)):
@@ -136,10 +191,21 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
         raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
     if t > max_tokens:
         raise ValueError(f"x_TD: expected at most T_max = {max_tokens} tokens (the regions' rows / W), got {t}")
+    k = topk_idx_TK.shape[1]
     if t == 0:
-        return
+        return None
+    if routes is None:
+        dest_TW = home_TW = bits_TK = meta = counts = x_TD.new_empty((1, 1), dtype=torch.int32)  # never read
+    else:
+        check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
+        bits_TK, (meta, counts) = topk_weights_TK.contiguous().view(torch.int32), routes
+        if meta.shape[0] != q.shape[0]:
+            raise ValueError(f"routes.meta: expected {q.shape[0]} rows (the tokens' regions'), got {meta.shape[0]}")
+        dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
+        home_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
     index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")
-    kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, topk_idx_TK.shape[1], index_dtype)
+    kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, index_dtype, routes=routes is not None)
     vec = math.gcd(vector_width(d, 1), group)
     kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q.view(E4M3).view(-1, vec), sf.view(-1),
-           num_local_experts, rank, max_tokens)
+           num_local_experts, rank, max_tokens, bits_TK, meta.view(-1), counts.view(-1), dest_TW, home_TW)
+    return None if routes is None else (dest_TW, home_TW)

@@ -243,7 +243,7 @@ def get_weighted_reduce_put_kernel(
     return weighted_reduce_put
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)  # its loads are guarded in the code: TileLang's checks are redundant
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
                                rows_dtype: str | None = None, group: int = 128, signalled: bool = False):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,

@@ -1,5 +1,6 @@
-"""put_tokens (dispatch's FP8 cast and rows stored into the peers' regions in one pass): the
-reference against per-token casts placed by hand, the TileLang kernel against the reference byte for
+"""put_tokens (dispatch's FP8 cast and rows stored into the peers' regions in one pass), alone and
+with put_routes' stores in the same launch (a small batch's send): the reference against per-token
+casts placed by hand, the TileLang kernel against the reference byte for
 byte over whole heaps (on one GPU: each "rank" is one allocation holding both regions at the same
 offsets, reached through its address offset as a symmetric heap's are), its argument errors and its
 sm_90a compile."""
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from kernels import lowering
-from kernels.comm import TokenRegions, reference
-from kernels.comm.put_tokens_kernel import get_put_tokens_kernel, put_tokens
+from kernels.comm import RouteRegions, TokenRegions, reference
+from kernels.comm.put_tokens_kernel import get_put_tokens_kernel, put_tokens, put_tokens_and_routes
 from kernels.quant.reference import per_token_cast
 from kernels.testing import cast_input, peer_heaps, send_routes
 
@@ -78,6 +79,35 @@ def test_kernel_matches_reference_byte_for_byte(t, d, dtype, world, k, e_local, 
         assert torch.equal(got[w], want[w]), w
 
 
+def _heaps_with_routes(world: int, rows: int, d: int, k: int, *, device: str, seed: int):
+    """A heap a rank of random bytes holding the tokens' regions and the routes' (meta [rows, 2K],
+    counts [W, 1] int32), at the same offsets in every heap."""
+    heaps, (q, sf, meta, counts) = peer_heaps(world, [((rows, d), torch.uint8), ((rows, -(-d // 128)), torch.float32),
+                                                      ((rows, 2 * k), torch.int32), ((world, 1), torch.int32)],
+                                              device=device, seed=seed)
+    return heaps, TokenRegions(q=q, sf=sf), RouteRegions(meta=meta, counts=counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,d,dtype,world,k,e_local", CASES)
+def test_tokens_and_routes_in_one_launch_match_the_two_references(t, d, dtype, world, k, e_local, seed):
+    """The small batch's send: ``put_routes`` and ``put_tokens`` in one kernel, the same bytes in
+    every heap and the same way there and back (no tokens: only the counts go)."""
+    t_max, me = max(t, 1) + (5 if t % 2 else 0), world - 1
+    x_TD = cast_input(t, d, dtype=dtype, seed=seed, device="cuda")
+    idx, weights = send_routes(t, k, world, e_local, seed=seed, device="cuda")
+    got, got_tokens, got_routes = _heaps_with_routes(world, world * t_max, d, k, device="cuda", seed=seed)
+    want, want_tokens, want_routes = _heaps_with_routes(world, world * t_max, d, k, device="cuda", seed=seed)
+    got_way = put_tokens_and_routes(x_TD, idx, weights, got_tokens, got_routes, num_local_experts=e_local, rank=me)
+    want_way = reference.put_tokens_and_routes(x_TD, idx, weights, want_tokens, want_routes,
+                                               num_local_experts=e_local, rank=me)
+    torch.cuda.synchronize()
+    for w in range(world):
+        assert torch.equal(got[w], want[w]), w
+    for name, a, b in zip(("dest_TW", "home_TW"), got_way, want_way):
+        assert a.dtype == torch.int32 and torch.equal(a, b), name
+
+
 @pytest.mark.gpu
 def test_bad_input_names_the_argument():
     idx, _ = send_routes(4, 2, 2, 3, device="cuda")
@@ -104,3 +134,6 @@ def test_compiles_for_sm90a():
                      (64, "float32", 128, 2, 2, "int32"), (7168, "bfloat16", 8, 2, 8, "int32")]:
             source = lowering.kernel_source(get_put_tokens_kernel(*spec))
             assert "q_CE" in source and lowering.waits_first(source), spec
+        for spec in [(7168, "bfloat16", 128, 2, 8, "int64"), (64, "float32", 128, 2, 2, "int32")]:  # with routes
+            source = lowering.kernel_source(get_put_tokens_kernel(*spec, routes=True))
+            assert "meta_F" in source and "counts_F" in source and lowering.waits_first(source), spec
