@@ -264,23 +264,24 @@ class NVLinkDispatcher:
                                                      TokenRegions(q=data[0], sf=data[1]), route_regions,
                                                      num_local_experts=e_local, rank=me, group=FP8_GROUP)
         else:
+            rows_by_routes = not fp8 or isinstance(x_TD, Fp8Rows)  # put_rows goes by put_routes' dest_TW
             with self.beside:
                 dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, route_regions, num_local_experts=e_local,
                                               rank=me)
-                planned = self.beside.mark()
+                planned = self.beside.mark() if rows_by_routes else None
                 if not fused:
                     self.heap.barrier(ROUTES)
                     recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
                                                   rank=me, max_tokens=t_max, alignment=self.alignment,
                                                   num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
-            if fp8 and not isinstance(x_TD, Fp8Rows):  # cast and stored in one pass (kernels.comm.put_tokens)
-                put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local,
-                           rank=me, group=FP8_GROUP)
-            else:
-                self.beside.wait(planned)  # put_rows goes by put_routes' dest_TW
+            if rows_by_routes:
+                self.beside.wait(planned)
                 rows = [x_TD.q_RD.view(torch.uint8), x_TD.sf_RG] if fp8 else [x_TD]
                 for rows_TX, region in zip(rows, data):
                     put_rows(rows_TX.contiguous(), dest_TW, region)
+            else:  # cast and stored in one pass (kernels.comm.put_tokens)
+                put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local,
+                           rank=me, group=FP8_GROUP)
         if fused:  # one barrier publishes the routes and the rows
             self.beside.join()
         self.heap.barrier(ROWS)

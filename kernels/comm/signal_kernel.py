@@ -121,9 +121,9 @@ def signal_args(signal: Signal | None, world: int, device: torch.device) -> tupl
     read) for the same kernel's unsignalled build."""
     if signal is not None:
         return signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1
-    flags, counters = torch.empty(world, dtype=torch.int32, device=device), torch.empty(2, dtype=torch.int32,
-                                                                                        device=device)
-    return flags, flags, torch.empty(world, dtype=torch.int64, device=device), counters[:1], counters[1:]
+    stand_in = torch.empty(world + 1, dtype=torch.int64, device=device)  # one allocation on the hot path
+    flags = stand_in.view(torch.int32)
+    return flags[:world], flags[:world], stand_in[:world], flags[world:world + 1], flags[world + 1:world + 2]
 
 
 def check_signal(signal: Signal, device: torch.device, world: int) -> None:
