@@ -259,7 +259,8 @@ class NVLinkDispatcher:
         # routes in block w's first count[w] rows (data where they name our experts).
         fused = expand and fp8 and self.small_buffers(topk)
         route_regions = RouteRegions(meta=meta, counts=counts)
-        if fused and not isinstance(x_TD, Fp8Rows):  # tokens and routes in one launch, one stream
+        one_launch = fused and not isinstance(x_TD, Fp8Rows)
+        if one_launch:  # tokens and routes in one launch, one stream
             dest_TW, home_TW = put_tokens_and_routes(x_TD, topk_idx_TK, topk_weights_TK,
                                                      TokenRegions(q=data[0], sf=data[1]), route_regions,
                                                      num_local_experts=e_local, rank=me, group=FP8_GROUP)
@@ -282,7 +283,7 @@ class NVLinkDispatcher:
             else:  # cast and stored in one pass (kernels.comm.put_tokens)
                 put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local,
                            rank=me, group=FP8_GROUP)
-        if fused:  # one barrier publishes the routes and the rows
+        if fused and not one_launch:  # one barrier publishes the routes and the rows
             self.beside.join()
         self.heap.barrier(ROWS)
         if not fused:

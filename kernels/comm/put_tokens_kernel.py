@@ -63,6 +63,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
     ``counts_F`` (all unread otherwise)."""
     num_tokens, num_dst = T.dynamic("num_tokens"), T.dynamic("num_dst")
     num_meta, num_counts = T.dynamic("num_meta"), T.dynamic("num_counts")
+    num_routed = T.dynamic("num_routed")  # num_tokens with ``routes``; 1 for the stand-ins without
     vec = vec or math.gcd(vector_width(hidden, 1), group)  # a thread's 16-byte e4m3 vector, in one group
     tile_m, tile_n, threads = tile or blockwise_tile(hidden, (1, group), vec)
     tile_g, tile_v = tile_n // group, tile_n // vec
@@ -79,11 +80,11 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
         e_local: T.int32,
         rank: T.int32,
         t_max: T.int32,
-        weight_bits_TK: T.Tensor[(num_tokens, topk), "int32"],
+        weight_bits_TK: T.Tensor[(num_routed, topk), "int32"],
         meta_F: T.Tensor[(num_meta,), "int32"],
         counts_F: T.Tensor[(num_counts,), "int32"],
-        dest_TW: T.Tensor[(num_tokens, world), "int32"],
-        home_TW: T.Tensor[(num_tokens, world), "int32"],
+        dest_TW: T.Tensor[(num_routed, world), "int32"],
+        home_TW: T.Tensor[(num_routed, world), "int32"],
     ):
         tiles_n = T.ceildiv(hidden, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
@@ -195,7 +196,9 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
     if t == 0:
         return None
     if routes is None:
-        dest_TW = home_TW = bits_TK = meta = counts = x_TD.new_empty((1, 1), dtype=torch.int32)  # never read
+        stand_in = x_TD.new_empty(k + 2 * world, dtype=torch.int32)  # never read; one allocation
+        bits_TK, dest_TW, home_TW = (part.view(1, -1) for part in stand_in.split((k, world, world)))
+        meta = counts = stand_in
     else:
         check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
         bits_TK, (meta, counts) = topk_weights_TK.contiguous().view(torch.int32), routes
