@@ -1,0 +1,102 @@
+"""Where a small batch's last half microsecond goes (issue #3: at 128 tokens torch.compile's Triton
+SwiGLU and transpose take 0.4-0.6 us less than ours under ``bench kernels``' timer, and session 15
+saw a transpose of eight loads and one store a thread keep the gap). For each op at the small
+shape it reports, alternating ``--rounds`` times in one process:
+
+- the timer's time (events around the call, the GPU busy before it: launch + kernel);
+- the kernel's own time on the GPU (CUPTI through ``torch.profiler``, the L2 flushed before each
+  call as the timer does): if ours matches Triton's here, the gap is in the launch, not the body;
+- for the transpose, the same TileLang kernel launched by TileLang's Cython wrapper (which sets
+  the programmatic-stream-serialization attribute on every launch) next to the default TVM-FFI one.
+
+    python3 bench/scripts/launch_gap.py --out $OUT/launch-gap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ep_runtime.bench import kernels as bench
+
+
+def kernel_us(fn, timer: bench.Timer, calls: int) -> float:
+    """Median CUPTI duration of the kernels ``fn`` launches (summed per call), the L2 flushed
+    before each call; the flush's own kernel is told apart by running it alone first."""
+    with profile(activities=[ProfilerActivity.CUDA]) as flush_only:
+        timer.flush()
+        timer.sync()
+    flush_names = {e.name for e in flush_only.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            timer.flush()
+            fn()
+        timer.sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.name not in flush_names and not e.name.startswith("Memset")]
+    per_call = len(kernels) // calls
+    if per_call == 0:
+        raise RuntimeError("no kernel of the op was profiled")
+    sums = [sum(k.device_time for k in kernels[i * per_call:(i + 1) * per_call]) for i in range(calls)]
+    return statistics.median(sums)
+
+
+def cython_transpose(x):
+    """The shipped transpose kernel, compiled again for TileLang's Cython launcher."""
+    import tilelang
+
+    from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
+
+    b, m, n = x.shape
+    factory = get_batched_transpose_kernel
+    kernel = tilelang.compile(factory.get_tir(m, n, "int16"), execution_backend="cython",
+                              pass_configs=factory.pass_configs)
+
+    def call():
+        out = torch.empty((b, n, m), dtype=x.dtype, device=x.device)
+        kernel(x.view(torch.int16), out.view(torch.int16))
+        return out
+
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="batched_transpose,swiglu")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    device, seed, timer = bench.tuning_setup(a.iters)
+    print(f"{bench.device_name(device)}  seed {seed}", flush=True)
+    inp = bench.Inputs(bench.SHAPES["small"], device, seed)
+    rows = []
+    for case in bench.build_cases(inp, a.ops.split(","), with_peers=True):
+        want = case.reference(*case.args)
+        compiled = torch.compile(case.reference, dynamic=False)
+        impls = {"ours": case.ours, "torch_compile": lambda: compiled(*case.args)}
+        if case.op == "batched_transpose":
+            impls["ours_cython_launch"] = cython_transpose(*case.args)
+        for name, fn in impls.items():
+            if name.startswith("ours"):
+                checked = bench.check(fn(), want, case.exact, case.within)
+                assert checked["ok"], f"{case.op}/{name} differs from the reference: {checked}"
+        times = {name: {"timer_us": [], "kernel_us": []} for name in impls}
+        for _ in range(a.rounds):
+            for name, fn in impls.items():
+                times[name]["timer_us"].append(timer.median_us(fn)[0])
+                times[name]["kernel_us"].append(kernel_us(fn, timer, 50))
+        for name, t in times.items():
+            print(f"{case.op:18s} {name:20s} timer {statistics.median(t['timer_us']):5.2f} us  "
+                  f"kernel {statistics.median(t['kernel_us']):5.2f} us", flush=True)
+        rows.append({"op": case.op, "times": times})
+    with open(a.out, "w") as f:
+        json.dump({"device": bench.device_name(device), "seed": seed, "rounds": a.rounds, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
