@@ -1,7 +1,12 @@
 """Batched transpose kernel for any dtype (see :mod:`kernels.transpose.reference`).
 
 Elements are moved as raw bits (an unsigned integer of the element's width, so float8 and every
-other dtype share one kernel per width). A CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
+other dtype share one kernel per width). Matrices whose output rows are at most 32 bytes (a small
+batch's ``[B, 16, 7168]`` bf16) are transposed in registers: each thread loads a block of ``bm``
+rows of ``bn`` elements as ``bm`` vectors and stores it as ``bn`` output vectors of ``bm``, with
+no shared memory and no barrier, every load in flight at once (session 20: the shared-memory
+kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where torch.compile's Triton kernel spent 2.2,
+``bench/scripts/launch_gap.py``). Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
 in shared memory (128 x 128 for 1- and 2-byte elements, 64 x 64 otherwise; fewer rows when the matrix
 has fewer, down to 8), read from ``x`` with row-contiguous
 vectors; each thread then gathers a column run of up to 16 bytes from shared memory into registers and
@@ -21,11 +26,52 @@ from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 MAX_THREADS = 256
+REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
+REGISTER_THREADS = 64  # the register kernel's CTA: [8, 16, 7168] bf16 makes 224 CTAs for 132 SMs
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str):
     """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64)."""
+    if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
+        return _register_blocks(rows, cols, bits_dtype)
+    return _shared_tiles(rows, cols, bits_dtype)
+
+
+def _register_blocks(rows: int, cols: int, bits_dtype: str):
+    """Each thread a ``[bm, bn]`` block: ``bm`` input vectors in, ``bn`` output vectors out. The
+    blocks of one column band go to adjacent threads, so a store instruction writes whole output
+    rows and a load instruction runs along the input rows."""
+    batch = T.dynamic("batch")
+    elem_bytes = T.dtype(bits_dtype).bytes
+    bm, bn = vector_width(rows, elem_bytes), vector_width(cols, elem_bytes)  # they divide rows, cols
+    blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
+
+    @T.prim_func
+    def batched_transpose(
+        x_BMN: T.Tensor[(batch, rows, cols), bits_dtype],
+        out_BNM: T.Tensor[(batch, cols, rows), bits_dtype],
+    ):
+        with T.Kernel(T.ceildiv(blocks, REGISTER_THREADS), batch, threads=REGISTER_THREADS) as (pb, b):
+            block_MN = T.alloc_local((bm, bn), bits_dtype)
+            column = T.alloc_local((bm,), bits_dtype)
+            blk = pb * REGISTER_THREADS + T.get_thread_binding()
+            m0, n0 = blk % blocks_m * bm, blk // blocks_m * bn
+            if blk < blocks:
+                for i in T.unroll(bm):
+                    for k in T.vectorized(bn):
+                        block_MN[i, k] = x_BMN[b, m0 + i, n0 + k]
+                for j in T.unroll(bn):
+                    for i in T.unroll(bm):
+                        column[i] = block_MN[i, j]
+                    for k in T.vectorized(bm):
+                        out_BNM[b, n0 + j, m0 + k] = column[k]
+
+    return batched_transpose
+
+
+def _shared_tiles(rows: int, cols: int, bits_dtype: str):
+    """``[tile_m, tile_n]`` tiles staged in shared memory (see the module doc)."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
     tile_m, tile_n = transpose_tile(rows, elem_bytes)

@@ -19,7 +19,8 @@ def random_tensor(shape, dtype, seed):
 
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64]
 SHAPES = [(3, 33, 70), (0, 16, 8), (2, 0, 5), (1, 128, 1), (2, 130, 257), (1, 7168 + 64, 300), (4, 256, 512),
-          (8, 16, 7168), (2, 5, 300), (3, 1, 64)]  # few rows: narrower, wider tiles
+          (8, 16, 7168), (2, 5, 300), (3, 1, 64),  # few rows: narrower, wider tiles
+          (2, 24, 100), (5, 4, 36), (3, 32, 1000)]  # output rows of up to 32 bytes: register blocks
 
 
 @pytest.mark.gpu
@@ -58,5 +59,6 @@ def test_compiles_for_sm90a():
     """One kernel per element width; at the hidden size and the tiny model's 64, and ragged."""
     with lowering.compile_only():
         for spec in [(7168, 2048, "uint8"), (7168, 2048, "uint16"), (64, 128, "uint32"), (130, 257, "uint64"),
-                     (16, 7168, "uint16"), (5, 300, "uint8"), (1, 64, "uint64")]:
+                     (16, 7168, "uint16"), (16, 7168, "uint8"), (24, 100, "uint8"), (5, 300, "uint8"),
+                     (1, 64, "uint64")]:
             assert "batched_transpose" in lowering.kernel_source(get_batched_transpose_kernel(*spec)), spec
