@@ -7,7 +7,8 @@ shape it reports, alternating ``--rounds`` times in one process:
 - the kernel's own time on the GPU (CUPTI through ``torch.profiler``, the L2 flushed before each
   call as the timer does): if ours matches Triton's here, the gap is in the launch, not the body;
 - for the transpose, the same TileLang kernel launched by TileLang's Cython wrapper (which sets
-  the programmatic-stream-serialization attribute on every launch) next to the default TVM-FFI one.
+  the programmatic-stream-serialization attribute on every launch) next to the default TVM-FFI one,
+  and the register kernel's CTA sizes.
 
     python3 bench/scripts/launch_gap.py --out $OUT/launch-gap.json
 """
@@ -45,15 +46,15 @@ def kernel_us(fn, timer: bench.Timer, calls: int) -> float:
     return statistics.median(sums)
 
 
-def cython_transpose(x):
-    """The shipped transpose kernel, compiled again for TileLang's Cython launcher."""
+def transpose_variant(x, backend: str = "tvm_ffi", **options):
+    """The transpose kernel with factory ``options``, compiled for TileLang's ``backend`` launcher."""
     import tilelang
 
     from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 
     b, m, n = x.shape
     factory = get_batched_transpose_kernel
-    kernel = tilelang.compile(factory.get_tir(m, n, "int16"), execution_backend="cython",
+    kernel = tilelang.compile(factory.get_tir(m, n, "int16", **options), execution_backend=backend,
                               pass_configs=factory.pass_configs)
 
     def call():
@@ -80,7 +81,9 @@ def main() -> None:
         compiled = torch.compile(case.reference, dynamic=False)
         impls = {"ours": case.ours, "torch_compile": lambda: compiled(*case.args)}
         if case.op == "batched_transpose":
-            impls["ours_cython_launch"] = cython_transpose(*case.args)
+            impls["ours_cython_launch"] = transpose_variant(*case.args, backend="cython")
+            for threads in (32, 128, 256):
+                impls[f"ours_{threads}_threads"] = transpose_variant(*case.args, register_threads=threads)
         for name, fn in impls.items():
             if name.startswith("ours"):
                 checked = bench.check(fn(), want, case.exact, case.within)

@@ -31,14 +31,15 @@ REGISTER_THREADS = 64  # the register kernel's CTA: [8, 16, 7168] bf16 makes 224
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str):
-    """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64)."""
+def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS):
+    """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64);
+    ``register_threads`` the register kernel's CTA (for tuning sweeps)."""
     if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
-        return _register_blocks(rows, cols, bits_dtype)
+        return _register_blocks(rows, cols, bits_dtype, register_threads)
     return _shared_tiles(rows, cols, bits_dtype)
 
 
-def _register_blocks(rows: int, cols: int, bits_dtype: str):
+def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int):
     """Each thread a ``[bm, bn]`` block: ``bm`` input vectors in, ``bn`` output vectors out. The
     blocks of one column band go to adjacent threads, so a store instruction writes whole output
     rows and a load instruction runs along the input rows."""
@@ -52,10 +53,10 @@ def _register_blocks(rows: int, cols: int, bits_dtype: str):
         x_BMN: T.Tensor[(batch, rows, cols), bits_dtype],
         out_BNM: T.Tensor[(batch, cols, rows), bits_dtype],
     ):
-        with T.Kernel(T.ceildiv(blocks, REGISTER_THREADS), batch, threads=REGISTER_THREADS) as (pb, b):
+        with T.Kernel(T.ceildiv(blocks, threads), batch, threads=threads) as (pb, b):
             block_MN = T.alloc_local((bm, bn), bits_dtype)
             column = T.alloc_local((bm,), bits_dtype)
-            blk = pb * REGISTER_THREADS + T.get_thread_binding()
+            blk = pb * threads + T.get_thread_binding()
             m0, n0 = blk % blocks_m * bm, blk // blocks_m * bn
             if blk < blocks:
                 for i in T.unroll(bm):
