@@ -8,7 +8,8 @@ shape it reports, alternating ``--rounds`` times in one process:
   call as the timer does): if ours matches Triton's here, the gap is in the launch, not the body;
 - for the transpose, the same TileLang kernel launched by TileLang's Cython wrapper (which sets
   the programmatic-stream-serialization attribute on every launch) next to the default TVM-FFI one,
-  and the register kernel's CTA sizes.
+  and the register kernel's CTA sizes;
+- for SwiGLU, one-row tiles with fewer values a thread.
 
     python3 bench/scripts/launch_gap.py --out $OUT/launch-gap.json
 """
@@ -65,6 +66,22 @@ def transpose_variant(x, backend: str = "tvm_ffi", **options):
     return call
 
 
+def swiglu_variant(x, tile, vec):
+    """The few-token SwiGLU forward with another one-row tile and vector width."""
+    from kernels.quant.swiglu_kernel import get_swiglu_forward_kernel
+
+    t, inter = x.shape[0], x.shape[1] // 2
+    kernel = get_swiglu_forward_kernel(inter, "bfloat16", 128, False, False, False, True, False, tile=tile, vec=vec)
+    scales, rows = torch.empty((t, -(-inter // 128)), device=x.device), torch.empty(1, dtype=torch.int32, device=x.device)
+
+    def call():
+        y = torch.empty((t, inter), dtype=x.dtype, device=x.device)
+        kernel(x, y, scales, rows)
+        return y
+
+    return call
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="batched_transpose,swiglu")
@@ -80,6 +97,9 @@ def main() -> None:
         want = case.reference(*case.args)
         compiled = torch.compile(case.reference, dynamic=False)
         impls = {"ours": case.ours, "torch_compile": lambda: compiled(*case.args)}
+        if case.op == "swiglu":  # fewer values a thread: shorter chains of IEEE expf and divisions
+            for tile, vec in [((1, 1024, 256), 4), ((1, 1024, 512), 2), ((1, 512, 128), 4), ((1, 256, 64), 4)]:
+                impls[f"ours_{tile[1]}x{tile[2]}_vec{vec}"] = swiglu_variant(*case.args, tile, vec)
         if case.op == "batched_transpose":
             impls["ours_cython_launch"] = transpose_variant(*case.args, backend="cython")
             for threads in (32, 128, 256):

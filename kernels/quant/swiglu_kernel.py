@@ -42,7 +42,7 @@ def silu(g):
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_forward_kernel(
     inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False,
-    limited: bool = True, tile: tuple[int, int, int] | None = None,
+    limited: bool = True, tile: tuple[int, int, int] | None = None, vec: int | None = None,
 ):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
@@ -57,9 +57,12 @@ def get_swiglu_forward_kernel(
     ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
     is never read, so a call without a row limit passes an uninitialized tensor instead of making
     one with ``torch.full`` (a fill launch per call: ~2 us of the ~64 at 16384 x 2048 on an H100,
-    ``bench/results/h100/2026-11-25-s8``)."""
+    ``bench/results/h100/2026-11-25-s8``).
+
+    ``tile`` and ``vec`` override the tile and the elements a thread loads as one vector (for
+    tuning sweeps)."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(inter, T.dtype(dtype).bytes)
+    vec = vec or vector_width(inter, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), vec)
     if one_row and tile_n // vec >= 32:
         tile_m, threads = 1, min(threads, tile_n // vec)
