@@ -135,6 +135,7 @@ def test_compiles_for_sm90a():
             ((300, "float16", 128, True, False, False, False), False),
             ((2048, "bfloat16", 128, True, False, False, True), False),  # one-row tiles (few tokens)
             ((300, "float16", 128, False, False, False, True), True),
+            ((64, "bfloat16", 128, False, False, False, True), False),  # one-row tiles of 2 values a thread
             # few tokens at I = 64 fused with the cast (the GPU tests' T = 1): rows narrower than a
             # warp of vectors keep the default tile (one-row tiles failed to lower in v2)
             *[((64, "bfloat16", group, True, *sf, True), False) for group in (128, 64) for sf in SF_MODES.values()],
