@@ -58,7 +58,7 @@ class MoEConfig:
     # the DeepSeek-V3 shape on an H100; bench/results/h100/2026-11-25-s11).
     alignment: int = 8
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
-    fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all and nvlink within a node)
+    fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all, nvlink, and both stages across nodes)
     dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
     router: RouterConfig = field(default_factory=RouterConfig)

@@ -27,13 +27,10 @@ def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext, *, lanes: int = 1) -> 
         contexts = [ctx] + [lane_context(ctx) for _ in range(lanes - 1)]
         return PerLane([make_dispatcher(cfg, c) for c in contexts])
     if cfg.dispatcher == "nvlink" and ctx.ep_rail_group is not None:
-        if cfg.fp8_combine:
-            raise ValueError("model.moe.fp8_combine: expected false when the nvlink EP group spans nodes (the "
-                             "two-stage combine sends bf16 rows)")
         return HierarchicalDispatcher(num_experts=cfg.num_experts, rail_group=ctx.ep_rail_group,
                                       node_group=ctx.ep_node_group, device=ctx.device,
                                       max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,
-                                      fp8=cfg.fp8_dispatch)
+                                      fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
     if cfg.dispatcher == "nvlink" and ctx.ep_group is not None:
         return NVLinkDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, device=ctx.device,
                                 max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,

@@ -89,24 +89,25 @@ class AllToAllDispatcher:
     def scatter(self, rows_TX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
         return self._exchange(rows_TX.index_select(0, route.send_token_S), route.splits.send, route.splits.recv)
 
-    def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
-        return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
+    def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute, *, fp8: bool = False) -> torch.Tensor:
+        """``Transport.gather_home``; with ``fp8`` the rows travel as ``reduce_home``'s do."""
+        if not fp8:
+            return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
+        # Every row travels as e4m3 (the own block too: one collective), but the own block's
+        # rows are summed as they were: they never leave this rank.
+        q_RX, sf_RG = per_token_cast(rows_RX, group=FP8_GROUP)
+        back = route.splits.recv, route.splits.send
+        q_SD = self._exchange(q_RX.view(torch.uint8), *back).view(torch.float8_e4m3fn)
+        rows_SD = cast_back(q_SD, self._exchange(sf_RG, *back), block=(1, FP8_GROUP), out_dtype=torch.float32)
+        me = 0 if self.group is None else dist.get_rank(self.group)
+        own_R, own_S = (slice(sum(splits[:me]), sum(splits[:me + 1])) for splits in back)
+        rows_SD[own_S] = rows_RX[own_R].float()
+        return sum_home(rows_SD, route.home_TW).to(rows_RX.dtype)
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TokenRoute, *,
                     fp8: bool = False) -> torch.Tensor:
         rows_RD = weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype)
-        if not fp8:
-            return self.gather_home(rows_RD, route)
-        # Every row travels as e4m3 (the own block too: one collective), but the own block's
-        # rows are summed as they were: they never leave this rank.
-        q_RD, sf_RG = per_token_cast(rows_RD, group=FP8_GROUP)
-        back = route.splits.recv, route.splits.send
-        q_SD = self._exchange(q_RD.view(torch.uint8), *back).view(torch.float8_e4m3fn)
-        rows_SD = cast_back(q_SD, self._exchange(sf_RG, *back), block=(1, FP8_GROUP), out_dtype=torch.float32)
-        me = 0 if self.group is None else dist.get_rank(self.group)
-        own_R, own_S = (slice(sum(splits[:me]), sum(splits[:me + 1])) for splits in back)
-        rows_SD[own_S] = rows_RD[own_R].float()
-        return sum_home(rows_SD, route.home_TW).to(y_PD.dtype)
+        return self.gather_home(rows_RD, route, fp8=fp8)
 
     def _exchange(self, rows: torch.Tensor, in_splits, out_splits) -> torch.Tensor:
         if self.group is None:

@@ -5,7 +5,9 @@ A token travels once to each node holding one of its experts, to the rank of tha
 own local index (the "rail": the ranks of equal local index, one per node, linked by the
 network); there it is one of the rows the node-level ``nvlink`` backend forwards, once per rank
 of the node that holds one of its experts. Combine runs the other way: the node sums its ranks'
-rows per forwarded row, the rail sends one row per token home, the home rank sums its nodes.
+rows per forwarded row, the rail sends one row per token home, the home rank sums its nodes. With
+``fp8_combine`` both stages send e4m3 rows (each stage's own rows stay in y's dtype), so a row
+that crosses the network was rounded to e4m3 twice: a node's sum carries its ranks' rounding.
 
 EP rank ``r`` is node ``r // G``, local rank ``r % G`` (G ranks per node); expert ``e`` is on EP
 rank ``e // E_local`` as in the flat backends. Both stages are the flat backends' transports, so
@@ -46,7 +48,8 @@ class HierarchicalDispatcher:
     local index on every node) and ``node_group`` (this rank's node)."""
 
     def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
-                 device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False):
+                 device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,
+                 fp8_combine: bool = False):
         nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
         if num_experts % (nodes * per_node):
             raise ValueError(f"num_experts: expected a multiple of the EP size {nodes * per_node}, got {num_experts}")
@@ -56,7 +59,7 @@ class HierarchicalDispatcher:
         # A rank forwards at most one row per token of each node's rail peer.
         self.node = NVLinkDispatcher(num_experts=num_experts // nodes, group=node_group, device=device,
                                      max_tokens_per_rank=nodes * max_tokens_per_rank, alignment=alignment, fp8=fp8)
-        self.max_tokens = max_tokens_per_rank
+        self.max_tokens, self.fp8_combine = max_tokens_per_rank, fp8_combine
 
     def scatter(self, rows_TX: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
         return self.node.scatter(self.rail.scatter(rows_TX, route.rail), route.node)
@@ -64,8 +67,10 @@ class HierarchicalDispatcher:
     def gather_home(self, rows_RX: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
         return self.rail.gather_home(self.node.gather_home(rows_RX, route.node), route.rail)
 
-    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TwoStageRoute) -> torch.Tensor:
-        return self.rail.gather_home(self.node.reduce_home(y_PD, weights_RK, route.node), route.rail)
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: TwoStageRoute, *,
+                    fp8: bool = False) -> torch.Tensor:
+        rows_R1D = self.node.reduce_home(y_PD, weights_RK, route.node, fp8=fp8)
+        return self.rail.gather_home(rows_R1D, route.rail, fp8=fp8)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
@@ -81,4 +86,4 @@ class HierarchicalDispatcher:
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)
-        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, False)
+        return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, self.fp8_combine)

@@ -17,7 +17,7 @@ HIDDEN = 160  # not a multiple of the FP8 group (128): a ragged last group
 TOPK = 4
 
 
-FP8_COMBINE = ("all_to_all", "nvlink")  # the backends with an FP8 combine
+FP8_COMBINE = ("all_to_all", "nvlink", "hierarchical")  # the backends with an FP8 combine
 
 
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):
@@ -32,7 +32,7 @@ def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_to
     if backend == "hierarchical":
         return HierarchicalDispatcher(num_experts=num_experts, rail_group=ctx.ep_rail_group,
                                       node_group=ctx.ep_node_group, device=ctx.device, max_tokens_per_rank=max_tokens,
-                                      alignment=8, fp8=fp8)
+                                      alignment=8, fp8=fp8, fp8_combine=fp8_combine)
     return NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
                             max_tokens_per_rank=max_tokens, alignment=8, fp8=fp8, fp8_combine=fp8_combine)
 
