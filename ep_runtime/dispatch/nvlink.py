@@ -25,8 +25,10 @@ four launches past 4096 received routes). Meanwhile the rows go: FP8 cast and st
 (``kernels.comm.put_tokens``) when ``fp8``, ``put_rows`` otherwise (once ``put_routes`` wrote
 ``dest_TW``), then the rows' barrier (``ROWS``); the receiver dequantizes the FP8 rows straight into
 the layout (``expand_cast_back``). FP8 rows into small receive buffers (``small_buffers``: up to
-4096 routes, ``W * max_tokens_per_rank * topk``) skip the bookkeeping beside: one barrier, after the
-side stream joins, publishes the routes and the rows, then one launch
+4096 routes, ``W * max_tokens_per_rank * topk``) skip the bookkeeping beside: one launch stores the
+routes with the rows (``kernels.comm.put_tokens_and_routes``; FP8 rows a two-stage route forwards
+still send their routes beside, and the side stream joins first), one barrier publishes both, then
+one launch
 (``kernels.comm.receive_expand``) lays the routes out in every CTA and dequantizes the rows into
 place, so the layout's one-CTA latency chain no longer runs between the barrier and the rows.
 Kernels on one stream may launch while the one before them finishes (programmatic dependent launch,

@@ -4,7 +4,8 @@
 rows' device and the region carries peer offsets, and the reference (plain indexing into each
 rank's view) otherwise: CPU processes sharing memory files, or a CUDA group without offsets.
 ``put_routes`` (dispatch's planning, with every token's routes and the count stored into every
-rank), ``put_tokens`` (dispatch's FP8 cast and rows stored into the peers' regions in one launch)
+rank), ``put_tokens`` (dispatch's FP8 cast and rows stored into the peers' regions in one launch),
+``put_tokens_and_routes`` (the two in one launch, for a small batch)
 and ``reduce_put`` (combine's weighted reduce stored straight into the peers' regions, as e4m3
 rows and scales into ``TokenRegions``; the peer variant of ``kernels.reduce``'s weighted-reduce
 kernel) take their kernels on the same terms as
@@ -29,8 +30,8 @@ from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions, rece
 from .signal import Signal
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "Signal", "TokenRegions", "plan_receive", "put_routes",
-           "put_rows", "put_tokens", "put_tokens_and_routes", "receive_expand", "receive_expand_fits", "receive_layout", "receive_rows",
-           "reduce_put"]
+           "put_rows", "put_tokens", "put_tokens_and_routes", "receive_expand", "receive_expand_fits", "receive_layout",
+           "receive_rows", "reduce_put"]
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:

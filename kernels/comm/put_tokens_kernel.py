@@ -5,7 +5,7 @@ casts to e4m3 in registers and stores the bytes and the scales straight into the
 rank a token goes to, at the token's fixed row (``rank * T_max + t``: no scan over the batch, so
 no planning launch before it). Against ``per_token_cast`` then two ``put_rows``, the e4m3 rows are
 never written to or read back from this rank's memory. The routes travel ahead of the rows
-(``kernels.comm.put_routes``).
+(``kernels.comm.put_routes``), or, for a small batch, in the same launch (``routes``).
 
 Peers are reached as in :mod:`kernels.comm.put_rows_kernel`: each region is given as rank 0's
 copy, and rank w's lies ``delta_W[w]`` bytes from it (every region of one symmetric heap shares the
@@ -51,16 +51,15 @@ from .reference import RouteRegions, TokenRegions
 def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk: int, index_dtype: str = "int32",
                           tile: tuple[int, int, int] | None = None, vec: int | None = None, routes: bool = False):
     """``(x_TD, idx_TK, delta_W, q_CE, sf_F, e_local, rank, t_max, weight_bits_TK, meta_F, counts_F,
-    dest_TW, home_TW)`` kernel for tokens of ``hidden``
-    values of ``dtype``, one float32 scale per ``group`` columns, W = ``world`` ranks and ``topk``
-    routes a token (ids int32 or int64; token and row counts dynamic). ``tile`` overrides
+    dest_TW, home_TW)`` kernel for tokens of ``hidden`` values of ``dtype``, one float32 scale per
+    ``group`` columns, W = ``world`` ranks and ``topk`` routes a token (ids int32 or int64; token and row counts dynamic). ``tile`` overrides
     :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` and ``vec`` the
     consecutive elements a thread holds, casts and stores as one vector (for tuning sweeps, which
     pass the regions' e4m3 rows viewed as vectors of ``vec``). With ``routes``, the kernel also does
     what ``put_routes`` does (a small batch's send in one launch): the first column tile of each
     token stores its metadata row (ids, weight bits) into every rank's ``meta_F`` (rank 0's copy,
-    flat) and writes the way there and back, and the first CTA the count into every rank's
-    ``counts_F`` (all unread otherwise)."""
+    flat) and writes the way there and back, and the first CTA's first thread the count into every
+    rank's ``counts_F`` (all unread otherwise)."""
     num_tokens, num_dst = T.dynamic("num_tokens"), T.dynamic("num_dst")
     num_meta, num_counts = T.dynamic("num_meta"), T.dynamic("num_counts")
     num_routed = T.dynamic("num_routed")  # num_tokens with ``routes``; 1 for the stand-ins without
@@ -141,9 +140,9 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
                         if token < num_tokens:
                             dest_TW[token, w] = dest_MW[i, w]
                             home_TW[token, w] = T.if_then_else(dest_MW[i, w] >= 0, w * t_max + token, -1)
-                tid = T.get_thread_binding()
-                if T.And(pid == 0, tid < world):
-                    counts_F[T.Cast("int64", delta_W[tid] // 4) + rank] = num_tokens
+                if T.And(pid == 0, T.get_thread_binding() == 0):  # one thread: any number of ranks
+                    for w in T.unroll(world):
+                        counts_F[deltas[w] // 4 + rank] = num_tokens
 
     return put_tokens
 
@@ -161,20 +160,13 @@ def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_we
     """The TileLang twin of :func:`kernels.comm.reference.put_tokens_and_routes` (same bytes in
     every region, the same way there and back), in one launch. All regions must lie in one
     symmetric heap (one ``delta_W``)."""
-    if topk_idx_TK.shape[0] == 0:  # no rows; put_routes still tells every rank the count
-        return put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
-    meta = peer_copy(routes.meta, "routes.meta", dtype=torch.int32)
-    counts = peer_copy(routes.counts, "routes.counts", dtype=torch.int32, width=1)
-    if meta.shape[1] != 2 * topk_idx_TK.shape[-1] or counts.shape[0] != tokens.q.world:
-        raise ValueError(f"routes: expected meta rows of 2K = {2 * topk_idx_TK.shape[-1]} words and W = "
-                         f"{tokens.q.world} counts, got {tuple(meta.shape)} and {tuple(counts.shape)}")
-    return _put(x_TD, topk_idx_TK, topk_weights_TK, tokens, (meta, counts), num_local_experts=num_local_experts,
-                rank=rank, group=group)
+    return _put(x_TD, topk_idx_TK, topk_weights_TK, tokens, routes, num_local_experts=num_local_experts, rank=rank,
+                group=group)
 
 
 def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_experts, rank, group):
-    """``put_tokens``, and with ``routes`` (rank 0's meta and counts copies) ``put_routes``' stores
-    too, returning ``(dest_TW, home_TW)``."""
+    """``put_tokens``, and with ``routes`` (``RouteRegions`` of the tokens' heap) ``put_routes``'
+    stores too, returning ``(dest_TW, home_TW)``."""
     check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
     check_cuda("x_TD", x_TD)
     if not supports_block((1, group)):
@@ -193,6 +185,8 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
     if t > max_tokens:
         raise ValueError(f"x_TD: expected at most T_max = {max_tokens} tokens (the regions' rows / W), got {t}")
     k = topk_idx_TK.shape[1]
+    if routes is not None and t == 0:  # no rows; put_routes still tells every rank the count
+        return put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
     if t == 0:
         return None
     if routes is None:
@@ -201,9 +195,14 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
         meta = counts = stand_in
     else:
         check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
-        bits_TK, (meta, counts) = topk_weights_TK.contiguous().view(torch.int32), routes
-        if meta.shape[0] != q.shape[0]:
-            raise ValueError(f"routes.meta: expected {q.shape[0]} rows (the tokens' regions'), got {meta.shape[0]}")
+        if routes.meta.delta_W is not regions.q.delta_W or routes.counts.delta_W is not regions.q.delta_W:
+            raise ValueError("routes: expected regions of the tokens' symmetric heap (the same delta_W)")
+        meta = peer_copy(routes.meta, "routes.meta", dtype=torch.int32)
+        counts = peer_copy(routes.counts, "routes.counts", dtype=torch.int32, width=1)
+        if meta.shape != (q.shape[0], 2 * k) or counts.shape[0] != world:
+            raise ValueError(f"routes: expected {q.shape[0]} meta rows (the tokens' regions') of 2K = {2 * k} words "
+                             f"and W = {world} counts, got {tuple(meta.shape)} and {tuple(counts.shape)}")
+        bits_TK = topk_weights_TK.contiguous().view(torch.int32)
         dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
         home_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
     index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")

@@ -120,6 +120,16 @@ def put_tokens(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, regions: TokenRegi
     put_rows(sf_TG, dest_TW, regions.sf)
 
 
+def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                          tokens: TokenRegions, routes: RouteRegions, *, num_local_experts: int, rank: int,
+                          group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small batch's send in one pass: :func:`put_routes` into ``routes`` and :func:`put_tokens`
+    into ``tokens`` (regions of one heap). Returns ``put_routes``' ``(dest_TW, home_TW)``."""
+    dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
+    put_tokens(x_TD, topk_idx_TK, tokens, num_local_experts=num_local_experts, rank=rank, group=group)
+    return dest_TW, home_TW
+
+
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
                region: PeerRegion | TokenRegions, *, skip_rank: int = -1, group: int = 128) -> None:
     """Combine's reduce and its transport in one pass: row r's routes reduced
@@ -210,17 +220,6 @@ class ReceivePlan:
     local_idx_RK: torch.Tensor
     weights_RK: torch.Tensor
     back_RW: torch.Tensor
-
-
-
-def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                          tokens: TokenRegions, routes: RouteRegions, *, num_local_experts: int, rank: int,
-                          group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """A small batch's send in one pass: :func:`put_routes` into ``routes`` and :func:`put_tokens`
-    into ``tokens`` (regions of one heap). Returns ``put_routes``' ``(dest_TW, home_TW)``."""
-    dest_TW, home_TW = put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
-    put_tokens(x_TD, topk_idx_TK, tokens, num_local_experts=num_local_experts, rank=rank, group=group)
-    return dest_TW, home_TW
 
 
 def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_local_experts: int, world: int,

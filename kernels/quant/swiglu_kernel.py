@@ -49,14 +49,15 @@ def get_swiglu_forward_kernel(
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
 
     ``one_row``: tiles of one token row (for few tokens: 4x the CTAs of the default tile, so a
-    small batch spreads over the SMs instead of queueing on a few). Without the cast, a thread of
-    such a tile takes ``FEW_TOKENS_VEC`` values: the IEEE ``expf`` and divisions of 8 values a
-    thread made the kernel 2.27 us on the GPU at 128 x 2048 against 1.95 with 2 (torch.compile's
-    1.95; session 20, ``bench/scripts/launch_gap.py``). Taken only where the row fills
+    small batch spreads over the SMs instead of queueing on a few). Taken only where the row fills
     at least a warp with vectors (``tile_n / vec >= 32``); a narrower row (I = 64 in bfloat16: 16
     vectors) keeps the default tile, since a one-row tile there would leave threads without data,
     which TileLang's ``reduce_absmax`` rejects ("Inconsistent layouts between src and dst in
-    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway.
+    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway. Without
+    the cast (and without ``tile`` or ``vec`` given), a thread of a one-row tile then takes
+    ``FEW_TOKENS_VEC`` values: the IEEE ``expf`` and divisions of 8 values a thread made the kernel
+    2.27 us on the GPU at 128 x 2048, against 1.95 with 2 (torch.compile's: 1.95; session 20,
+    ``bench/scripts/launch_gap.py``).
 
     ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
     is never read, so a call without a row limit passes an uninitialized tensor instead of making
@@ -66,11 +67,13 @@ def get_swiglu_forward_kernel(
     ``tile`` and ``vec`` override the tile and the elements a thread loads as one vector (for
     tuning sweeps)."""
     num_tokens = T.dynamic("num_tokens")
-    full_vec = vector_width(inter, T.dtype(dtype).bytes)
-    vec = vec or (min(full_vec, FEW_TOKENS_VEC) if one_row and not cast else full_vec)
-    tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), full_vec)
+    few_values = one_row and not cast and tile is None and vec is None
+    vec = vec or vector_width(inter, T.dtype(dtype).bytes)
+    tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), vec)
     if one_row and tile_n // vec >= 32:
-        tile_m, threads = 1, min(threads, tile_n // vec) if cast else tile_n // vec
+        tile_m, threads = 1, min(threads, tile_n // vec)
+        if few_values and vec > FEW_TOKENS_VEC:
+            vec, threads = FEW_TOKENS_VEC, tile_n // FEW_TOKENS_VEC
     tile_g = tile_n // group
     layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"

@@ -22,7 +22,7 @@ TOL = {"out": 1e-6, "grad_x": 1e-5, "grad_w": 1e-6}  # float32 sums of a few flo
 # pass straight through the cast.
 TOL_FP8_COMBINE = TOL | {"out": 2.0**-4 * 1.01}
 # hierarchical: a row from another node was rounded at both stages, the second time as part of its
-# node's sum: 2^-4 of the node's own part plus 2^-4 of (1 + 2^-4) times the other nodes' parts.
+# node's sum: 2^-4 of the parts its node's ranks forwarded, plus 2^-4 (1 + 2^-4) of the node's sum.
 TOL_FP8_COMBINE_TWO_STAGES = TOL | {"out": 2.0**-4 * (2 + 2.0**-4) * 1.01}
 
 

@@ -135,13 +135,18 @@ def test_compiles_for_sm90a():
             ((300, "float16", 128, True, False, False, False), False),
             ((2048, "bfloat16", 128, True, False, False, True), False),  # one-row tiles (few tokens)
             ((300, "float16", 128, False, False, False, True), True),
-            ((64, "bfloat16", 128, False, False, False, True), False),  # one-row tiles of 2 values a thread
             # few tokens at I = 64 fused with the cast (the GPU tests' T = 1): rows narrower than a
             # warp of vectors keep the default tile (one-row tiles failed to lower in v2)
             *[((64, "bfloat16", group, True, *sf, True), False) for group in (128, 64) for sf in SF_MODES.values()],
             ((64, "float32", 64, True, False, False, True), False),
         ]:
             check(lowering.kernel_source(get_swiglu_forward_kernel(*spec, limited)), limited, spec)
+        # few tokens: FEW_TOKENS_VEC values a thread without the cast (512 threads for 1024 columns),
+        # whole 16-byte vectors with it (its amax reduce keeps the tile)
+        for cast, threads in [(False, 512), (True, 128)]:
+            source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", 128, cast, False, False, True,
+                                                                      False))
+            assert f"__launch_bounds__({threads}, 1)" in source, cast
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)

@@ -56,9 +56,13 @@ def test_bad_input_names_the_argument():
 
 
 def test_compiles_for_sm90a():
-    """One kernel per element width; at the hidden size and the tiny model's 64, and ragged."""
+    """One kernel per element width; at the hidden size and the tiny model's 64, and ragged; output
+    rows of up to 32 bytes in registers, longer ones through shared memory."""
     with lowering.compile_only():
-        for spec in [(7168, 2048, "uint8"), (7168, 2048, "uint16"), (64, 128, "uint32"), (130, 257, "uint64"),
-                     (16, 7168, "uint16"), (16, 7168, "uint8"), (24, 100, "uint8"), (5, 300, "uint8"),
-                     (1, 64, "uint64")]:
-            assert "batched_transpose" in lowering.kernel_source(get_batched_transpose_kernel(*spec)), spec
+        for spec, in_registers in [((7168, 2048, "uint8"), False), ((7168, 2048, "uint16"), False),
+                                   ((64, 128, "uint32"), False), ((130, 257, "uint64"), False),
+                                   ((16, 7168, "uint16"), True), ((16, 7168, "uint8"), True),
+                                   ((24, 100, "uint8"), True), ((5, 300, "uint8"), True), ((1, 64, "uint64"), True),
+                                   ((33, 70, "uint8"), False)]:
+            source = lowering.kernel_source(get_batched_transpose_kernel(*spec))
+            assert "batched_transpose" in source and ("__shared__" not in source) == in_registers, spec
