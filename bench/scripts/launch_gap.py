@@ -1,7 +1,7 @@
 """Where a small batch's last half microsecond goes (issue #3: at 128 tokens torch.compile's Triton
-SwiGLU and transpose take 0.4-0.6 us less than ours under ``bench kernels``' timer, and session 15
-saw a transpose of eight loads and one store a thread keep the gap). For each op at the small
-shape it reports, alternating ``--rounds`` times in one process:
+SwiGLU and transpose took 0.4-0.6 us less than ours under ``bench kernels``' timer). For each op
+at the small shape (any of ``bench kernels``' ops) it reports, for ours, torch.compile's and the
+op's tile-kernels peer, alternating ``--rounds`` times in one process:
 
 - the timer's time (events around the call, the GPU busy before it: launch + kernel);
 - the kernel's own time on the GPU (CUPTI through ``torch.profiler``, the L2 flushed before each
@@ -96,7 +96,7 @@ def main() -> None:
     for case in bench.build_cases(inp, a.ops.split(","), with_peers=True):
         want = case.reference(*case.args)
         compiled = torch.compile(case.reference, dynamic=False)
-        impls = {"ours": case.ours, "torch_compile": lambda: compiled(*case.args)}
+        impls = {"ours": case.ours, "torch_compile": lambda: compiled(*case.args), **case.peers}
         if case.op == "swiglu":  # fewer values a thread: shorter chains of IEEE expf and divisions
             for tile, vec in [((1, 1024, 128), 8), ((1, 1024, 256), 4), ((1, 1024, 1024), 1), ((1, 512, 256), 2)]:
                 impls[f"ours_{tile[1]}x{tile[2]}_vec{vec}"] = swiglu_variant(*case.args, tile, vec)
