@@ -435,11 +435,11 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     # rows (never in a combine), or scale groups that split a thread's vector
     alone = (t == 0 or d == 0 or k == 0 or p == 0
              or (sf_SG is not None and group % reduce_tile(d, y_PD.element_size())[0]))
-    if not alone and signal is not None and reduce_tile(d, y_PD.element_size())[1] < world:
-        barrier_alone(signal)  # a thread a peer signals and waits: too few of them in a CTA
-        signal = None
-    if alone and signal is not None:
+    # the barrier as a kernel of its own where no kernel of ours follows, or where its CTA has fewer
+    # threads than ranks (a thread a peer signals and waits)
+    if signal is not None and (alone or reduce_tile(d, y_PD.element_size())[1] < world):
         barrier_alone(signal)
+        signal = None
     if t == 0 or d == 0:
         return torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
     if alone:
