@@ -1,5 +1,7 @@
 """``ep-runtime bench kernels``: every routing / permute / quant / reduce / transpose op against its
-peers, at DeepSeek-V3's shapes, in one run.
+peers, at DeepSeek-V3's shapes, and the mHC / Engram ops (``MHC_OPS``: norm_fn, split + Sinkhorn,
+pre-apply, post, the fused pre, the Engram gate, and their backward) at DeepSeek-V4-like ones, in one
+run.
 
     ep-runtime bench kernels [--shapes large|small|all] [--ops a,b] [--iters N] [--skip-peers]
                              [--skip-compile] [--quick] [--device cuda|cpu] [--out PATH]
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import platform
@@ -88,7 +91,8 @@ SHAPES = {
 }
 # at the v4 shapes (and tiny); the rest at large/small
 MHC_OPS = ("mhc_pre_apply", "mhc_post", "mhc_pre_fused", "engram_gate", "mhc_pre_apply_backward", "mhc_post_backward",
-           "engram_gate_backward")
+           "engram_gate_backward", "mhc_norm_fn", "mhc_norm_fn_backward", "mhc_split_sinkhorn",
+           "mhc_split_sinkhorn_backward")
 
 # Ops whose cost is moving bytes at these shapes (held to the copy-bandwidth bar); the routing ops
 # touch a few MiB and are latency-bound.
@@ -97,7 +101,11 @@ MEMORY_BOUND = {
     "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
     "expand_per_token_cast", "expand_cast_back", "mhc_pre_apply", "mhc_post", "engram_gate", "mhc_pre_apply_backward",
     "mhc_post_backward", "engram_gate_backward",
-}  # mhc_pre_fused: its projection is 24 float32 FMAs per element read (the FMA pipe, not memory)
+}
+# Not in it: mhc_pre_fused, mhc_norm_fn and mhc_norm_fn_backward: their projection is 24 float32 FMAs
+# per element of the streams (the FMA and shared-memory pipes, not memory; norm_fn measured 307 us
+# at D = 4096 for ~270 MB, 29% of copy speed); mhc_split_sinkhorn and its backward: ~1.5 MB and 20
+# Sinkhorn iterations a token (latency, as the routing ops).
 
 
 @dataclasses.dataclass
@@ -184,6 +192,11 @@ class StreamInputs:
         self.fn_MK = (torch.randn(m, n * d, generator=g) / (n * d) ** 0.5).to(device)
         self.scale_3 = (torch.rand(3, generator=g) + 0.5).to(device)
         self.base_M = (torch.randn(m, generator=g) * 0.5).to(device)
+        # split + Sinkhorn's input: norm_fn's output has this spread (rms-normed streams, fn rows of norm ~1)
+        self.mixes_TM = randn(t, m, dtype=torch.float32)
+        self.g_TM = randn(t, m, dtype=torch.float32)  # norm_fn backward's output gradient
+        self.g_pre_TN, self.g_post_TN = randn(t, n, dtype=torch.float32), randn(t, n, dtype=torch.float32)
+        self.g_comb_TNN = randn(t, n, n, dtype=torch.float32)
 
 
 def build_cases(inp: Inputs | StreamInputs, names: list[str], with_peers: bool) -> list[Case]:
@@ -583,33 +596,47 @@ def _case_engram_gate(inp: StreamInputs, tk) -> Case:
                 exact=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
 
 
-def _reference_grads(fn: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """``grads(*inputs, g)``: the gradients of ``fn(*inputs)`` for the output gradient ``g``, by
-    autograd through the reference."""
+def _reference_grads(fn: Callable[..., Any], outputs: int = 1) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``grads(*inputs, *g)``: the gradients of ``fn(*inputs)`` for the gradients ``g`` of its
+    ``outputs`` outputs, by autograd through the reference."""
 
     def grads(*args):
-        leaves = [a.detach().requires_grad_() for a in args[:-1]]
-        return torch.autograd.grad(fn(*leaves), leaves, args[-1])
+        leaves = [a.detach().requires_grad_() for a in args[:-outputs]]
+        return torch.autograd.grad(fn(*leaves), leaves, args[-outputs:])
 
     return grads
 
 
-def _backward(kernel: Callable[..., Any], fn: Callable[..., Any], args: tuple) -> Callable[[], Any]:
+def _backward(kernel: Callable[..., Any], fn: Callable[..., Any], args: tuple, outputs: int = 1) -> Callable[[], Any]:
     """Ours for a backward op: its kernel where TileLang runs, else the reference's gradients (the
     CPU smoke run)."""
     from kernels.select import use_tilelang
 
-    return (lambda: kernel(*args)) if use_tilelang(args[0].device) else (lambda: _reference_grads(fn)(*args))
+    if use_tilelang(args[0].device):
+        return lambda: kernel(*args)
+    return lambda: _reference_grads(fn, outputs)(*args)
+
+
+def _errors(got: Any, want: Any) -> list[tuple[float, float, torch.dtype]]:
+    """``(max |got - want|, max |want|, dtype)`` of each non-empty output."""
+    return [(float((g.double() - w.double()).abs().max()), float(w.double().abs().max()), w.dtype)
+            for g, w in zip(_leaves(got), _leaves(want)) if w.numel()]
 
 
 def normwise(got: Any, want: Any) -> bool:
-    """The backward ops' check: every output within two units in the last place of its dtype (1e-5
-    for float32) of the reference's largest magnitude. Their sums over D run in another order than
-    autograd's, so elementwise closeness fails where a sum cancels; the GPU tests hold them to
-    reassociation bounds."""
+    """The backward ops' and norm_fn's check: every output within two units in the last place of its
+    dtype (1e-5 for float32) of the reference's largest magnitude. Their sums (over D, over N*D for
+    norm_fn) run in another order than the reference's, so elementwise closeness fails where a sum
+    cancels; the GPU tests hold them to reassociation bounds."""
     tol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-    return all(float((g.double() - w.double()).abs().max()) <= tol[w.dtype] * float(w.double().abs().max())
-               for g, w in zip(_leaves(got), _leaves(want)) if w.numel())
+    return all(err <= tol[dtype] * largest for err, largest, dtype in _errors(got, want))
+
+
+def within_largest(rel: float) -> Callable[[Any, Any], bool]:
+    """A check rule: every output within ``rel`` of the reference's largest magnitude, or of 1 where
+    that is smaller (the split + Sinkhorn GPU tests' rule: ``expf`` against ``torch.exp`` may differ
+    by an ulp, carried through 39 normalizations, and back in the backward)."""
+    return lambda got, want: all(err <= rel * max(largest, 1.0) for err, largest, _ in _errors(got, want))
 
 
 def _case_mhc_pre_apply_backward(inp: StreamInputs, tk) -> Case:
@@ -656,21 +683,18 @@ def _case_engram_gate_backward(inp: StreamInputs, tk) -> Case:
     x, k, v, wh, we, g = inp.x_TND, inp.k_TND, inp.v_TD, inp.wh_ND, inp.we_ND, inp.g_TND
     kv = torch.cat([k, v[:, None]], 1)
     w = wh * we
-    saved = []  # tile-kernels' forward keeps dot, gate, rstd_x, rstd_k for its backward
+    # tile-kernels' forward keeps dot, gate, rstd_x, rstd_k for its backward (run at the first call)
+    saved = functools.cache(lambda: tk.engram.engram_gate_fwd(x, kv, w, 1e-6, 1e-6, save_for_backward=True)[1:])
 
     def tk_call(tk):
-        if not saved:
-            saved.extend(tk.engram.engram_gate_fwd(x, kv, w, 1e-6, 1e-6, save_for_backward=True)[1:])
-        grad_x, grad_kv, partial = tk.engram.engram_gate_bwd(g, x, kv, w, *saved, 1e-6)
+        grad_x, grad_kv, partial = tk.engram.engram_gate_bwd(g, x, kv, w, *saved(), 1e-6)
         grad_w = partial.sum(0)
         return grad_x, grad_kv, grad_w * we, grad_w * wh
 
-    stats = []  # ours, likewise: the forward's row statistics (its kernel's return_stats)
+    stats = functools.cache(lambda: gate(x, k, v, wh, we, return_stats=True)[1])  # ours, likewise: its row statistics
 
     def ours(*args):
-        if not stats:
-            stats.append(gate(*args[:-1], return_stats=True)[1])
-        return gate_backward(*args, stats[0])
+        return gate_backward(*args, stats())
 
     return Case("engram_gate_backward", _backward(ours, reference.gate, (x, k, v, wh, we, g)),
                 _reference_grads(reference.gate),
@@ -679,6 +703,122 @@ def _case_engram_gate_backward(inp: StreamInputs, tk) -> Case:
                 "grad_we (both from their forward's saved row statistics)",
                 exact=False, within=lambda got, want: all(e <= 0 for e in backward_excess(got, want).values()),
                 compile_peer=False, peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
+def _case_mhc_norm_fn(inp: StreamInputs, tk) -> Case:
+    # No tile-kernels peer: its norm_fn entry points (mhc_fn_normw_merge_*,
+    # mhc_reduce_partials_and_rmsnorm_*) fold a norm weight into fn and reduce a split-K GEMM's
+    # partials into the normed mixes; the GEMM over the streams itself is DeepGEMM's, outside
+    # tile-kernels, so it has no kernel doing this op's work.
+    from kernels import mhc
+    from kernels.mhc import reference
+
+    x, fn = inp.x_TND, inp.fn_MK
+    t, m = x.shape[0], fn.shape[0]
+    return Case("mhc_norm_fn", lambda: mhc.norm_fn(x, fn), reference.norm_fn, (x, fn),
+                bytes=_nbytes(x, fn) + t * (m + 1) * 4,
+                bytes_note="read x [T,N,D] bf16 + fn [N(N+2),ND] f32; write mixes [T,N(N+2)] + rstd [T] f32 "
+                "(rstd: what its backward takes)", exact=False, within=normwise)
+
+
+def _case_mhc_norm_fn_backward(inp: StreamInputs, tk) -> Case:
+    from kernels.mhc import norm_fn_kernel, reference
+
+    x, fn, g = inp.x_TND, inp.fn_MK, inp.g_TM
+    t, m = g.shape
+    forward = functools.cache(lambda: norm_fn_kernel.norm_fn(x, fn, eps=1e-6, tf32=False))  # mixes, rstd: saved
+
+    def ours(x_TND, fn_MK, g_TM):  # kernels.mhc.norm_fn's backward: grad_x by the kernel, grad_fn by torch
+        return norm_fn_kernel.norm_fn_backward(x_TND, fn_MK, *forward(), g_TM, False)
+
+    return Case("mhc_norm_fn_backward", _backward(ours, reference.norm_fn, (x, fn, g)),
+                _reference_grads(reference.norm_fn), (x, fn, g),
+                bytes=2 * _nbytes(x, fn) + _nbytes(g) + t * (m + 1) * 4,
+                bytes_note="read x [T,N,D] bf16 + fn f32 + g, mixes [T,N(N+2)] + rstd [T] f32; write grad_x [T,N,D] "
+                "bf16 + grad_fn [N(N+2),ND] f32 (ours reads x again, as a float32 copy, for grad_fn's GEMM)",
+                exact=False, within=normwise, compile_peer=False)
+
+
+SPLIT_OPTIONS = dict(pre_eps=1e-6, post_mult=2.0, sinkhorn_eps=1e-6, iters=20)  # kernels.mhc.split_sinkhorn's defaults
+
+
+def _split_sinkhorn(mixes_TM, scale_3, base_M):
+    from kernels.mhc import reference
+
+    return reference.split_sinkhorn(mixes_TM, scale_3, base_M, **SPLIT_OPTIONS)
+
+
+def _tk_split_mixes(tk, mixes_TM: torch.Tensor, scale_3: torch.Tensor, base_M: torch.Tensor):
+    """tile-kernels' ``mhc_pre_split_mixes_fwd``: ``(pre [T,N], post [T,N], comb logits [T,N,N])``, float32.
+    Its definition is ours: ``pre = sigmoid(a) + pre_eps``, ``post = mult * sigmoid(a)`` (our
+    ``post_mult``), the logits ``a[2N:]`` row-major ([T, N*N] there; its Sinkhorn takes [T, N, N])."""
+    t, m = mixes_TM.shape
+    n = math.isqrt(m + 1) - 1
+    pre_TN, post_TN, logits_TNN = mixes_TM.new_empty(t, n), mixes_TM.new_empty(t, n), mixes_TM.new_empty(t, n, n)
+    tk.mhc.mhc_pre_split_mixes_fwd(mixes_TM, scale_3, base_M, pre_TN, post_TN, logits_TNN.view(t, n * n),
+                                   SPLIT_OPTIONS["post_mult"], SPLIT_OPTIONS["pre_eps"])
+    return pre_TN, post_TN, logits_TNN
+
+
+def _case_mhc_split_sinkhorn(inp: StreamInputs, tk) -> Case:
+    # tile-kernels' peer: its split, then its Sinkhorn (repeat = our iters): the same definition
+    # (softmax over each row + eps, a column normalization, then iters - 1 row/column pairs, each
+    # / (sum + eps)), so the same comb entry for entry. (Its post reads comb as [output, input],
+    # ours as [input, output]: a convention of the model, not of this op.)
+    from kernels import mhc
+
+    mixes, scale, base = inp.mixes_TM, inp.scale_3, inp.base_M
+    t, n = mixes.shape[0], inp.shape.streams
+
+    def tk_call(tk):
+        pre_TN, post_TN, logits_TNN = _tk_split_mixes(tk, mixes, scale, base)
+        comb_TNN = torch.empty_like(logits_TNN)
+        tk.mhc.mhc_sinkhorn_fwd(logits_TNN, comb_TNN, SPLIT_OPTIONS["iters"], SPLIT_OPTIONS["sinkhorn_eps"])
+        return pre_TN, post_TN, comb_TNN
+
+    return Case("mhc_split_sinkhorn", lambda: mhc.split_sinkhorn(mixes, scale, base, **SPLIT_OPTIONS), _split_sinkhorn,
+                (mixes, scale, base), bytes=_nbytes(mixes, scale, base) + t * (2 * n + n * n) * 4,
+                bytes_note="read mixes [T,N(N+2)] + scale, base f32; write pre, post [T,N] + comb [T,N,N] f32 "
+                "(tile-kernels also writes the comb logits [T,N,N] and reads them back)",
+                exact=False, within=within_largest(1e-5), peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
+def _case_mhc_split_sinkhorn_backward(inp: StreamInputs, tk) -> Case:
+    from kernels.mhc import reference
+    from kernels.mhc.split_sinkhorn_kernel import split_sinkhorn_backward
+
+    mixes, scale, base = inp.mixes_TM, inp.scale_3, inp.base_M
+    grads_out = (inp.g_pre_TN, inp.g_post_TN, inp.g_comb_TNN)
+    t, n = mixes.shape[0], inp.shape.streams
+    options = {key: SPLIT_OPTIONS[key] for key in ("post_mult", "sinkhorn_eps", "iters")}
+
+    def ours(mixes_TM, scale_3, base_M, *g):  # kernels.mhc.split_sinkhorn's backward: da by the kernel, then torch
+        da_TM = split_sinkhorn_backward(mixes_TM, scale_3, base_M, *g, **options)
+        return reference.split_sinkhorn_grads(da_TM, mixes_TM, scale_3, base_M)
+
+    # tile-kernels' backward takes its forward's post and comb logits (which ours recomputes from the
+    # mixes): its forward runs at the first call. Then its Sinkhorn backward (to the logits), then
+    # the split's backward (to the mixes, scale and base; sigmoid' of post from post itself).
+    saved = functools.cache(lambda: _tk_split_mixes(tk, mixes, scale, base)[1:])
+
+    def tk_call(tk):
+        post_TN, logits_TNN = saved()
+        g_logits_TNN = torch.empty_like(logits_TNN)
+        tk.mhc.mhc_sinkhorn_bwd(grads_out[2], logits_TNN, g_logits_TNN, options["iters"], options["sinkhorn_eps"])
+        grads = torch.empty_like(mixes), torch.empty_like(scale), torch.empty_like(base)
+        tk.mhc.mhc_pre_split_mixes_bwd(*grads_out[:2], g_logits_TNN.view(t, n * n), mixes, post_TN, scale, base,
+                                       *grads, options["post_mult"])
+        return grads
+
+    args = (mixes, scale, base, *grads_out)
+    return Case("mhc_split_sinkhorn_backward", _backward(ours, _split_sinkhorn, args, outputs=3),
+                _reference_grads(_split_sinkhorn, outputs=3), args,
+                bytes=2 * _nbytes(mixes, scale, base) + _nbytes(*grads_out),
+                bytes_note="read mixes [T,N(N+2)] + scale, base + the gradients of pre, post [T,N] and comb "
+                "[T,N,N] f32; write grad_mixes, grad_scale, grad_base (ours recomputes the forward from the mixes; "
+                "tile-kernels reads its forward's post and logits, and writes and reads back the logits' gradient)",
+                exact=False, within=within_largest(1e-4), compile_peer=False,
+                peers=_tk_peer(tk, "tile_kernels", tk_call))
 
 
 CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
@@ -708,6 +848,10 @@ CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "mhc_pre_apply_backward": _case_mhc_pre_apply_backward,
     "mhc_post_backward": _case_mhc_post_backward,
     "engram_gate_backward": _case_engram_gate_backward,
+    "mhc_norm_fn": _case_mhc_norm_fn,
+    "mhc_norm_fn_backward": _case_mhc_norm_fn_backward,
+    "mhc_split_sinkhorn": _case_mhc_split_sinkhorn,
+    "mhc_split_sinkhorn_backward": _case_mhc_split_sinkhorn_backward,
 }
 
 
@@ -1001,20 +1145,20 @@ def print_table(report: dict) -> None:
     copy = report["copy"]
     print(f"\n{report['device']}  commit {report['commit'] or '?'}  copy {copy['gbps']:.0f} GB/s "
           f"({copy['bytes'] / 2**30:.0f} GiB read+write in {copy['time_us']:.0f} us)")
-    head = (f"{'shape':6} {'op':24} {'impl':9} {'check':6} {'us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} "
+    head = (f"{'shape':6} {'op':27} {'impl':9} {'check':6} {'us':>9} {'GB/s':>7} {'%copy':>6} {'eager us':>9} "
             f"{'compile us':>10} {'tile-k us':>9} {'vs best':>7} {'1st call s':>10}")
     print(head)
     print("-" * len(head))
     for r in report["results"]:
         if "error" in r:
-            print(f"{r['shape']:6} {r['op']:24} {r['impl']:9} ERROR  {r['error']}")
+            print(f"{r['shape']:6} {r['op']:27} {r['impl']:9} ERROR  {r['error']}")
             continue
         peers = r.get("peers", {})
         tk = [p["time_us"] for n, p in peers.items() if n.startswith("tile_kernels") and "time_us" in p
               and not p.get("partial")]
         chk = r["check"]
         status = "exact" if chk.get("exact") else ("close" if chk.get("ok") else "FAIL")
-        print(f"{r['shape']:6} {r['op']:24} {r['impl']:9} {status:6} {r['time_us']:9.1f} {r['gbps']:7.0f} "
+        print(f"{r['shape']:6} {r['op']:27} {r['impl']:9} {status:6} {r['time_us']:9.1f} {r['gbps']:7.0f} "
               f"{r['pct_of_copy']:6.1f} {_fmt(peers.get('torch_eager', {}).get('time_us'), '9.1f'):>9} "
               f"{_fmt(peers.get('torch_compile', {}).get('time_us'), '10.1f'):>10} "
               f"{_fmt(min(tk) if tk else None, '9.1f'):>9} {_fmt(r.get('ratio_vs_fastest_peer'), '7.2f'):>7} "
@@ -1028,7 +1172,7 @@ def print_table(report: dict) -> None:
         print("\nfused vs the unfused sequence of our ops (bar: speedup gain >= 70% of the bytes gain)")
         for r in fused:
             f = r["fusion"]
-            print(f"  {r['shape']:6} {r['op']:24} speedup {f['speedup']:.2f}x  bytes ratio {f['bytes_ratio']:.2f}x  "
+            print(f"  {r['shape']:6} {r['op']:27} speedup {f['speedup']:.2f}x  bytes ratio {f['bytes_ratio']:.2f}x  "
                   f"speedup/bytes {f['speedup_over_bytes_ratio']:.2f}  gain/bytes gain "
                   f"{_fmt(f['gain_over_bytes_gain'], '.2f')}  {'ok' if f['bar_ok'] else 'MISSED'}  ({f['unfused']})")
     for name, value in report["bars"].items():
