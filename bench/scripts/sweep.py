@@ -35,6 +35,9 @@ SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
+# session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
+NORM_FN_OPTIONS = [dict(stages=3), dict(block_t=128, threads=256)]  # shipped: 64 x 128, 4 stages
+NORM_FN_BACKWARD_OPTIONS = [dict(chunks=16), dict(block_k=128)]  # shipped: 32, 64, 3
 
 
 def _cast_variant(x, block, tile):
@@ -117,8 +120,53 @@ def _router_variant(inp, with_counts: bool, compact: bool = True, ctas_per_sm: i
     return route
 
 
+def _norm_fn_variants(x, fn) -> dict[str, object]:
+    from kernels.mhc import norm_fn_kernel as nf
+
+    (t, n, d), m = x.shape, fn.shape[0]
+
+    def run(kernel):
+        mixes, rstd = torch.empty((t, m), device=x.device), torch.empty((t,), device=x.device)
+        kernel(x.view(t, n * d), fn, mixes, rstd)
+        return mixes, rstd
+
+    found = {"cuda cores": functools.partial(run, nf.get_norm_fn_kernel(n * d, m, "bfloat16", 1e-6))}
+    for options in NORM_FN_OPTIONS:
+        found[f"mma {options}"] = functools.partial(run, nf.get_norm_fn_mma_kernel(n * d, m, 1e-6, **options))
+    return found
+
+
+def _norm_fn_backward_variants(x, fn, g) -> dict[str, object]:
+    from kernels.mhc import norm_fn_kernel as nf
+    from kernels.mhc.reference import norm_fn_backward_terms
+
+    (t, n, d), m = x.shape, fn.shape[0]
+    mixes, rstd = nf.norm_fn(x, fn, eps=1e-6, tf32=False)
+
+    def run(options):  # the op's backward as shipped, with other kernel options
+        gproj, coef = norm_fn_backward_terms(g, mixes, rstd, n * d)
+        chunks = options.get("chunks", nf.backward_chunks(t))
+        kernel = nf.get_norm_fn_backward_mma_kernel(n * d, m, **{"chunks": chunks, **options})
+        grad_x = torch.empty_like(x)
+        grad_fn = torch.empty((-(-t // (nf.BACKWARD_BLOCK_T * chunks)), m, n * d), device=x.device)
+        kernel(x.view(t, n * d), fn, gproj, coef, grad_x.view(t, n * d), grad_fn)
+        return grad_x, grad_fn.sum(0)
+
+    def cuda_cores():  # session 5's: the CUDA-core kernel for grad_x, torch's GEMM over a float32 copy
+        gproj, coef = norm_fn_backward_terms(g, mixes, rstd, n * d)
+        grad_x = torch.empty_like(x)
+        nf.get_norm_fn_backward_kernel(n * d, m, "bfloat16")(x.view(t, n * d), fn, gproj, coef, grad_x.view(t, n * d))
+        return grad_x, gproj.T @ x.reshape(t, n * d).float()
+
+    return {"cuda cores": cuda_cores, **{f"mma {o}": functools.partial(run, o) for o in NORM_FN_BACKWARD_OPTIONS}}
+
+
 def variants(op: str, inp) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
+    if op == "mhc_norm_fn":
+        return _norm_fn_variants(inp.x_TND, inp.fn_MK)
+    if op == "mhc_norm_fn_backward":
+        return _norm_fn_backward_variants(inp.x_TND, inp.fn_MK, inp.g_TM)
     if op in ("swiglu", "swiglu_per_token_cast"):
         return {f"tile={t}": _swiglu_variant(inp.x_TI2, op != "swiglu", t) for t in SWIGLU_TILES}
     if op == "mhc_pre_apply":

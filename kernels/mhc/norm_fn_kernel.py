@@ -1,14 +1,23 @@
 """The fused RMS norm + projection of mHC (:func:`kernels.mhc.reference.norm_fn`), forward:
 ``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)`` and ``rstd`` (the backward's input), and the
-backward's ``grad_x = (g * rstd) @ fn - coef * flat``, with
-``flat = x.view(T, N*D)`` read once, in its own dtype, and every product in float32 on the CUDA
-cores (``fn`` as given, or TF32-rounded by the wrapper, as the reference does).
+backward's ``grad_x = (g * rstd) @ fn - coef * flat``, with ``flat = x.view(T, N*D)`` read once, in
+its own dtype (``fn`` as given, or TF32-rounded by the wrapper, as the reference does).
 
-A CTA is ``WARPS`` warps of ``TOKENS_PER_WARP`` tokens each. It walks ``K = N*D`` in chunks of 16
-bytes per lane (the next chunk's loads in flight while this one multiplies): the chunk's
-``[M, chunk]`` slice of ``fn`` is staged in shared memory once for the CTA's tokens, and each lane
-multiplies its elements of each of its warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per
-float read from shared memory; NOTES.md has the measurements). The reference instead copies the streams to float32, squares
+bfloat16 streams take the tensor cores (:func:`get_norm_fn_mma_kernel`): ``fn`` is split exactly
+into three bfloat16 parts (8 significant bits each: ``hi + lo + lo2 == fn`` for every float32), so
+each product of a bfloat16 element with a part is exact in float32 and the MMAs' float32 sums give
+the float32 projection up to summation order, at the streams' read speed instead of the FMA pipe's.
+A CTA of one warpgroup owns ``block_t`` tokens and walks ``K`` in ``block_k`` chunks, pipelined:
+the chunk of ``x`` and of ``fn`` (float32, split in shared memory) arrive by ``cp.async``, one MMA
+of ``[block_t, block_k] x [block_k, 3M]`` accumulates, and the sum of squares is taken from the
+same shared tile.
+
+float16 / float32 streams and the backward use the CUDA cores: a CTA is ``WARPS`` warps of
+``TOKENS_PER_WARP`` tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's
+loads in flight while this one multiplies); the chunk's ``[M, chunk]`` slice of ``fn`` is staged in
+shared memory once for the CTA's tokens, and each lane multiplies its elements of each of its
+warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read from shared memory;
+NOTES.md has the measurements). The reference instead copies the streams to float32, squares
 them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
 
 Shape suffixes: T tokens, K = N*D, M mixes.
@@ -173,6 +182,79 @@ def get_norm_fn_kernel(k: int, m: int, dtype: str, eps: float):
     return norm_fn_kernel
 
 
+def split_parts(v, parts):
+    """``parts`` bfloat16 values summing to float32 ``v`` (each the nearest to what is left): three
+    hold all of it (24 significant bits), two all but ``2**-16`` of it."""
+    out = [T.cast(v, T.bfloat16)]
+    rest = v
+    for _ in range(parts - 1):
+        rest = rest - T.cast(out[-1], T.float32)
+        out.append(T.cast(rest, T.bfloat16))
+    return out
+
+
+FN_PARTS = 3  # bfloat16 parts of a float32: 3 x 8 significant bits hold its 24
+BACKWARD_BLOCK_T = 64  # tokens of one MMA of the tensor-core backward (a warpgroup's rows)
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int = 128, stages: int = 4,
+                           threads: int = 128):
+    """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and ``M =
+    m`` float32 rows of ``fn``, on the tensor cores (see the module docstring). ``block_t`` tokens
+    a CTA of ``threads`` (128 per 64 tokens: one warpgroup's MMA rows), ``block_k`` columns a
+    chunk, ``stages`` chunks in flight."""
+    num_tokens = T.dynamic("num_tokens")
+    # B's rows: the parts of fn, then zeros up to a multiple of 32 (one wgmma of that width per
+    # 16 columns; 72 rows split into nine 8-wide ones)
+    rows = -(-FN_PARTS * m // 32) * 32
+    sq_cols = 16  # a thread's running squares: [block_t, sq_cols] in registers, reduced once at the end
+
+    @T.prim_func
+    def norm_fn_mma_kernel(
+        x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+        fn_MK: T.Tensor[(m, k), T.float32],
+        mixes_TM: T.Tensor[(num_tokens, m), T.float32],
+        rstd_T: T.Tensor[(num_tokens,), T.float32],
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as b:
+            x_S = T.alloc_shared((block_t, block_k), T.bfloat16)
+            fn_S = T.alloc_shared((m, block_k), T.float32)
+            w_S = T.alloc_shared((rows, block_k), T.bfloat16)
+            acc = T.alloc_fragment((block_t, rows), T.float32)
+            sq_F = T.alloc_fragment((block_t, sq_cols), T.float32)
+            sq = T.alloc_fragment((block_t,), T.float32)
+            acc_S = T.alloc_shared((block_t, rows), T.float32)
+            sq_S = T.alloc_shared((block_t,), T.float32)
+            T.clear(acc)
+            T.clear(sq_F)
+            for r, j in T.Parallel(rows - FN_PARTS * m, block_k):
+                w_S[FN_PARTS * m + r, j] = T.bfloat16(0)
+            for c in T.Pipelined(T.ceildiv(k, block_k), num_stages=stages):
+                T.copy(x_TK[b * block_t, c * block_k], x_S)
+                T.copy(fn_MK[0, c * block_k], fn_S)
+                for r, j in T.Parallel(m, block_k):
+                    for q, part in enumerate(split_parts(fn_S[r, j], FN_PARTS)):
+                        w_S[q * m + r, j] = part
+                T.gemm(x_S, w_S, acc, transpose_B=True)
+                for i, j in T.Parallel(block_t, sq_cols):
+                    for u in T.serial(block_k // sq_cols):
+                        v = T.cast(x_S[i, u * sq_cols + j], T.float32)
+                        sq_F[i, j] += v * v
+            T.reduce_sum(sq_F, sq, dim=1)
+            T.copy(acc, acc_S)
+            T.copy(sq, sq_S)
+            for i, r in T.Parallel(block_t, m):
+                token = b * block_t + i
+                rstd = rstd_of(sq_S[i], k, eps)
+                if token < num_tokens:
+                    mixes_TM[token, r] = (acc_S[i, r] + acc_S[i, m + r] + acc_S[i, 2 * m + r]) * rstd
+                    if r == 0:
+                        rstd_T[token] = rstd
+
+    return norm_fn_mma_kernel
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
     """``(x_TK, fn_MK, gproj_TM, coef_T, grad_TK)`` kernel: ``grad = gproj @ fn - coef * x`` in
@@ -235,6 +317,84 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
     return norm_fn_backward_kernel
 
 
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = BACKWARD_BLOCK_T, block_k: int = 64,
+                                    stages: int = 3):
+    """``(x_TK, fn_MK, gproj_TM, coef_T, grad_TK, grad_fn_SMK)`` kernel for bfloat16 ``x``, on the
+    tensor cores: ``grad = gproj @ fn - coef * x`` and the partial ``grad_fn = gproj.T @ x`` of each
+    split of ``block_t * chunks`` tokens (the caller sums the splits), ``x`` read once for both.
+
+    A CTA (one warpgroup) owns ``block_k`` columns of one split and walks its tokens ``block_t`` at
+    a time, pipelined. Both operands of ``gproj @ fn`` are split into three bfloat16 parts and the
+    six products of parts ``i + j <= 2`` summed (what is dropped is below ``2**-24`` of each
+    term); ``gproj.T @ x`` takes two parts of ``gproj`` (``x`` is exact): within ``2**-16`` of each
+    term, where TF32 would be ``2**-11``."""
+    num_tokens = T.dynamic("num_tokens")
+    inner = -(-6 * m // 16) * 16  # grad's MMA depth: [h h h l l l2] . [H L L2 H L H]
+    rows = -(-2 * m // 64) * 64  # grad_fn's MMA rows: [h l] of gproj, zeros to a warpgroup's 64
+
+    @T.prim_func
+    def norm_fn_backward_mma_kernel(
+        x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+        fn_MK: T.Tensor[(m, k), T.float32],
+        gproj_TM: T.Tensor[(num_tokens, m), T.float32],
+        coef_T: T.Tensor[(num_tokens,), T.float32],
+        grad_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+        grad_fn_SMK: T.Tensor[(T.ceildiv(num_tokens, block_t * chunks), m, k), T.float32],
+    ):
+        with T.Kernel(T.ceildiv(k, block_k), T.ceildiv(num_tokens, block_t * chunks), threads=128) as (kb, split):
+            fn_S = T.alloc_shared((m, block_k), T.float32)
+            b_S = T.alloc_shared((inner, block_k), T.bfloat16)
+            x_S = T.alloc_shared((block_t, block_k), T.bfloat16)
+            gp_S = T.alloc_shared((block_t, m), T.float32)
+            coef_S = T.alloc_shared((block_t,), T.float32)
+            a_S = T.alloc_shared((block_t, inner), T.bfloat16)
+            at_S = T.alloc_shared((block_t, rows), T.bfloat16)
+            out_S = T.alloc_shared((block_t, block_k), T.bfloat16)
+            grad = T.alloc_fragment((block_t, block_k), T.float32)
+            grad_fn = T.alloc_fragment((rows, block_k), T.float32)
+            grad_fn_S = T.alloc_shared((rows, block_k), T.float32)
+            T.copy(fn_MK[0, kb * block_k], fn_S)
+            T.clear(b_S)
+            T.clear(a_S)
+            T.clear(at_S)
+            for r, j in T.Parallel(m, block_k):
+                hi, lo, lo2 = split_parts(fn_S[r, j], 3)
+                for q, part in enumerate((hi, lo, lo2, hi, lo, hi)):
+                    b_S[q * m + r, j] = part
+            T.clear(grad_fn)
+            for cc in T.Pipelined(chunks, num_stages=stages):
+                c = split * chunks + cc
+                T.copy(x_TK[c * block_t, kb * block_k], x_S)
+                T.copy(gproj_TM[c * block_t, 0], gp_S)
+                for i in T.Parallel(block_t):
+                    coef_S[i] = T.if_then_else(c * block_t + i < num_tokens, coef_T[c * block_t + i], T.float32(0))
+                for i, r in T.Parallel(block_t, m):
+                    hi, lo, lo2 = split_parts(gp_S[i, r], 3)
+                    for q, part in enumerate((hi, hi, hi, lo, lo, lo2)):
+                        a_S[i, q * m + r] = part
+                    at_S[i, r] = hi
+                    at_S[i, m + r] = lo
+                T.gemm(a_S, b_S, grad, clear_accum=True)
+                T.gemm(at_S, x_S, grad_fn, transpose_A=True)
+                for i, j in T.Parallel(block_t, block_k):
+                    out_S[i, j] = T.cast(grad[i, j] - coef_S[i] * T.cast(x_S[i, j], T.float32), T.bfloat16)
+                T.copy(out_S, grad_TK[c * block_t, kb * block_k])
+            T.copy(grad_fn, grad_fn_S)
+            for r, j in T.Parallel(m, block_k):
+                if kb * block_k + j < k:
+                    grad_fn_SMK[split, r, kb * block_k + j] = grad_fn_S[r, j] + grad_fn_S[m + r, j]
+
+    return norm_fn_backward_mma_kernel
+
+
+def backward_chunks(num_tokens: int, block_t: int = BACKWARD_BLOCK_T, most: int = 32) -> int:
+    """Token blocks a CTA of the tensor-core backward walks: all of them up to ``most`` (a power of
+    two, so few token counts compile apart), then splits of ``most`` whose ``grad_fn`` partials the
+    caller sums (TileLang pipelines only loops of a static length)."""
+    return min(most, 1 << max(0, (-(-num_tokens // block_t) - 1).bit_length()))
+
+
 def supports(x_TND: torch.Tensor, fn_MK: torch.Tensor) -> bool:
     """Streams bfloat16/float16/float32 with a float32 ``fn`` (float64 stays with the reference)."""
     return x_TND.dtype in KERNEL_DTYPES and fn_MK.dtype == torch.float32
@@ -253,7 +413,10 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
     if t == 0:
         return mixes_TM, rstd_T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
-    kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
+    if x_TND.dtype == torch.bfloat16:
+        kernel = get_norm_fn_mma_kernel(n * d, m, eps)
+    else:
+        kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
     kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
     return mixes_TM, rstd_T
 
@@ -267,6 +430,13 @@ def norm_fn_backward(x_TND: torch.Tensor, fn_MK: torch.Tensor, mixes_TM: torch.T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
     gproj_TM, coef_T = norm_fn_backward_terms(g_TM.float(), mixes_TM, rstd_T, n * d)
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
+    if t > 0 and x_TND.dtype == torch.bfloat16:
+        chunks = backward_chunks(t)
+        grad_fn_SMK = torch.empty((-(-t // (BACKWARD_BLOCK_T * chunks)), *fn_MK.shape), dtype=torch.float32, device=x_TND.device)
+        kernel = get_norm_fn_backward_mma_kernel(n * d, fn_MK.shape[0], chunks)
+        kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), gproj_TM.contiguous(), coef_T.contiguous(),
+               grad_x.view(t, n * d), grad_fn_SMK)
+        return grad_x, grad_fn_SMK.sum(0)
     if t > 0:
         kernel = get_norm_fn_backward_kernel(n * d, fn_MK.shape[0], tl_dtype(x_TND.dtype))
         kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), gproj_TM.contiguous(), coef_T.contiguous(),

@@ -1,18 +1,28 @@
-"""The norm + projection kernel (``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)``) against the
+"""The norm + projection kernels (``mixes = (flat @ fn.T) * rsqrt(mean(flat^2) + eps)``) against the
 reference in float64 on the same inputs, the public op's kernel path forward and backward, and an
 sm_90a compile of the runtime's shapes.
 
-Tolerance: the kernel sums ``K = N*D`` float32 products in its own order (lanes, then a warp
-butterfly); a float32 sum of K terms is within ``K * 2**-24 * sum |terms|`` of the exact one. The
-bound per element is that, scaled by rstd, plus rstd's error (a float32 sum of K squares). Outputs start as
-poison (:func:`kernels.testing.poison_allocator`)."""
+Tolerance: a float32 sum of n terms is within ``n * u * sum |terms|`` of the exact one (``u =
+2**-24``). The CUDA-core kernels (float16 / float32 streams) sum ``K = N*D`` products; the
+tensor-core kernels (bfloat16 streams) sum the products of ``fn``'s three exact bfloat16 parts,
+``3K`` terms, and the tensor cores' float32 adds may truncate, so twice that. The bound per element
+is that, scaled by rstd, plus rstd's error (a float32 sum of K squares). Outputs start as poison
+(:func:`kernels.testing.poison_allocator`)."""
 
 import pytest
 import torch
 
 from kernels import lowering, mhc
 from kernels.mhc import reference
-from kernels.mhc.norm_fn_kernel import get_norm_fn_backward_kernel, get_norm_fn_kernel, norm_fn, norm_fn_backward
+from kernels.mhc.norm_fn_kernel import (
+    backward_chunks,
+    get_norm_fn_backward_kernel,
+    get_norm_fn_backward_mma_kernel,
+    get_norm_fn_kernel,
+    get_norm_fn_mma_kernel,
+    norm_fn,
+    norm_fn_backward,
+)
 from kernels.testing import poison_allocator
 
 CASES = [  # (T, N, D, M, dtype, tf32)
@@ -22,6 +32,8 @@ CASES = [  # (T, N, D, M, dtype, tf32)
     (130, 4, 4096, 24, torch.bfloat16, False),
     (67, 4, 7168, 24, torch.float32, True),
     (33, 2, 300, 8, torch.bfloat16, True),
+    (200, 1, 100, 3, torch.bfloat16, False),  # the tensor-core kernel: rows not 16-byte aligned, T past a tile
+    (8192, 4, 7168, 24, torch.bfloat16, False),  # the bench's shape
 ]
 
 
@@ -39,8 +51,9 @@ def assert_close(mixes_TM, rstd_T, x_TND, fn_MK, tf32, eps=1e-6):
     want_rstd = torch.rsqrt(flat.square().mean(-1) + eps)
     want = (flat @ w.double().T) * want_rstd[:, None]
     k, u = n * d, 2.0**-24
-    # the sum's error (K adds, K products), then rstd's (a sum of K positive squares: K * u / 2 relative)
-    bound = (k + 2) * u * (flat.abs() @ w.double().abs().T) * want_rstd[:, None] + (k / 2 + 4) * u * want.abs()
+    adds = 2 * (3 * k + 2) if x_TND.dtype == torch.bfloat16 else k + 2  # the tensor cores' sum: module docstring
+    # the sum's error, then rstd's (a sum of K positive squares: K * u / 2 relative)
+    bound = adds * u * (flat.abs() @ w.double().abs().T) * want_rstd[:, None] + (k / 2 + 4) * u * want.abs()
     assert mixes_TM.dtype == torch.float32 and mixes_TM.shape == want.shape
     assert torch.all((mixes_TM.double() - want).abs() <= bound), float(((mixes_TM.double() - want).abs() / bound).max())
     torch.testing.assert_close(rstd_T.double(), want_rstd, rtol=(k / 2 + 4) * u, atol=0)
@@ -59,7 +72,9 @@ def test_matches_reference(t, n, d, m, dtype, tf32, seed):
 @pytest.mark.parametrize("t,n,d,m,dtype,tf32", CASES)
 def test_backward_matches_reference(t, n, d, m, dtype, tf32, seed):
     """``grad_x`` against the reference formula in float64, within the rounding to ``x``'s dtype
-    plus the float32 sum's bound; ``grad_fn`` is torch's (same formula, float32)."""
+    plus the float32 sum's bound (the tensor cores': the six products of three parts of ``gproj``
+    and of ``fn``, truncating adds); ``grad_fn`` torch's float32 GEMM, or the tensor cores' from two
+    parts of ``gproj`` (within ``2**-16`` of each term) summed over the tokens."""
     x_TND, fn_MK = inputs(t, n, d, m, dtype, seed)
     mixes_TM, rstd_T = norm_fn(x_TND, fn_MK, eps=1e-6, tf32=tf32)
     g_TM = torch.randn(t, m, device="cuda")
@@ -73,10 +88,16 @@ def test_backward_matches_reference(t, n, d, m, dtype, tf32, seed):
     coef = (g_TM.double() * mixes_TM.double()).sum(-1) * rstd_T.double().square() / (n * d)
     flat = x_TND.double().reshape(t, n * d)
     scale = (gproj.abs() @ w.abs() + (coef[:, None] * flat).abs()).view_as(want_x)  # the terms' magnitudes
-    bound = (m + 4) * 2.0**-24 * scale + {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8,
-                                          torch.float16: 2.0**-11}[dtype] * want_x.abs()
+    mma, u = dtype == torch.bfloat16, 2.0**-24
+    adds = 2 * (6 * m + 6) if mma else m + 4
+    bound = adds * u * scale + {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8,
+                                torch.float16: 2.0**-11}[dtype] * want_x.abs()
     assert torch.all((grad_x.double() - want_x).abs() <= bound)
-    torch.testing.assert_close(grad_fn.double(), want_fn, rtol=1e-4, atol=1e-4)
+    if mma:
+        bound_fn = (2.0**-16 + 2 * (t + 2) * u) * (gproj.abs().T @ flat.abs())
+        assert torch.all((grad_fn.double() - want_fn).abs() <= bound_fn)
+    else:
+        torch.testing.assert_close(grad_fn.double(), want_fn, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -95,6 +116,12 @@ def test_public_op_forward_and_backward(seed):
     torch.testing.assert_close(fn.grad, fnr.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_backward_chunks():
+    """The tensor-core backward's token blocks a CTA: every block of a small batch in one CTA (a
+    power of two of them), 32 blocks a split beyond."""
+    assert [backward_chunks(t) for t in (1, 64, 65, 200, 2048, 2049, 8192)] == [1, 1, 2, 4, 32, 32, 32]
+
+
 def test_compiles_for_sm90a():
     """DeepSeek-V4 widths (N = 4, D = 4096, 7168) in bfloat16 and float32 (training's streams),
     the tiny model's D = 64, a head's M = N."""
@@ -104,3 +131,9 @@ def test_compiles_for_sm90a():
             source = lowering.kernel_source(get_norm_fn_kernel(k, m, dtype, 1e-6))
             assert "warp_reduce_sum" in source and "__fsqrt_rn" in source, (k, m, dtype)
             assert "grad_TK" in lowering.kernel_source(get_norm_fn_backward_kernel(k, m, dtype)), (k, m, dtype)
+        # bfloat16 streams' tensor-core kernel; K = 600 and 100 end inside a chunk (100: rows not 16-byte aligned)
+        for k, m in ((4 * 4096, 24), (4 * 7168, 24), (4 * 7168, 4), (600, 8), (100, 3)):
+            source = lowering.kernel_source(get_norm_fn_mma_kernel(k, m, 1e-6))
+            assert "wgmma" in source and "__fsqrt_rn" in source, (k, m)
+            source = lowering.kernel_source(get_norm_fn_backward_mma_kernel(k, m, backward_chunks(8192)))
+            assert "wgmma" in source and "grad_fn_SMK" in source, (k, m)
