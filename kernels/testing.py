@@ -4,7 +4,7 @@ Every generator draws from its own seeded CPU generator, then moves the result t
 test and a benchmark given the same arguments see the same inputs on any device.
 
 Shape suffixes: T tokens, E experts, K routes per token, M/N matrix rows/columns, P layout rows,
-D hidden, G scale groups, I SwiGLU intermediate.
+D hidden, G scale groups, I SwiGLU intermediate, B sequences, S positions, V token-id vocabulary.
 """
 
 from __future__ import annotations
@@ -181,6 +181,37 @@ def swiglu_input(
     x_TI2 = 3 * torch.randn(num_tokens, 2 * inter, generator=gen)
     grad_TI = torch.randn(num_tokens, inter, generator=gen)
     return x_TI2.to(dtype).to(device), grad_TI.to(dtype).to(device)
+
+
+def engram_ids(
+    batch: int,
+    seq: int,
+    vocab_size: int,
+    *,
+    num_ids: int | None = None,
+    dtype: torch.dtype = torch.int64,
+    map_dtype: torch.dtype = torch.int64,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids of an Engram hash and, with ``num_ids``, a compress map onto ``[0, vocab_size)``:
+    uniform, but every seventh id is the largest and the map sends it to ``vocab_size - 1``, so the
+    hash's largest products occur.
+
+    Returns:
+        ids_BS: [B, S] ``dtype`` in ``[0, num_ids)`` (``[0, vocab_size)`` without a map).
+        compress_V: [num_ids] ``map_dtype``, or None.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    high = num_ids or vocab_size
+    ids_BS = torch.randint(0, high, (batch, seq), generator=gen)
+    ids_BS.view(-1)[::7] = high - 1
+    compress_V = None
+    if num_ids:
+        compress_V = torch.randint(0, vocab_size, (num_ids,), generator=gen)
+        compress_V[-1] = vocab_size - 1
+        compress_V = compress_V.to(map_dtype).to(device)
+    return ids_BS.to(dtype).to(device), compress_V
 
 
 def random_bits(

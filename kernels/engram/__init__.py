@@ -1,26 +1,35 @@
 """Engram: hashed n-gram memory ops (see :mod:`kernels.engram.reference`, the specification).
 
-``gate`` runs its TileLang kernels, forward and (under autograd) backward, when
-:func:`kernels.select.use_tilelang` says so for the input's device and the kernels take the dtypes
-(bfloat16/float16/float32, ``wh`` and ``we`` of one dtype) and the shape
-(:func:`kernels.engram.gate_kernel.backward_plan`: a thread's weight gradients fit its registers,
-a token's rows shared memory); otherwise the reference with its
-autograd runs. The choice is made from the
-arguments up front, never by catching a kernel's error. The other ops are the reference's.
+Where :func:`kernels.select.use_tilelang` says so for the input's device:
+
+* ``gate`` runs its TileLang kernels, forward and (under autograd) backward, when the kernels take
+  the dtypes (bfloat16/float16/float32, ``wh`` and ``we`` of one dtype) and the shape
+  (:func:`kernels.engram.gate_kernel.backward_plan`: a thread's weight gradients fit its registers,
+  a token's rows shared memory); otherwise the reference with its autograd runs.
+* ``ngram_hash`` runs its kernel (:mod:`kernels.engram.hash_kernel`, bit-exact) after the
+  reference's checks of the ids' and the compress map's values, which the kernel skips.
+
+The choice is made from the arguments up front, never by catching a kernel's error.
+``make_hash_config`` and ``short_conv`` are the reference's everywhere.
 """
 
 import torch
 
-from kernels.engram import gate_kernel, reference
-from kernels.engram.reference import (
-    HashConfig,
-    make_hash_config,
-    ngram_hash,
-    short_conv,
-)
+from kernels.engram import gate_kernel, hash_kernel, reference
+from kernels.engram.reference import HashConfig, make_hash_config, short_conv
 from kernels.select import use_tilelang
 
 __all__ = ["HashConfig", "gate", "make_hash_config", "ngram_hash", "short_conv"]
+
+
+def ngram_hash(
+    ids_BS: torch.Tensor, config: HashConfig, *, compress_V: torch.Tensor | None = None, pad_id: int = 0
+) -> torch.Tensor:
+    """See :func:`kernels.engram.reference.ngram_hash`."""
+    if isinstance(ids_BS, torch.Tensor) and use_tilelang(ids_BS.device):
+        reference.check_hash_args(ids_BS, config, compress_V, pad_id)  # the values the kernel does not check
+        return hash_kernel.hash_indices(ids_BS, config, compress_V=compress_V, pad_id=pad_id)
+    return reference.ngram_hash(ids_BS, config, compress_V=compress_V, pad_id=pad_id)
 
 
 def gate(

@@ -253,21 +253,11 @@ def ngram_hash(
     Returns:
         ``idx_BSC`` ``[B, S, (N - 1) * K]`` int64, ``offset_c <= idx[..., c] < offset_c + size_c``.
     """
-    if not isinstance(config, HashConfig):
-        raise TypeError(f"config: expected a HashConfig, got {type(config).__name__}")
-    check_tensor("ids_BS", ids_BS, dtype=ID_DTYPES, ndim=2)
+    check_hash_args(ids_BS, config, compress_V, pad_id)
     if compress_V is not None:
-        check_tensor("compress_V", compress_V, dtype=ID_DTYPES, ndim=1, device=ids_BS.device)
-        check_index_range("compress_V", compress_V, config.vocab_size, allow_masked=False)
-        check_index_range("ids_BS", ids_BS, compress_V.shape[0], allow_masked=False)
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < compress_V.shape[0]:
-            raise ValueError(f"pad_id: expected an int in [0, {compress_V.shape[0]}), got {pad_id!r}")
         tok_BS = compress_V.long()[ids_BS.long()]
         pad = int(compress_V[pad_id])
     else:
-        check_index_range("ids_BS", ids_BS, config.vocab_size, allow_masked=False)
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < config.vocab_size:
-            raise ValueError(f"pad_id: expected an int in [0, {config.vocab_size}), got {pad_id!r}")
         tok_BS = ids_BS.long()
         pad = pad_id
 
@@ -285,6 +275,24 @@ def ngram_hash(
             cols = slice((k - 1) * k_heads, k * k_heads)
             columns.append(h_BS[:, :, None] % sizes_C[cols] + offsets_C[cols])
     return torch.cat(columns, dim=-1)
+
+
+def check_hash_args(ids_BS, config, compress_V, pad_id, *, values: bool = True) -> None:
+    """Validates :func:`ngram_hash`'s arguments (shared with its kernel, which skips the ``values``
+    check: ids and map entries in range, a read of both and a host sync)."""
+    if not isinstance(config, HashConfig):
+        raise TypeError(f"config: expected a HashConfig, got {type(config).__name__}")
+    check_tensor("ids_BS", ids_BS, dtype=ID_DTYPES, ndim=2)
+    id_range = config.vocab_size
+    if compress_V is not None:
+        check_tensor("compress_V", compress_V, dtype=ID_DTYPES, ndim=1, device=ids_BS.device)
+        id_range = compress_V.shape[0]
+        if values:
+            check_index_range("compress_V", compress_V, config.vocab_size, allow_masked=False)
+    if values:
+        check_index_range("ids_BS", ids_BS, id_range, allow_masked=False)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < id_range:
+        raise ValueError(f"pad_id: expected an int in [0, {id_range}), got {pad_id!r}")
 
 
 # ---------------------------------------------------------------------------------------------
