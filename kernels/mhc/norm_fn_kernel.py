@@ -197,60 +197,111 @@ FN_PARTS = 3  # bfloat16 parts of a float32: 3 x 8 significant bits hold its 24
 BACKWARD_BLOCK_T = 64  # tokens of one MMA of the tensor-core backward (a warpgroup's rows)
 
 
+def fn_rows(m: int) -> int:
+    """Rows of the tensor-core kernels' ``fn`` operand: its three parts, then zeros to a multiple
+    of 16 (one wgmma that wide per 16 columns; 72 rows lower to nine 8-wide ones)."""
+    return -(-FN_PARTS * m // 16) * 16
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int = 128, stages: int = 4,
-                           threads: int = 128):
-    """``(x_TK, fn_MK, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and ``M =
-    m`` float32 rows of ``fn``, on the tensor cores (see the module docstring). ``block_t`` tokens
-    a CTA of ``threads`` (128 per 64 tokens: one warpgroup's MMA rows), ``block_k`` columns a
-    chunk, ``stages`` chunks in flight."""
-    num_tokens = T.dynamic("num_tokens")
-    # B's rows: the parts of fn, then zeros up to a multiple of 32 (one wgmma of that width per
-    # 16 columns; 72 rows split into nine 8-wide ones)
-    rows = -(-FN_PARTS * m // 32) * 32
-    sq_cols = 16  # a thread's running squares: [block_t, sq_cols] in registers, reduced once at the end
+def get_fn_parts_kernel(k: int, m: int, threads: int = 256):
+    """``(fn_MK, w_RK)`` kernel: ``fn``'s three bfloat16 parts as rows ``[hi; lo; lo2]`` (``M``
+    each), then zero rows up to :func:`fn_rows`; a thread a column."""
+    rows = fn_rows(m)
 
     @T.prim_func
-    def norm_fn_mma_kernel(
-        x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
-        fn_MK: T.Tensor[(m, k), T.float32],
-        mixes_TM: T.Tensor[(num_tokens, m), T.float32],
-        rstd_T: T.Tensor[(num_tokens,), T.float32],
-    ):
+    def fn_parts_kernel(fn_MK: T.Tensor[(m, k), T.float32], w_RK: T.Tensor[(rows, k), T.bfloat16]):
+        with T.Kernel(T.ceildiv(k, threads), threads=threads) as b:
+            col = b * threads + T.get_thread_binding()
+            if col < k:
+                for r in T.unroll(m):
+                    for q, part in enumerate(split_parts(fn_MK[r, col], FN_PARTS)):
+                        w_RK[q * m + r, col] = part
+                for r in T.unroll(rows - FN_PARTS * m):
+                    w_RK[FN_PARTS * m + r, col] = T.bfloat16(0)
+
+    return fn_parts_kernel
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int = 128, stages: int = 4,
+                           threads: int = 128, presplit: bool = False):
+    """``(x_TK, fn, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and ``M =
+    m`` rows of ``fn`` (float32 ``fn_MK``, split in shared memory a chunk at a time; with
+    ``presplit`` its parts ``w_RK`` from :func:`get_fn_parts_kernel`), on the tensor cores (see the
+    module docstring). ``block_t`` tokens a CTA of ``threads`` (128 per 64 tokens: one warpgroup's
+    MMA rows), ``block_k`` columns a chunk, ``stages`` chunks in flight. Each chunk's MMA sums
+    into a fresh accumulator that the CUDA cores add to the running one (the tensor cores' float32
+    adds truncate; a long chain of them drifts)."""
+    num_tokens = T.dynamic("num_tokens")
+    rows = fn_rows(m)
+    lanes = threads // block_t  # threads summing a token's squares, block_k / lanes columns each
+    vectors = block_k // lanes // 8  # 16-byte vectors of bf16 a thread reads a chunk
+
+    @T.macro
+    def kernel_body(x_TK, fn, mixes_TM, rstd_T):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as b:
+            tid = T.get_thread_binding()
             x_S = T.alloc_shared((block_t, block_k), T.bfloat16)
-            fn_S = T.alloc_shared((m, block_k), T.float32)
             w_S = T.alloc_shared((rows, block_k), T.bfloat16)
+            chunk = T.alloc_fragment((block_t, rows), T.float32)
             acc = T.alloc_fragment((block_t, rows), T.float32)
-            sq_F = T.alloc_fragment((block_t, sq_cols), T.float32)
-            sq = T.alloc_fragment((block_t,), T.float32)
+            x_local = T.alloc_local((8,), T.bfloat16)
+            sq = T.alloc_local((8,), T.float32)  # eight chains, not one
+            sq_S = T.alloc_shared((threads,), T.float32)
             acc_S = T.alloc_shared((block_t, rows), T.float32)
-            sq_S = T.alloc_shared((block_t,), T.float32)
             T.clear(acc)
-            T.clear(sq_F)
-            for r, j in T.Parallel(rows - FN_PARTS * m, block_k):
-                w_S[FN_PARTS * m + r, j] = T.bfloat16(0)
+            for e in T.unroll(8):
+                sq[e] = T.float32(0)
+            if not presplit:
+                fn_S = T.alloc_shared((m, block_k), T.float32)
+                for r, j in T.Parallel(rows - FN_PARTS * m, block_k):
+                    w_S[FN_PARTS * m + r, j] = T.bfloat16(0)
             for c in T.Pipelined(T.ceildiv(k, block_k), num_stages=stages):
                 T.copy(x_TK[b * block_t, c * block_k], x_S)
-                T.copy(fn_MK[0, c * block_k], fn_S)
-                for r, j in T.Parallel(m, block_k):
-                    for q, part in enumerate(split_parts(fn_S[r, j], FN_PARTS)):
-                        w_S[q * m + r, j] = part
-                T.gemm(x_S, w_S, acc, transpose_B=True)
-                for i, j in T.Parallel(block_t, sq_cols):
-                    for u in T.serial(block_k // sq_cols):
-                        v = T.cast(x_S[i, u * sq_cols + j], T.float32)
-                        sq_F[i, j] += v * v
-            T.reduce_sum(sq_F, sq, dim=1)
+                if presplit:
+                    T.copy(fn[0, c * block_k], w_S)
+                else:
+                    T.copy(fn[0, c * block_k], fn_S)
+                    for r, j in T.Parallel(m, block_k):
+                        for q, part in enumerate(split_parts(fn_S[r, j], FN_PARTS)):
+                            w_S[q * m + r, j] = part
+                T.gemm(x_S, w_S, chunk, transpose_B=True, clear_accum=True)
+                for i, r in T.Parallel(block_t, rows):
+                    acc[i, r] += chunk[i, r]
+                for v in T.unroll(vectors):
+                    for e in T.vectorized(8):
+                        x_local[e] = x_S[tid // lanes, (tid % lanes * vectors + v) * 8 + e]
+                    for e in T.unroll(8):
+                        sq[e] += T.cast(x_local[e], T.float32) * T.cast(x_local[e], T.float32)
+            sq_S[tid] = sum(sq[e] for e in range(8))
             T.copy(acc, acc_S)
-            T.copy(sq, sq_S)
             for i, r in T.Parallel(block_t, m):
                 token = b * block_t + i
-                rstd = rstd_of(sq_S[i], k, eps)
+                rstd = rstd_of(sum(sq_S[i * lanes + q] for q in range(1, lanes)) + sq_S[i * lanes], k, eps)
                 if token < num_tokens:
                     mixes_TM[token, r] = (acc_S[i, r] + acc_S[i, m + r] + acc_S[i, 2 * m + r]) * rstd
                     if r == 0:
                         rstd_T[token] = rstd
+
+    if presplit:
+        @T.prim_func
+        def norm_fn_mma_kernel(
+            x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+            w_RK: T.Tensor[(rows, k), T.bfloat16],
+            mixes_TM: T.Tensor[(num_tokens, m), T.float32],
+            rstd_T: T.Tensor[(num_tokens,), T.float32],
+        ):
+            kernel_body(x_TK, w_RK, mixes_TM, rstd_T)
+    else:
+        @T.prim_func
+        def norm_fn_mma_kernel(
+            x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+            fn_MK: T.Tensor[(m, k), T.float32],
+            mixes_TM: T.Tensor[(num_tokens, m), T.float32],
+            rstd_T: T.Tensor[(num_tokens,), T.float32],
+        ):
+            kernel_body(x_TK, fn_MK, mixes_TM, rstd_T)
 
     return norm_fn_mma_kernel
 
