@@ -36,7 +36,7 @@ PRE_APPLY_THREADS = [128, 512]  # shipped: 256
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
-NORM_FN_OPTIONS = [dict(presplit=True), dict(stages=3), dict(block_k=64)]  # shipped: 64 x 128, 4 stages, split in the CTA
+NORM_FN_OPTIONS = [dict(stages=6), dict(block_k=256, stages=3)]  # shipped: 64 x 128, 4 stages
 NORM_FN_BACKWARD_OPTIONS = [dict(chunks=16), dict(block_k=128)]  # shipped: 32, 64, 3
 
 
@@ -125,19 +125,21 @@ def _norm_fn_variants(x, fn) -> dict[str, object]:
 
     (t, n, d), m = x.shape, fn.shape[0]
 
-    def run(kernel, presplit=False):  # mixes only, as the op returns
+    def cuda_cores(kernel):  # mixes only, as the op returns
         mixes, rstd = torch.empty((t, m), device=x.device), torch.empty((t,), device=x.device)
-        w = fn
-        if presplit:
-            w = torch.empty((nf.fn_rows(m), n * d), dtype=torch.bfloat16, device=x.device)
-            nf.get_fn_parts_kernel(n * d, m)(fn, w)
-        kernel(x.view(t, n * d), w, mixes, rstd)
+        kernel(x.view(t, n * d), fn, mixes, rstd)
         return mixes
 
-    found = {"cuda cores": functools.partial(run, nf.get_norm_fn_kernel(n * d, m, "bfloat16", 1e-6))}
+    def mma(kernel):
+        mixes, rstd = torch.empty((t, m), device=x.device), torch.empty((t,), device=x.device)
+        parts = torch.empty((nf.fn_rows(m), n * d), dtype=torch.bfloat16, device=x.device)
+        nf.get_fn_parts_kernel(n * d, m)(fn, parts)
+        kernel(x.view(t, n * d), parts, mixes, rstd)
+        return mixes
+
+    found = {"cuda cores": functools.partial(cuda_cores, nf.get_norm_fn_kernel(n * d, m, "bfloat16", 1e-6))}
     for options in NORM_FN_OPTIONS:
-        found[f"mma {options}"] = functools.partial(run, nf.get_norm_fn_mma_kernel(n * d, m, 1e-6, **options),
-                                                    options.get("presplit", False))
+        found[f"mma {options}"] = functools.partial(mma, nf.get_norm_fn_mma_kernel(n * d, m, 1e-6, **options))
     return found
 
 

@@ -7,10 +7,11 @@ bfloat16 streams take the tensor cores (:func:`get_norm_fn_mma_kernel`): ``fn`` 
 into three bfloat16 parts (8 significant bits each: ``hi + lo + lo2 == fn`` for every float32), so
 each product of a bfloat16 element with a part is exact in float32 and the MMAs' float32 sums give
 the float32 projection up to summation order, at the streams' read speed instead of the FMA pipe's.
-A CTA of one warpgroup owns ``block_t`` tokens and walks ``K`` in ``block_k`` chunks, pipelined:
-the chunk of ``x`` and of ``fn`` (float32, split in shared memory) arrive by ``cp.async``, one MMA
-of ``[block_t, block_k] x [block_k, 3M]`` accumulates, and the sum of squares is taken from the
-same shared tile.
+A small kernel writes the parts once a call (every CTA splitting every chunk itself took 223
+against 179 us at D = 7168, session 21); then a CTA of one warpgroup owns ``block_t`` tokens and
+walks ``K`` in ``block_k`` chunks, pipelined: the chunks of ``x`` and of the parts arrive by
+``cp.async``, one MMA of ``[block_t, block_k] x [block_k, 3M]`` sums each chunk, and the sum of
+squares is taken from the same shared tile.
 
 float16 / float32 streams and the backward use the CUDA cores: a CTA is ``WARPS`` warps of
 ``TOKENS_PER_WARP`` tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's
@@ -225,21 +226,25 @@ def get_fn_parts_kernel(k: int, m: int, threads: int = 256):
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int = 128, stages: int = 4,
-                           threads: int = 128, presplit: bool = False):
-    """``(x_TK, fn, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and ``M =
-    m`` rows of ``fn`` (float32 ``fn_MK``, split in shared memory a chunk at a time; with
-    ``presplit`` its parts ``w_RK`` from :func:`get_fn_parts_kernel`), on the tensor cores (see the
-    module docstring). ``block_t`` tokens a CTA of ``threads`` (128 per 64 tokens: one warpgroup's
-    MMA rows), ``block_k`` columns a chunk, ``stages`` chunks in flight. Each chunk's MMA sums
-    into a fresh accumulator that the CUDA cores add to the running one (the tensor cores' float32
-    adds truncate; a long chain of them drifts)."""
+                           threads: int = 128):
+    """``(x_TK, w_RK, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and the
+    parts ``w_RK`` of ``M = m`` rows of ``fn`` (:func:`get_fn_parts_kernel`), on the tensor cores
+    (see the module docstring). ``block_t`` tokens a CTA of ``threads`` (128 per 64 tokens: one
+    warpgroup's MMA rows), ``block_k`` columns a chunk, ``stages`` chunks in flight. Each chunk's
+    MMA sums into a fresh accumulator that the CUDA cores add to the running one (the tensor cores'
+    float32 adds truncate: over 3K terms they drifted 1.6e-5 of the largest mix, session 21)."""
     num_tokens = T.dynamic("num_tokens")
     rows = fn_rows(m)
     lanes = threads // block_t  # threads summing a token's squares, block_k / lanes columns each
     vectors = block_k // lanes // 8  # 16-byte vectors of bf16 a thread reads a chunk
 
-    @T.macro
-    def kernel_body(x_TK, fn, mixes_TM, rstd_T):
+    @T.prim_func
+    def norm_fn_mma_kernel(
+        x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+        w_RK: T.Tensor[(rows, k), T.bfloat16],
+        mixes_TM: T.Tensor[(num_tokens, m), T.float32],
+        rstd_T: T.Tensor[(num_tokens,), T.float32],
+    ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as b:
             tid = T.get_thread_binding()
             x_S = T.alloc_shared((block_t, block_k), T.bfloat16)
@@ -253,19 +258,9 @@ def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_
             T.clear(acc)
             for e in T.unroll(8):
                 sq[e] = T.float32(0)
-            if not presplit:
-                fn_S = T.alloc_shared((m, block_k), T.float32)
-                for r, j in T.Parallel(rows - FN_PARTS * m, block_k):
-                    w_S[FN_PARTS * m + r, j] = T.bfloat16(0)
             for c in T.Pipelined(T.ceildiv(k, block_k), num_stages=stages):
                 T.copy(x_TK[b * block_t, c * block_k], x_S)
-                if presplit:
-                    T.copy(fn[0, c * block_k], w_S)
-                else:
-                    T.copy(fn[0, c * block_k], fn_S)
-                    for r, j in T.Parallel(m, block_k):
-                        for q, part in enumerate(split_parts(fn_S[r, j], FN_PARTS)):
-                            w_S[q * m + r, j] = part
+                T.copy(w_RK[0, c * block_k], w_S)
                 T.gemm(x_S, w_S, chunk, transpose_B=True, clear_accum=True)
                 for i, r in T.Parallel(block_t, rows):
                     acc[i, r] += chunk[i, r]
@@ -283,25 +278,6 @@ def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_
                     mixes_TM[token, r] = (acc_S[i, r] + acc_S[i, m + r] + acc_S[i, 2 * m + r]) * rstd
                     if r == 0:
                         rstd_T[token] = rstd
-
-    if presplit:
-        @T.prim_func
-        def norm_fn_mma_kernel(
-            x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
-            w_RK: T.Tensor[(rows, k), T.bfloat16],
-            mixes_TM: T.Tensor[(num_tokens, m), T.float32],
-            rstd_T: T.Tensor[(num_tokens,), T.float32],
-        ):
-            kernel_body(x_TK, w_RK, mixes_TM, rstd_T)
-    else:
-        @T.prim_func
-        def norm_fn_mma_kernel(
-            x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
-            fn_MK: T.Tensor[(m, k), T.float32],
-            mixes_TM: T.Tensor[(num_tokens, m), T.float32],
-            rstd_T: T.Tensor[(num_tokens,), T.float32],
-        ):
-            kernel_body(x_TK, fn_MK, mixes_TM, rstd_T)
 
     return norm_fn_mma_kernel
 
@@ -376,12 +352,13 @@ def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = 
     split of ``block_t * chunks`` tokens (the caller sums the splits), ``x`` read once for both.
 
     A CTA (one warpgroup) owns ``block_k`` columns of one split and walks its tokens ``block_t`` at
-    a time, pipelined. Both operands of ``gproj @ fn`` are split into three bfloat16 parts and the
-    six products of parts ``i + j <= 2`` summed (what is dropped is below ``2**-24`` of each
-    term); ``gproj.T @ x`` takes two parts of ``gproj`` (``x`` is exact): within ``2**-16`` of each
-    term, where TF32 would be ``2**-11``."""
+    a time, pipelined. Both operands of ``gproj @ fn`` are split into two bfloat16 parts and the
+    three products ``hH + hL + lH`` summed (within ``3 * 2**-16`` of each term: ample for a
+    bfloat16 ``grad``, and the operands stay small enough for two CTAs an SM); ``gproj.T @ x``
+    takes the same two parts of ``gproj`` (``x`` is exact): within ``2**-16`` of each term, where
+    TF32 would be ``2**-11``."""
     num_tokens = T.dynamic("num_tokens")
-    inner = -(-6 * m // 16) * 16  # grad's MMA depth: [h h h l l l2] . [H L L2 H L H]
+    inner = -(-3 * m // 16) * 16  # grad's MMA depth: [h h l] . [H L H]
     rows = -(-2 * m // 64) * 64  # grad_fn's MMA rows: [h l] of gproj, zeros to a warpgroup's 64
 
     @T.prim_func
@@ -410,8 +387,8 @@ def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = 
             T.clear(a_S)
             T.clear(at_S)
             for r, j in T.Parallel(m, block_k):
-                hi, lo, lo2 = split_parts(fn_S[r, j], 3)
-                for q, part in enumerate((hi, lo, lo2, hi, lo, hi)):
+                hi, lo = split_parts(fn_S[r, j], 2)
+                for q, part in enumerate((hi, lo, hi)):
                     b_S[q * m + r, j] = part
             T.clear(grad_fn)
             for cc in T.Pipelined(chunks, num_stages=stages):
@@ -421,8 +398,8 @@ def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = 
                 for i in T.Parallel(block_t):
                     coef_S[i] = T.if_then_else(c * block_t + i < num_tokens, coef_T[c * block_t + i], T.float32(0))
                 for i, r in T.Parallel(block_t, m):
-                    hi, lo, lo2 = split_parts(gp_S[i, r], 3)
-                    for q, part in enumerate((hi, hi, hi, lo, lo, lo2)):
+                    hi, lo = split_parts(gp_S[i, r], 2)
+                    for q, part in enumerate((hi, hi, lo)):
                         a_S[i, q * m + r] = part
                     at_S[i, r] = hi
                     at_S[i, m + r] = lo
@@ -465,10 +442,12 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
         return mixes_TM, rstd_T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
     if x_TND.dtype == torch.bfloat16:
-        kernel = get_norm_fn_mma_kernel(n * d, m, eps)
+        parts_RK = torch.empty((fn_rows(m), n * d), dtype=torch.bfloat16, device=x_TND.device)
+        get_fn_parts_kernel(n * d, m)(aligned(w_MK), parts_RK)
+        get_norm_fn_mma_kernel(n * d, m, eps)(aligned(x_TND).view(t, n * d), parts_RK, mixes_TM, rstd_T)
     else:
         kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
-    kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
+        kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
     return mixes_TM, rstd_T
 
 

@@ -77,10 +77,11 @@ def test_every_layer_of_a_model(layer_id, seed):
 
 @pytest.mark.gpu
 def test_strided_ids(seed):
-    """A column slice of wider ids is copied before the launch."""
+    """A column slice of wider ids, and a strided map, are copied before the launch."""
     config = layer_config(*CONFIGS["N3K8"])
     wide_BS, compress_V = engram_ids(3, 300, VOCAB, num_ids=1000, dtype=I32, device="cuda", seed=seed)
-    check_against_reference(wide_BS[:, 7:250:2], config, compress_V[::2], 3)
+    strided_V = compress_V.repeat_interleave(2)[::2]  # the same map, every other entry of a wider one
+    check_against_reference(wide_BS[:, 7:250:2], config, strided_V, 3)
 
 
 @pytest.mark.gpu
