@@ -1,7 +1,7 @@
 """``ep-runtime bench kernels``: every routing / permute / quant / reduce / transpose op against its
 peers, at DeepSeek-V3's shapes, and the mHC / Engram ops (``MHC_OPS``: norm_fn, split + Sinkhorn,
-pre-apply, post, the fused pre, the Engram gate, and their backward) at DeepSeek-V4-like ones, in one
-run.
+pre-apply, post, the fused pre, the Engram gate, and their backward; the Engram n-gram hash) at
+DeepSeek-V4-like ones, in one run.
 
     ep-runtime bench kernels [--shapes large|small|all] [--ops a,b] [--iters N] [--skip-peers]
                              [--skip-compile] [--quick] [--device cuda|cpu] [--out PATH]
@@ -35,7 +35,9 @@ On the CPU (``--device cpu``) only the references run (the public ops pick them 
 timers and no peers; ``--quick`` there uses a tiny shape: a smoke test of the program.
 
 Shape suffixes: T tokens, E experts, K routes per token, D hidden, I SwiGLU intermediate, P layout
-rows, G scale groups, B batch.
+rows, G scale groups, B batch (the Engram hash: sequences), N mHC streams, M mHC mixes, S positions in
+a sequence, C Engram hash columns, V token ids before compression, W an n-gram window (the largest
+order).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class Shape:
     transpose_batch: int = 8  # batched_transpose input: [B, T / B, D]
     routed_scaling_factor: float = 2.5
     streams: int = 4  # mHC residual streams (the mHC and Engram ops)
+    sequences: int = 2  # the Engram hash's ids: B sequences of T / B tokens
 
 
 SHAPES = {
@@ -92,7 +95,7 @@ SHAPES = {
 # at the v4 shapes (and tiny); the rest at large/small
 MHC_OPS = ("mhc_pre_apply", "mhc_post", "mhc_pre_fused", "engram_gate", "mhc_pre_apply_backward", "mhc_post_backward",
            "engram_gate_backward", "mhc_norm_fn", "mhc_norm_fn_backward", "mhc_split_sinkhorn",
-           "mhc_split_sinkhorn_backward")
+           "mhc_split_sinkhorn_backward", "engram_hash")
 
 # Ops whose cost is moving bytes at these shapes (held to the copy-bandwidth bar); the routing ops
 # touch a few MiB and are latency-bound.
@@ -105,7 +108,18 @@ MEMORY_BOUND = {
 # Not in it: mhc_pre_fused, mhc_norm_fn and mhc_norm_fn_backward: their projection is 24 float32 FMAs
 # per element of the streams (the FMA and shared-memory pipes, not memory; norm_fn measured 307 us
 # at D = 4096 for ~270 MB, 29% of copy speed); mhc_split_sinkhorn and its backward: ~1.5 MB and 20
-# Sinkhorn iterations a token (latency, as the routing ops).
+# Sinkhorn iterations a token (latency, as the routing ops); engram_hash: ~1.2 MB at T = 8192 (16
+# int64 indices a token), 0.4 us at copy speed, less than a kernel launch (latency; its kernel is
+# built to stream its output at copy speed, which only a larger T would show).
+
+# The Engram hash at the v4 shapes: the configuration of DeepSeek's Engram demo (deepseek-ai/Engram,
+# engram_demo_v1.py): DeepSeek-V3's tokenizer (129280 ids) compressed by normalization (23.4% fewer
+# ids, the Engram paper's appendix C: ~99k), 2- and 3-grams with 8 heads each (C = 16 columns),
+# every head's table the next unused prime from 5 * 129280 rows (~10.3M rows a layer), Engram
+# layers 1 and 15 (we time layer 1), padding token 2 (mapped through the compression, as there).
+ENGRAM_TOKEN_IDS = 129_280
+ENGRAM_HASH = dict(layer_ids=(1, 15), vocab_size=98_990, max_ngram=3, num_heads=8, table_size=5 * ENGRAM_TOKEN_IDS)
+ENGRAM_PAD_ID = 2
 
 
 @dataclasses.dataclass
@@ -170,9 +184,11 @@ class Inputs:
 
 
 class StreamInputs:
-    """The mHC and Engram ops' inputs for one shape: bf16 streams, float32 coefficients."""
+    """The mHC and Engram ops' inputs for one shape: bf16 streams, float32 coefficients, int64 token ids."""
 
     def __init__(self, shape: Shape, device: torch.device, seed: int):
+        from kernels.testing import engram_ids
+
         g = torch.Generator().manual_seed(seed)
         t, n, d = shape.tokens, shape.streams, shape.hidden
         self.shape, self.device = shape, device
@@ -197,6 +213,10 @@ class StreamInputs:
         self.g_TM = randn(t, m, dtype=torch.float32)  # norm_fn backward's output gradient
         self.g_pre_TN, self.g_post_TN = randn(t, n, dtype=torch.float32), randn(t, n, dtype=torch.float32)
         self.g_comb_TNN = randn(t, n, n, dtype=torch.float32)
+        # the Engram hash's token ids (B sequences) and the tokenizer compression's map
+        b = shape.sequences
+        self.ids_BS, self.compress_V = engram_ids(b, t // b, ENGRAM_HASH["vocab_size"], num_ids=ENGRAM_TOKEN_IDS,
+                                                  device=device, seed=seed + 1)
 
 
 def build_cases(inp: Inputs | StreamInputs, names: list[str], with_peers: bool) -> list[Case]:
@@ -821,6 +841,47 @@ def _case_mhc_split_sinkhorn_backward(inp: StreamInputs, tk) -> Case:
                 peers=_tk_peer(tk, "tile_kernels", tk_call))
 
 
+def _case_engram_hash(inp: StreamInputs, tk) -> Case:
+    # tile-kernels' engram_hash is our hash over an n-gram window its caller gathers: with
+    # ngram_TW[t, k] our tok[s - k] (compressed ids, the padding before a sequence's start), it
+    # mixes h = XOR_{k<n} ngram[t, k] * mult[k] in int64 and writes column (n - 2) * K + head as
+    # h mod sizes[n - 2][head] + offsets[column]: our indices, as int32 (a layer's ~10.3M rows fit).
+    # It takes every layer's multipliers and tables at once; here the one layer ours hashes. Its
+    # window is gathered once, before timing: the compress map's lookup and the shift by position
+    # are work ours does in its kernel.
+    from kernels.engram import reference
+    from kernels.engram.hash_kernel import hash_indices
+    from kernels.select import use_tilelang
+
+    ids, compress = inp.ids_BS, inp.compress_V
+    b, s = ids.shape
+    config = reference.make_hash_config(ENGRAM_HASH["layer_ids"][0], **ENGRAM_HASH)
+    w, c = config.max_ngram, config.num_columns
+
+    def ref(ids_BS, compress_V):
+        return reference.ngram_hash(ids_BS, config, compress_V=compress_V, pad_id=ENGRAM_PAD_ID)
+
+    # Where TileLang runs, the kernel alone: kernels.engram.ngram_hash first checks the ids' and the
+    # map's values (a read of both and a host sync), as the other cases time the kernel wrappers.
+    hash_fn = hash_indices if use_tilelang(ids.device) else reference.ngram_hash
+
+    tok_BS = compress[ids]
+    padded_BS = torch.nn.functional.pad(tok_BS, (w - 1, 0), value=int(compress[ENGRAM_PAD_ID]))
+    ngram_TW = padded_BS.unfold(1, w, 1).flip(-1).reshape(b * s, w).to(torch.int32).contiguous()
+    mult_LW = torch.tensor([config.multipliers], dtype=torch.int64, device=ids.device)
+    sizes_LOK = torch.tensor([config.table_sizes], dtype=torch.int32, device=ids.device)
+    offsets_LC = torch.tensor([config.offsets], dtype=torch.int32, device=ids.device)
+
+    def tk_call(tk):
+        return tk.engram.engram_hash(ngram_TW, mult_LW, sizes_LOK, offsets_LC).view(b, s, c)
+
+    return Case("engram_hash", lambda: hash_fn(ids, config, compress_V=compress, pad_id=ENGRAM_PAD_ID), ref,
+                (ids, compress), bytes=_nbytes(ids) + ids.unique().numel() * compress.element_size() + b * s * c * 8,
+                bytes_note="read ids [B,S] i64 + the compress map's entries they name (each once); write idx "
+                "[B,S,C] i64 (tile-kernels reads an n-gram window [T,W] i32 gathered before timing and writes "
+                "int32: half the output bytes)", peers=_tk_peer(tk, "tile_kernels", tk_call))
+
+
 CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "topk_route": _case_topk_route,
     "topk_route_with_counts": _case_topk_route_with_counts,
@@ -852,6 +913,7 @@ CASE_BUILDERS: dict[str, Callable[[Inputs, Any], Case]] = {
     "mhc_norm_fn_backward": _case_mhc_norm_fn_backward,
     "mhc_split_sinkhorn": _case_mhc_split_sinkhorn,
     "mhc_split_sinkhorn_backward": _case_mhc_split_sinkhorn_backward,
+    "engram_hash": _case_engram_hash,
 }
 
 
@@ -903,15 +965,20 @@ def check(got: Any, want: Any, exact: bool, within: Callable[[Any, Any], bool] |
 
 
 def agreement(got: Any, want: Any) -> float | None:
-    """Fraction of equal elements in the first output tensor (a peer's outputs, for information)."""
+    """Fraction of equal elements in the first output tensor (a peer's outputs, for information);
+    integer outputs of different widths (a peer's int32 indices) by value."""
     try:
         g, w = _leaves(got)[0], _leaves(want)[0]
     except IndexError:
         return None
-    if g.shape != w.shape or g.element_size() != w.element_size():
+    if g.shape != w.shape:
         return None
     if g.numel() == 0:
         return 1.0
+    if g.element_size() != w.element_size():
+        if g.is_floating_point() or w.is_floating_point():
+            return None
+        return float((g.long() == w.long()).float().mean())
     if g.dtype != w.dtype:
         g, w = _bits(g).view(torch.uint8), _bits(w).view(torch.uint8)
     return float((_bits(g) == _bits(w)).float().mean())

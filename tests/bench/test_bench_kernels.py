@@ -2,6 +2,7 @@
 the documented structure and every time, byte count and rate is positive."""
 
 import json
+import types
 
 from ep_runtime.bench import kernels as bench
 from ep_runtime.cli import main as cli_main
@@ -63,3 +64,38 @@ def test_check_takes_the_ops_own_rule():
     assert bench.check(far, a, exact=False, within=lambda got, want: True)["ok"]
     assert not bench.check(a * (1 + 1e-7), a, exact=False, within=lambda got, want: False)["ok"]
     assert not bench.check(far, a, exact=True, within=lambda got, want: True)["ok"]
+
+
+def test_agreement_compares_indices_of_any_width_by_value():
+    import torch
+
+    want = torch.tensor([[1, 2], [3, 2**40]])
+    assert bench.agreement(torch.tensor([[1, 2], [3, 4]], dtype=torch.int32), want) == 0.75
+    assert bench.agreement(want.float(), want) is None  # floats of another width: not comparable
+
+
+def test_engram_hash_peer_gets_our_hash_in_its_conventions():
+    """tile-kernels' engram_hash as its docstring defines it (an n-gram window [T, W] int32,
+    multipliers [L, W] int64, table sizes [L, W - 1, K] and offsets [L, C] int32; int32 [L, T, C]:
+    column (n - 2) * K + j = XOR_{k<n} window[t, k] * mult[k] mod size[n - 2][j] + offset), run
+    on the tensors the case hands it, gives our reference's indices."""
+    import torch
+
+    def engram_hash(ngram_TW, mult_LW, sizes_LOK, offsets_LC):
+        assert (ngram_TW.dtype, mult_LW.dtype, sizes_LOK.dtype, offsets_LC.dtype) == (
+            torch.int32, torch.int64, torch.int32, torch.int32)
+        assert ngram_TW.is_contiguous() and mult_LW.shape == (1, ngram_TW.shape[1])
+        h_T, columns = torch.zeros(ngram_TW.shape[0], dtype=torch.int64), []
+        for k in range(ngram_TW.shape[1]):
+            h_T = h_T ^ (ngram_TW[:, k].long() * mult_LW[0, k])
+            if k:
+                columns.append(h_T[:, None] % sizes_LOK[0, k - 1].long())
+        return (torch.cat(columns, 1) + offsets_LC[0]).int()[None]
+
+    tk = types.SimpleNamespace(engram=types.SimpleNamespace(engram_hash=engram_hash))
+    inp = bench.StreamInputs(bench.SHAPES["tiny"], torch.device("cpu"), seed=5)
+    case = bench._case_engram_hash(inp, tk)
+    want = case.reference(*case.args)
+    got = case.peers["tile_kernels"]()
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert bench.agreement(got, want) == 1.0
