@@ -804,7 +804,6 @@ def _case_mhc_split_sinkhorn(inp: StreamInputs, tk) -> Case:
 
 
 def _case_mhc_split_sinkhorn_backward(inp: StreamInputs, tk) -> Case:
-    from kernels.mhc import reference
     from kernels.mhc.split_sinkhorn_kernel import split_sinkhorn_backward
 
     mixes, scale, base = inp.mixes_TM, inp.scale_3, inp.base_M
@@ -812,9 +811,8 @@ def _case_mhc_split_sinkhorn_backward(inp: StreamInputs, tk) -> Case:
     t, n = mixes.shape[0], inp.shape.streams
     options = {key: SPLIT_OPTIONS[key] for key in ("post_mult", "sinkhorn_eps", "iters")}
 
-    def ours(mixes_TM, scale_3, base_M, *g):  # kernels.mhc.split_sinkhorn's backward: da by the kernel, then torch
-        da_TM = split_sinkhorn_backward(mixes_TM, scale_3, base_M, *g, **options)
-        return reference.split_sinkhorn_grads(da_TM, mixes_TM, scale_3, base_M)
+    def ours(mixes_TM, scale_3, base_M, *g):  # kernels.mhc.split_sinkhorn's backward: the kernel, then sum(0)
+        return split_sinkhorn_backward(mixes_TM, scale_3, base_M, *g, **options)
 
     # tile-kernels' backward takes its forward's post and comb logits (which ours recomputes from the
     # mixes): its forward runs at the first call. Then its Sinkhorn backward (to the logits), then

@@ -3,12 +3,12 @@
 ``norm_fn`` (its weight gradient by torch), ``split_sinkhorn``, ``pre_apply``, ``post`` and the
 inference-only ``pre_fused`` (one kernel) run their TileLang kernels, forward and (under autograd)
 backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the kernels
-take the dtypes (streams bfloat16/float16/float32, coefficients float32); otherwise the
-reference with its autograd runs. ``pre`` is the reference's composition (``norm_fn`` ->
-``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these ops. The choice
-is made from the arguments up front, never by catching a kernel's error. The kernels check
-shapes, dtypes and devices, not values: a NaN/Inf check reads the whole tensor and syncs with the
-host on every call (the references do check). The other ops are the reference's.
+take the inputs (streams bfloat16/float16/float32, coefficients float32; split + Sinkhorn up to 8
+streams); otherwise the reference with its autograd runs. ``pre`` is the reference's composition
+(``norm_fn`` -> ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these
+ops. The choice is made from the arguments up front, never by catching a kernel's error. The kernels
+check shapes, dtypes and devices, not values: a NaN/Inf check reads the whole tensor and syncs with
+the host on every call (the references do check). The other ops are the reference's.
 
 Shape suffixes as in :mod:`kernels.mhc.reference`.
 """
@@ -126,11 +126,11 @@ class _SplitSinkhorn(torch.autograd.Function):
         mixes_TM, scale_3, base_M = ctx.saved_tensors
         t, n = mixes_TM.shape[0], ctx.n
         zeros = mixes_TM.new_zeros
-        da_TM = split_sinkhorn_kernel.split_sinkhorn_backward(
+        grads = split_sinkhorn_kernel.split_sinkhorn_backward(
             mixes_TM, scale_3, base_M, zeros(t, n) if g_pre_TN is None else g_pre_TN,
             zeros(t, n) if g_post_TN is None else g_post_TN, zeros(t, n, n) if g_comb_TNN is None else g_comb_TNN,
             **ctx.options)
-        return (*reference.split_sinkhorn_grads(da_TM, mixes_TM, scale_3, base_M), None, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def split_sinkhorn(

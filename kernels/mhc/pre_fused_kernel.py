@@ -3,10 +3,10 @@ projection, split + Sinkhorn and pre-apply, with the mixes, the coefficients and
 weights never leaving registers.
 
 A CTA walks its 16 tokens' streams once for the mixes (``norm_fn_kernel``'s walk: every lane ends
-with its warp's totals), lane t of a warp then runs token t's split and Sinkhorn (the same macro as
-``split_sinkhorn_kernel``), stores ``post`` and ``comb`` and hands ``pre`` to the warp through
-shared memory, and the warp reads each token's streams a second time (most from L2, just read) to
-store ``y = sum_i pre_i * x_i``.
+with its warp's totals), lane t of a warp then runs token t's split and Sinkhorn (:func:`split_macro`,
+one thread a token), stores ``post`` and ``comb`` and hands ``pre`` to the warp through shared
+memory, and the warp reads each token's streams a second time (most from L2, just read) to store
+``y = sum_i pre_i * x_i``.
 
 Shape suffixes: T tokens, N streams, D hidden, K = N*D, M = N*(N+2).
 """
@@ -18,9 +18,52 @@ from tilelang import language as T
 from kernels.mhc import reference
 from kernels.mhc.norm_fn_kernel import THREADS, TOKENS_PER_WARP, chunk_walk, rstd_of
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
-from kernels.mhc.split_sinkhorn_kernel import split_macro
+from kernels.mhc.split_sinkhorn_kernel import sigmoid
 from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP
+
+
+def split_macro(n: int, iters: int, pre_eps: float, post_mult: float, eps: float):
+    """A macro ``(a, pre, post, out, div)``: one token's split and Sinkhorn, all in one thread, from
+    ``a = mixes * scale_M + base`` into local ``pre[N]``, ``post[N]`` and ``out[N*N]`` (``div[N]``
+    scratch). (``split_sinkhorn_kernel`` spreads a token over lanes instead; here every lane holds
+    its warp's mixes, and selecting a lane's share of them would cost more than the split.)"""
+
+    @T.macro
+    def normalize(out, div, axis):
+        for a in T.unroll(n):
+            total = T.alloc_var(T.float32)
+            total = T.float32(0)
+            for b in T.unroll(n):
+                total = T.ieee_add(total, T.if_then_else(axis == 0, out[b * n + a], out[a * n + b]))
+            div[a] = T.ieee_add(total, T.float32(eps))
+        for i in T.unroll(n):
+            for j in T.unroll(n):
+                out[i * n + j] = T.ieee_fdiv(out[i * n + j], T.if_then_else(axis == 0, div[j], div[i]))
+
+    @T.macro
+    def split(a, pre, post, out, div):
+        for i in T.unroll(n):
+            pre[i] = T.ieee_add(sigmoid(a[i]), T.float32(pre_eps))
+            post[i] = T.ieee_mul(T.float32(post_mult), sigmoid(a[n + i]))
+        for i in T.unroll(n):  # softmax of each row of the logits a[2N:], + eps
+            top = T.alloc_var(T.float32)
+            total = T.alloc_var(T.float32)
+            top = a[2 * n + i * n]
+            for j in T.unroll(1, n):
+                top = T.max(top, a[2 * n + i * n + j])
+            total = T.float32(0)
+            for j in T.unroll(n):
+                out[i * n + j] = T.exp(T.ieee_sub(a[2 * n + i * n + j], top))
+                total = T.ieee_add(total, out[i * n + j])
+            for j in T.unroll(n):
+                out[i * n + j] = T.ieee_add(T.ieee_fdiv(out[i * n + j], total), T.float32(eps))
+        normalize(out, div, 0)
+        for _ in T.serial(iters - 1):
+            normalize(out, div, 1)
+            normalize(out, div, 0)
+
+    return split
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
