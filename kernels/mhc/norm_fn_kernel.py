@@ -346,7 +346,7 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = BACKWARD_BLOCK_T, block_k: int = 64,
-                                    stages: int = 3, store: str = "tma"):
+                                    stages: int = 2, store: str = "tma"):
     """``(x_TK, fn_MK, gproj_TM, coef_T, grad_TK, grad_fn_SMK)`` kernel for bfloat16 ``x``, on the
     tensor cores: ``grad = gproj @ fn - coef * x`` and the partial ``grad_fn = gproj.T @ x`` of each
     split of ``block_t * chunks`` tokens (the caller sums the splits), ``x`` read once for both.
