@@ -346,7 +346,7 @@ def get_norm_fn_backward_kernel(k: int, m: int, dtype: str):
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = BACKWARD_BLOCK_T, block_k: int = 64,
-                                    stages: int = 2, store: str = "tma"):
+                                    stages: int = 2):
     """``(x_TK, fn_MK, gproj_TM, coef_T, grad_TK, grad_fn_SMK)`` kernel for bfloat16 ``x``, on the
     tensor cores: ``grad = gproj @ fn - coef * x`` and the partial ``grad_fn = gproj.T @ x`` of each
     split of ``block_t * chunks`` tokens (the caller sums the splits), ``x`` read once for both.
@@ -405,14 +405,9 @@ def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = 
                     at_S[i, m + r] = lo
                 T.gemm(a_S, b_S, grad, clear_accum=True)
                 T.gemm(at_S, x_S, grad_fn, transpose_A=True)
-                if store == "direct":
-                    for i, j in T.Parallel(block_t, block_k):
-                        grad_TK[c * block_t + i, kb * block_k + j] = T.cast(
-                            grad[i, j] - coef_S[i] * T.cast(x_S[i, j], T.float32), T.bfloat16)
-                else:
-                    for i, j in T.Parallel(block_t, block_k):
-                        out_S[i, j] = T.cast(grad[i, j] - coef_S[i] * T.cast(x_S[i, j], T.float32), T.bfloat16)
-                    T.copy(out_S, grad_TK[c * block_t, kb * block_k], disable_tma=store == "threads")
+                for i, j in T.Parallel(block_t, block_k):
+                    out_S[i, j] = T.cast(grad[i, j] - coef_S[i] * T.cast(x_S[i, j], T.float32), T.bfloat16)
+                T.copy(out_S, grad_TK[c * block_t, kb * block_k])
             T.copy(grad_fn, grad_fn_S)
             for r, j in T.Parallel(m, block_k):
                 if kb * block_k + j < k:
