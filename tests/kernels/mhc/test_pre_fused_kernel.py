@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import lowering, mhc
-from kernels.mhc import reference
+from kernels.mhc import pre_fused_kernel, reference
 from kernels.mhc.pre_fused_kernel import get_pre_fused_kernel, pre_fused, within_tolerance
 from kernels.testing import poison_allocator
 
@@ -53,6 +53,14 @@ def test_public_op_is_inference_only(seed):
     assert y.shape == (5, 64)
     with pytest.raises(ValueError, match="^fn_MK: pre_fused is inference-only"):
         mhc.pre_fused(x, fn, scale, base)
+
+
+@pytest.mark.gpu
+def test_public_op_takes_the_tensor_cores_for_bfloat16(monkeypatch, seed):
+    """bfloat16 streams run pre()'s kernels (norm_fn on the tensor cores), not the fused walk."""
+    monkeypatch.setattr(pre_fused_kernel, "pre_fused", lambda *a, **k: pytest.fail("the fused walk ran"))
+    args = inputs(130, 4, 4096, torch.bfloat16, seed)
+    assert within_tolerance(args[0], mhc.pre_fused(*args), reference.pre_fused(*args))
 
 
 def test_compiles_for_sm90a():
