@@ -453,16 +453,18 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
 
 def norm_fn_backward(x_TND: torch.Tensor, fn_MK: torch.Tensor, mixes_TM: torch.Tensor, rstd_T: torch.Tensor,
                      g_TM: torch.Tensor, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_fn)`` as :func:`kernels.mhc.reference.norm_fn_backward`: ``grad_x`` from the
+    """``(grad_x, grad_fn)`` as :func:`kernels.mhc.reference.norm_fn_backward`: ``grad_x`` from a
     kernel in ``x``'s dtype (one pass over the streams, not the reference's five over float32
-    copies), ``grad_fn = (g * rstd).T @ flat`` by torch."""
+    copies); ``grad_fn = (g * rstd).T @ flat`` from the same pass for bfloat16 streams (the
+    tensor-core kernel's splits summed by torch), else by torch over a float32 copy."""
     t, n, d = x_TND.shape
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
     gproj_TM, coef_T = norm_fn_backward_terms(g_TM.float(), mixes_TM, rstd_T, n * d)
     grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
     if t > 0 and x_TND.dtype == torch.bfloat16:
         chunks = backward_chunks(t)
-        grad_fn_SMK = torch.empty((-(-t // (BACKWARD_BLOCK_T * chunks)), *fn_MK.shape), dtype=torch.float32, device=x_TND.device)
+        splits = -(-t // (BACKWARD_BLOCK_T * chunks))
+        grad_fn_SMK = torch.empty((splits, *fn_MK.shape), dtype=torch.float32, device=x_TND.device)
         kernel = get_norm_fn_backward_mma_kernel(n * d, fn_MK.shape[0], chunks)
         kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), gproj_TM.contiguous(), coef_T.contiguous(),
                grad_x.view(t, n * d), grad_fn_SMK)
