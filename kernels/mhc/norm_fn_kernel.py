@@ -11,14 +11,15 @@ A small kernel writes the parts once a call (every CTA splitting every chunk its
 against 179 us at D = 7168, session 21); then a CTA of one warpgroup owns ``block_t`` tokens and
 walks ``K`` in ``block_k`` chunks, pipelined: the chunks of ``x`` and of the parts arrive by
 ``cp.async``, one MMA of ``[block_t, block_k] x [block_k, 3M]`` sums each chunk, and the sum of
-squares is taken from the same shared tile.
+squares is taken from the same shared tile. Their backward takes the tensor cores too
+(:func:`get_norm_fn_backward_mma_kernel`).
 
-float16 / float32 streams and the backward use the CUDA cores: a CTA is ``WARPS`` warps of
-``TOKENS_PER_WARP`` tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's
-loads in flight while this one multiplies); the chunk's ``[M, chunk]`` slice of ``fn`` is staged in
-shared memory once for the CTA's tokens, and each lane multiplies its elements of each of its
-warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read from shared memory;
-NOTES.md has the measurements). The reference instead copies the streams to float32, squares
+float16 / float32 streams use the CUDA cores: a CTA is ``WARPS`` warps of ``TOKENS_PER_WARP``
+tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's loads in flight
+while this one multiplies); the chunk's ``[M, chunk]`` slice of ``fn`` is staged in shared memory
+once for the CTA's tokens, and each lane multiplies its elements of each of its warp's tokens by
+the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read from shared memory; NOTES.md has the
+measurements). The reference instead copies the streams to float32, squares
 them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
 
 Shape suffixes: T tokens, K = N*D, M mixes.
@@ -275,7 +276,7 @@ def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_
                 token = b * block_t + i
                 rstd = rstd_of(sum(sq_S[i * lanes + q] for q in range(1, lanes)) + sq_S[i * lanes], k, eps)
                 if token < num_tokens:
-                    mixes_TM[token, r] = (acc_S[i, r] + acc_S[i, m + r] + acc_S[i, 2 * m + r]) * rstd
+                    mixes_TM[token, r] = sum((acc_S[i, q * m + r] for q in range(1, FN_PARTS)), acc_S[i, r]) * rstd
                     if r == 0:
                         rstd_T[token] = rstd
 
@@ -353,8 +354,8 @@ def get_norm_fn_backward_mma_kernel(k: int, m: int, chunks: int, block_t: int = 
 
     A CTA (one warpgroup) owns ``block_k`` columns of one split and walks its tokens ``block_t`` at
     a time, pipelined. Both operands of ``gproj @ fn`` are split into two bfloat16 parts and the
-    three products ``hH + hL + lH`` summed (within ``3 * 2**-16`` of each term: ample for a
-    bfloat16 ``grad``, and the operands stay small enough for two CTAs an SM); ``gproj.T @ x``
+    three products ``hH + hL + lH`` summed (within ``3 * 2**-16`` of each term, ample for a
+    bfloat16 ``grad``; six products of three parts would double the operands); ``gproj.T @ x``
     takes the same two parts of ``gproj`` (``x`` is exact): within ``2**-16`` of each term, where
     TF32 would be ``2**-11``."""
     num_tokens = T.dynamic("num_tokens")
