@@ -1,11 +1,15 @@
-"""Paired rounds of an op against its tile-kernels peer on one GPU, for entries that a single
-``ep-runtime bench kernels`` run calls a tie: each round times ours and then the peer (``bench
-kernels``' timer, median of its iterations), ``--rounds`` times in one process, after one check of
-ours against the reference. It reports every round's ratio (peer / ours: >= 1 means ours is not
-slower), their median and how many rounds each side won.
+"""Paired rounds of an op against its fastest peer on one GPU, for entries that a single ``ep-runtime
+bench kernels`` run calls a tie: each round times ours, then every ``--variants`` variant of it
+(``bench/scripts/sweep.py``'s), then the peer (``bench kernels``' timer, median of its iterations),
+``--rounds`` times in one process, after one check of each against the reference. The peer is
+tile-kernels where it has the op, else ``torch.compile`` of the reference. It reports every round's
+ratio (peer / ours: >= 1 means ours is not slower), their median and how many rounds each side won.
+The order turns by one each round (round r starts with contender r), so no contender always runs
+first or right after another: a fixed order would put the same bias into every round.
 
     python3 bench/scripts/paired.py --ops mhc_pre_apply,engram_gate_backward --out $OUT/paired.json
     python3 bench/scripts/paired.py --ops per_block_cast,per_channel_cast --shapes large,small --out ...
+    python3 bench/scripts/paired.py --ops batched_transpose --shapes small --variants --control --out ...
 """
 
 from __future__ import annotations
@@ -14,21 +18,40 @@ import argparse
 import json
 import statistics
 
+import torch
+
 from ep_runtime.bench import kernels as bench
+from sweep import variants
 
 
-def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int) -> dict:
-    got = case.ours()
-    check = bench.check(got, case.reference(*case.args), case.exact, case.within)
-    del got
-    (peer,) = (thunk for name, thunk in case.peers.items() if name.startswith("tile_kernels"))
-    ours_us, peer_us = [], []
-    for _ in range(rounds):
-        ours_us.append(timer.median_us(case.ours)[0])
-        peer_us.append(timer.median_us(peer)[0])
-    ratios = [p / o for o, p in zip(ours_us, peer_us)]
-    return {"check": check, "ours_us": ours_us, "tile_kernels_us": peer_us, "ratios": ratios,
-            "median_ratio": statistics.median(ratios), "ours_won": sum(r >= 1 for r in ratios)}
+def _peer(case: bench.Case):
+    """``(name, thunk)``: tile-kernels' peer if the op has one, else ``torch.compile`` of the reference."""
+    for name, thunk in case.peers.items():
+        if name.startswith("tile_kernels"):
+            return name, thunk
+    compiled = torch.compile(case.reference, dynamic=False)
+    return "torch_compile", lambda: compiled(*case.args)
+
+
+def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dict) -> dict:
+    """Ours, each of ``others`` ({label: thunk}, variants of ours) and the peer, timed in turn each round."""
+    want = case.reference(*case.args)
+    peer_name, peer = _peer(case)
+    contenders = {"ours": case.ours, **others}
+    checks = {label: bench.check(thunk(), want, case.exact, case.within) for label, thunk in contenders.items()}
+    checks[peer_name] = bench.agreement(peer(), want)
+    del want
+    order = [*contenders.items(), (peer_name, peer)]
+    times = {label: [] for label, _ in order}
+    for r in range(rounds):
+        for label, thunk in order[r % len(order):] + order[:r % len(order)]:
+            times[label].append(timer.median_us(thunk)[0])
+    result = {"peer": peer_name, "checks": checks, "times_us": times, "by_contender": {}}
+    for label in contenders:
+        ratios = [p / o for o, p in zip(times[label], times[peer_name])]
+        result["by_contender"][label] = {"ratios": ratios, "median_ratio": statistics.median(ratios),
+                                         "won": sum(r >= 1 for r in ratios), "median_us": statistics.median(times[label])}
+    return result
 
 
 def main() -> None:
@@ -37,6 +60,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--shapes", default="v4-d4096,v4-d7168", help="bench kernels' shape names, comma-separated")
+    p.add_argument("--variants", action="store_true", help="also time sweep.py's variants of each op every round")
+    p.add_argument("--control", action="store_true",
+                   help="also time ours a second time as its own contender: the spread of a true tie")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device, seed, timer = bench.tuning_setup(a.iters)
@@ -47,10 +73,12 @@ def main() -> None:
             inputs = bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs
             inp = inputs(bench.SHAPES[shape_name], device, seed)
             (case,) = bench.build_cases(inp, [op], with_peers=True)
-            r = paired_rounds(case, timer, a.rounds)
-            print(f"{shape_name:9s} {op:24s} median ratio {r['median_ratio']:.4f}  ours won {r['ours_won']}/{a.rounds}  "
-                  f"ours {statistics.median(r['ours_us']):.1f} us  tile-kernels {statistics.median(r['tile_kernels_us']):.1f} us"
-                  f"  {r['check']}", flush=True)
+            others = {**({"ours again": case.ours} if a.control else {}), **(variants(op, inp) if a.variants else {})}
+            r = paired_rounds(case, timer, a.rounds, others)
+            peer_us = statistics.median(r["times_us"][r["peer"]])
+            for label, c in r["by_contender"].items():
+                print(f"{shape_name:9s} {op:22s} {label:34s} median ratio {c['median_ratio']:.4f}  won {c['won']}/{a.rounds}  "
+                      f"{c['median_us']:.2f} us  {r['peer']} {peer_us:.2f} us  {r['checks'][label]}", flush=True)
             rows.append({"shape": shape_name, "op": op, **r})
     with open(a.out, "w") as f:
         json.dump({"device": bench.device_name(device), "seed": seed, "rounds": a.rounds, "rows": rows}, f, indent=1)
