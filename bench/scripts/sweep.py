@@ -34,8 +34,10 @@ BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
 # shipped: 256 threads, plain loads, a CTA a tile; session 22: streaming loads (L1 bypassed, 256-byte L2
 # lines, as tile-kernels' cp.async.cg staging) and fixed grids (CTAs an SM) striding over the tiles
-PRE_APPLY_OPTIONS = [dict(threads=128), dict(streaming=True), dict(ctas_per_sm=5), dict(ctas_per_sm=4),
-                     dict(ctas_per_sm=5, streaming=True)]  # 44 registers a thread: 5 CTAs an SM
+# (sweep 1: streaming 108.3 / 193.0 us, fixed grids 110.8-111.1 / 196.1-201.5, shipped 108.4 / 189.2,
+# tile-kernels 108.2 / 188.9); then a CTA barrier before the stores, as tile-kernels' stage has
+PRE_APPLY_OPTIONS = [dict(sync_stores=True), dict(threads=64, sync_stores=True), dict(threads=128, sync_stores=True),
+                     dict(threads=512, sync_stores=True), dict(streaming=True, sync_stores=True)]
 # session 22: the register transpose's (bm, bn) block and CTA at [8, 16, 7168] bf16 (shipped: (8, 8), 64)
 TRANSPOSE_BLOCKS = [((16, 8), 64), ((8, 4), 64), ((8, 4), 128), ((4, 8), 128), ((8, 2), 128)]
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
@@ -195,8 +197,8 @@ def variants(op: str, inp) -> dict[str, object]:
 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
 
-        def kernel(threads=256, streaming=False, ctas_per_sm=None):
-            return get_pre_apply_kernel(n, d, "bfloat16", threads, streaming, ctas_per_sm and ctas_per_sm * sms)
+        def kernel(threads=256, streaming=False, ctas_per_sm=None, sync_stores=False):
+            return get_pre_apply_kernel(n, d, "bfloat16", threads, streaming, ctas_per_sm and ctas_per_sm * sms, sync_stores)
 
         return {" ".join(f"{k}={v}" for k, v in o.items()): functools.partial(pre_apply, kernel(**o))
                 for o in PRE_APPLY_OPTIONS}

@@ -57,10 +57,12 @@ __device__ __forceinline__ void ep_load_streaming(void* dst, const void* src) {
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, streaming: bool = False,
-                         ctas: int | None = None):
+                         ctas: int | None = None, sync_stores: bool = False):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); for sweeps: ``threads`` per CTA, ``streaming``
-    loads of ``x`` (16-byte vectors only) and ``ctas``, a fixed grid whose CTAs stride over the tiles."""
+    loads of ``x`` (16-byte vectors only), ``ctas``, a fixed grid whose CTAs stride over the tiles,
+    and ``sync_stores``, a CTA barrier before the stores (the CTA's stores leave together, as
+    tile-kernels' after its shared-memory stage)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
@@ -79,8 +81,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         acc = T.alloc_local((vec,), T.float32)
         token = bm * tile_m + tid // tile_v
         c = bn * tile_v + tid % tile_v
+        row = T.Cast(T.int64, token)
         if token < num_tokens and c < nv:
-            row = T.Cast(T.int64, token)
             for i in T.unroll(n):  # all N loads issue before the first use
                 if streaming:
                     T.call_extern("handle", "ep_load_streaming", T.address_of(x_local[i * vec]),
@@ -93,6 +95,9 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
             for i in T.unroll(1, n):
                 for j in T.serial(vec):
                     acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x_local[i * vec + j], T.float32)))
+        if sync_stores:
+            T.sync_threads()
+        if token < num_tokens and c < nv:
             for j in T.vectorized(vec):
                 y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 

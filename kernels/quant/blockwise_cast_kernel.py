@@ -24,6 +24,7 @@ from kernels.quant.tiles import (
     blockwise_tile,
     row_major,
     scale_and_inverse,
+    sm_count,
     supports_block,
     tl_dtype,
     to_e4m3,
@@ -126,6 +127,21 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     return blockwise_cast
 
 
+NARROW_CHANNEL_COLUMNS = 32  # per-channel tiles of few rows (see narrow_channel_tile)
+
+
+def narrow_channel_tile(m: int, n: int, block: tuple[int, int], vec: int, device: torch.device):
+    """``(tile_m, tile_n, threads)`` of 32 columns for per-channel scales when the default tile's grid
+    leaves SMs idle, else None. At 128 x 7168 bf16 the default 128-column tiles make 56 CTAs for an
+    H100's 132 SMs; 32-column tiles of 128 threads make 224: 5.50 against 5.63 us, tile-kernels 5.56
+    (paired rounds, ``bench/results/h100/2026-11-26-s22``)."""
+    block_m, block_n = block
+    tile_m, tile_n, _ = blockwise_tile(n, block, vec)
+    if block_n != 1 or tile_n <= NARROW_CHANNEL_COLUMNS or -(-m // tile_m) * -(-n // tile_n) >= sm_count(device):
+        return None
+    return tile_m, NARROW_CHANNEL_COLUMNS, max(32, min(128, tile_m * NARROW_CHANNEL_COLUMNS // vec))
+
+
 def blockwise_cast(
     x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool, name: str = "x_MN"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +172,7 @@ def blockwise_cast(
     )
     if m == 0 or n == 0:
         return q_MN, sf_BG
-    kernel = get_blockwise_cast_kernel(n, block_m, block_n, tl_dtype(x_MN.dtype), round_sf, pack_sf)
+    tile = narrow_channel_tile(m, n, block, vector_width(n, x_MN.element_size()), x_MN.device)
+    kernel = get_blockwise_cast_kernel(n, block_m, block_n, tl_dtype(x_MN.dtype), round_sf, pack_sf, tile)
     kernel(x_MN.contiguous(), q_MN, sf_BG)
     return q_MN, sf_BG

@@ -6,7 +6,12 @@ import torch
 
 from kernels import lowering
 from kernels.quant import reference
-from kernels.quant.blockwise_cast_kernel import blockwise_cast, get_blockwise_cast_kernel
+from kernels.quant.blockwise_cast_kernel import (
+    NARROW_CHANNEL_COLUMNS,
+    blockwise_cast,
+    get_blockwise_cast_kernel,
+    narrow_channel_tile,
+)
 from kernels.testing import cast_input, poison_allocator
 
 LAYOUTS = {  # name: (reference op, its size argument, block shape of a size)
@@ -94,3 +99,16 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for spec in SPECIALIZATIONS:
             assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(*spec)), spec
+        # per-channel scales over few rows: 32-column tiles (narrow_channel_tile)
+        for dtype, vec in [("bfloat16", 8), ("float32", 4)]:
+            tile = (128, NARROW_CHANNEL_COLUMNS, 128)
+            assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(7168, 128, 1, dtype, False, False, tile)), dtype
+
+
+@pytest.mark.gpu
+def test_few_rows_per_channel_take_narrow_tiles():
+    """The narrow tile only where the default grid leaves SMs idle (its results: the bit-exact test above)."""
+    device = torch.device("cuda")
+    assert narrow_channel_tile(128, 7168, (128, 1), 8, device) == (128, NARROW_CHANNEL_COLUMNS, 128)
+    assert narrow_channel_tile(16384, 7168, (128, 1), 8, device) is None
+    assert narrow_channel_tile(128, 7168, (128, 128), 8, device) is None
