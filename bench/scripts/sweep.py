@@ -55,7 +55,8 @@ def _cast_variant(x, block, tile, variant=None):
     from kernels.quant.blockwise_cast_kernel import CastVariant, get_blockwise_cast_kernel
 
     (m, n), (bm, bn) = x.shape, block
-    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile and tile[:3], tile and tile[3:4] and tile[3],
+    vec = tile[3] if tile and len(tile) > 3 else None
+    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile and tile[:3], vec,
                                        variant=variant or CastVariant())
 
     def call():
