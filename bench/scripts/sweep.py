@@ -24,9 +24,6 @@ from ep_runtime.bench import kernels as bench
 TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
 CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
-# session 22 (kernels.quant.blockwise_cast_kernel.CastVariant), each adding to the one before
-CAST_VARIANTS = {"grid_2d": dict(grid_2d=True), "full_tiles": dict(grid_2d=True, full_tiles=True),
-                 "bf16_words": dict(grid_2d=True, full_tiles=True, bf16_words=True)}
 # backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, a ring of
 # cp.async slots; shipped: 8 warps, tile 2, 2 stages, w resident, one g buffer where they fit);
 # labelled by the plan each resolves to on the device
@@ -51,13 +48,11 @@ NORM_FN_OPTIONS = [dict(stages=6), dict(block_k=256, stages=3)]  # shipped: 64 x
 NORM_FN_BACKWARD_OPTIONS = [dict(stages=1), dict(stages=3)]
 
 
-def _cast_variant(x, block, tile, variant=None):
-    from kernels.quant.blockwise_cast_kernel import CastVariant, get_blockwise_cast_kernel
+def _cast_variant(x, block, tile):
+    from kernels.quant.blockwise_cast_kernel import get_blockwise_cast_kernel
 
     (m, n), (bm, bn) = x.shape, block
-    vec = tile[3] if tile and len(tile) > 3 else None
-    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile and tile[:3], vec,
-                                       variant=variant or CastVariant())
+    kernel = get_blockwise_cast_kernel(n, bm, bn, "bfloat16", False, False, tile[:3], tile[3] if len(tile) > 3 else None)
 
     def call():
         q = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=x.device)
@@ -233,14 +228,7 @@ def variants(op: str, inp) -> dict[str, object]:
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
         block, tiles = {"per_token_cast": ((1, 128), TOKEN_TILES), "per_block_cast": ((128, 128), BLOCK_TILES),
                         "per_channel_cast": ((128, 1), CHANNEL_TILES)}[op]
-        found = {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
-        if op != "per_token_cast":  # session 22: CastVariant, with the tile the op picks at this shape
-            from kernels.quant.blockwise_cast_kernel import CastVariant, narrow_channel_tile
-
-            tile = narrow_channel_tile(*inp.x_TD.shape, block, 8, inp.x_TD.device)
-            for name, variant in CAST_VARIANTS.items():
-                found[f"{name} tile={tile}"] = _cast_variant(inp.x_TD, block, tile, CastVariant(**variant))
-        return found
+        return {f"tile={t}": _cast_variant(inp.x_TD, block, t) for t in tiles}
     if op == "engram_gate_backward":
         from kernels.engram.gate_kernel import backward_plan, gate, gate_backward
 

@@ -11,7 +11,6 @@ Shape suffixes: M rows (tokens), N columns (hidden), G scale groups (``ceil(N / 
 B scale row blocks (``ceil(M / block_m)``).
 """
 
-import dataclasses
 
 import tilelang
 import torch
@@ -35,42 +34,13 @@ from kernels.quant.tiles import (
 from kernels.validate import check_tensor
 
 
-@dataclasses.dataclass(frozen=True)
-class CastVariant:
-    """Alternatives to the shipped kernel for timing sweeps (all off: the shipped kernel), none timed
-    yet. Each removes instructions that tile-kernels' casts do not execute; the counts below are
-    warp-instructions a warp executes on a 128 x 7168 bfloat16 tile, read from the sm_90a SASS
-    (``kernels/quant/NOTES.md``, "Small blockwise casts"): shipped 444 per-channel / 448 per-block,
-    tile-kernels 387.5 / 431.
-
-    Attributes:
-        grid_2d: tiles on a two-axis grid (column tile on ``blockIdx.x``: CTAs launch in the same
-            row-major order) instead of one axis split by :func:`kernels.quant.tiles.row_major`,
-            whose 64-bit division stands before the first load (the 55th SASS instruction; 31st
-            without). At most 65535 row tiles (``gridDim.y``).
-        full_tiles: a CTA whose rows all exist runs a copy of the body without row guards (each
-            load a compare and a zero fill, each store a predicate). Its shared buffers do not
-            alias, so per-channel needs two barriers, not three. With ``grid_2d``: 356 / 372.
-        bf16_words: bfloat16 loaded as 32-bit words and widened by one shift or mask a value (the
-            conversion takes two for a high half); amax and reductions then in float32 (the same
-            maxima: bfloat16 is exact in float32). With both above: 325.5 / 337. Only for
-            bfloat16 and even ``vec``.
-    """
-
-    grid_2d: bool = False
-    full_tiles: bool = False
-    bf16_words: bool = False
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtype: str, round_sf: bool, pack_sf: bool,
-                              tile: tuple[int, int, int] | None = None, vec: int | None = None, *,
-                              variant: CastVariant = CastVariant()):
+                              tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_MN, q_MN, sf_BG)`` kernel for ``num_cols`` columns and scales over ``block_m x block_n``
     (``(1, g)`` per-token, ``(b, b)`` per-block, ``(b, 1)`` per-channel; powers of two).
-    ``tile`` overrides :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)``,
-    ``vec`` the consecutive elements a thread holds (for tuning sweeps; whole scale blocks) and
-    ``variant`` picks untimed alternatives (:class:`CastVariant`)."""
+    ``tile`` overrides :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)``
+    and ``vec`` the consecutive elements a thread holds (for tuning sweeps; whole scale blocks)."""
     num_rows = T.dynamic("num_rows")
     vec = vec or vector_width(num_cols, T.dtype(in_dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(num_cols, (block_m, block_n), vec)
@@ -79,103 +49,6 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     # Row bands of a tile: one band is ``threads * vec`` elements, i.e. ``rows_pp`` whole rows.
     rows_pp = max(1, threads * vec // tile_n)
     passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
-    words = variant.bf16_words and in_dtype == "bfloat16" and vec % 2 == 0
-    amax_dtype = "float32" if words else in_dtype  # of the tile in registers and of its maxima
-
-    @T.macro
-    def load_words_as_float(x_MN, x_frag, pm, pn):
-        """``x_frag`` (float32) = the bfloat16 tile, loaded as pairs in 32-bit words: a bfloat16 is
-        the top half of its float32, so the low value is the word shifted left by 16 and the high
-        one the word with its low half masked off."""
-        w_frag = T.alloc_fragment((tile_m, tile_n // 2), "uint32")
-        T.annotate_layout({w_frag: vector_layout(tile_m, tile_n // 2, threads, vec // 2)})
-        T.copy(T.view(x_MN, (num_rows, num_cols // 2), "uint32")[pm * tile_m, pn * tile_n // 2], w_frag,
-               disable_tma=True)
-        for i, j in T.Parallel(tile_m, tile_n):
-            w = w_frag[i, j // 2]
-            x_frag[i, j] = T.reinterpret(T.if_then_else(j % 2 == 0, T.shift_left(w, 16), w & T.uint32(0xFFFF0000)),
-                                         "float32")
-
-    @T.macro
-    def cast_tile(x_MN, q_MN, sf_BG, pm, pn):
-        x_frag = T.alloc_fragment((tile_m, tile_n), amax_dtype)
-        inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
-        T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
-        if words:
-            load_words_as_float(x_MN, x_frag, pm, pn)
-        else:
-            T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
-        abs_frag = T.alloc_fragment((tile_m, tile_n), amax_dtype)
-        abs_of(x_frag, abs_frag)
-
-        if block_m == 1:
-            # per-token: along the row inside each group (warp shuffles).
-            row_amax = T.alloc_fragment((tile_m, tile_gn), amax_dtype)
-            T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
-            for i, g in T.Parallel(tile_gm, tile_gn):
-                sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
-                sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
-                inv_frag[i, g] = inv
-        elif passes > 1:
-            # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
-            # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
-            partial = T.alloc_fragment((rows_pp, tile_n), amax_dtype)
-            T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
-            block_amax = T.alloc_fragment((tile_gn,), amax_dtype)
-            if block_n > 1:
-                band_amax = T.alloc_fragment((rows_pp, tile_gn), amax_dtype)
-                T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
-                T.reduce_max(band_amax, block_amax, dim=0)
-            else:
-                # per-channel: the bands' column maxima meet in shared memory, one column a
-                # thread (two barriers, not one cross-warp reduction per column a thread holds).
-                partial_S = T.alloc_shared((rows_pp, tile_n), amax_dtype)
-                T.copy(partial, partial_S)
-                for g in T.Parallel(tile_gn):
-                    block_amax[g] = partial_S[0, g]
-                    for r in T.serial(1, rows_pp):
-                        block_amax[g] = T.max(block_amax[g], partial_S[r, g])
-            if block_n > 1:
-                for g in T.Parallel(tile_gn):
-                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                    sf_BG[pm, pn * tile_gn + g] = sf
-                    inv_frag[0, g] = inv
-            else:
-                inv_S = T.alloc_shared((tile_gn,), "float32")
-                for g in T.Parallel(tile_gn):
-                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                    sf_BG[pm, pn * tile_gn + g] = sf
-                    inv_S[g] = inv
-                for i, g in T.Parallel(tile_gm, tile_gn):
-                    inv_frag[i, g] = inv_S[g]
-        else:
-            block_amax = T.alloc_fragment((tile_gn,), amax_dtype)
-            if block_n > 1:
-                row_amax = T.alloc_fragment((tile_m, tile_gn), amax_dtype)
-                T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
-                T.reduce_max(row_amax, block_amax, dim=0)
-            else:
-                T.reduce_max(abs_frag, block_amax, dim=0)
-            for g in T.Parallel(tile_gn):
-                sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                sf_BG[pm, pn * tile_gn + g] = sf
-                inv_frag[0, g] = inv
-
-        for i, j in T.Parallel(tile_m, tile_n):
-            q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
-                T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
-            )
-
-    @T.macro
-    def cast_any_tile(x_MN, q_MN, sf_BG, pm, pn):
-        if variant.full_tiles:
-            # The body twice: in the first, TileLang proves every row guard true and drops it.
-            if (pm + 1) * tile_m <= num_rows:
-                cast_tile(x_MN, q_MN, sf_BG, pm, pn)
-            else:
-                cast_tile(x_MN, q_MN, sf_BG, pm, pn)
-        else:
-            cast_tile(x_MN, q_MN, sf_BG, pm, pn)
 
     @T.prim_func
     def blockwise_cast(
@@ -184,13 +57,72 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
         sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
     ):
         tiles_n = T.ceildiv(num_cols, tile_n)
-        if variant.grid_2d:
-            with T.Kernel(tiles_n, T.ceildiv(num_rows, tile_m), threads=threads) as (pn, pm):
-                cast_any_tile(x_MN, q_MN, sf_BG, pm, pn)
-        else:
-            with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
-                pm, pn = row_major(pid, tiles_n)
-                cast_any_tile(x_MN, q_MN, sf_BG, pm, pn)
+        with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
+            pm, pn = row_major(pid, tiles_n)
+            x_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
+            inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
+            T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
+            T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
+            abs_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
+            abs_of(x_frag, abs_frag)
+
+            if block_m == 1:
+                # per-token: along the row inside each group (warp shuffles).
+                row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
+                T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+                for i, g in T.Parallel(tile_gm, tile_gn):
+                    sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
+                    sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
+                    inv_frag[i, g] = inv
+            elif passes > 1:
+                # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
+                # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
+                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
+                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
+                if block_n > 1:
+                    band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
+                    T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
+                    T.reduce_max(band_amax, block_amax, dim=0)
+                else:
+                    # per-channel: the bands' column maxima meet in shared memory, one column a
+                    # thread (two barriers, not one cross-warp reduction per column a thread holds).
+                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
+                    T.copy(partial, partial_S)
+                    for g in T.Parallel(tile_gn):
+                        block_amax[g] = partial_S[0, g]
+                        for r in T.serial(1, rows_pp):
+                            block_amax[g] = T.max(block_amax[g], partial_S[r, g])
+                if block_n > 1:
+                    for g in T.Parallel(tile_gn):
+                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                        sf_BG[pm, pn * tile_gn + g] = sf
+                        inv_frag[0, g] = inv
+                else:
+                    inv_S = T.alloc_shared((tile_gn,), "float32")
+                    for g in T.Parallel(tile_gn):
+                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                        sf_BG[pm, pn * tile_gn + g] = sf
+                        inv_S[g] = inv
+                    for i, g in T.Parallel(tile_gm, tile_gn):
+                        inv_frag[i, g] = inv_S[g]
+            else:
+                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
+                if block_n > 1:
+                    row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
+                    T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+                    T.reduce_max(row_amax, block_amax, dim=0)
+                else:
+                    T.reduce_max(abs_frag, block_amax, dim=0)
+                for g in T.Parallel(tile_gn):
+                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                    sf_BG[pm, pn * tile_gn + g] = sf
+                    inv_frag[0, g] = inv
+
+            for i, j in T.Parallel(tile_m, tile_n):
+                q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
+                    T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
+                )
 
     return blockwise_cast
 

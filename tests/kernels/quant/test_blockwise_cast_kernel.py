@@ -1,9 +1,6 @@
 """The blockwise FP8 cast kernel (per-token, per-block, per-channel) against the reference:
 bit-exact e4m3 bytes and scales, every output element written (outputs start as poison)."""
 
-import shutil
-import subprocess
-
 import pytest
 import torch
 
@@ -11,7 +8,6 @@ from kernels import lowering
 from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import (
     NARROW_CHANNEL_COLUMNS,
-    CastVariant,
     blockwise_cast,
     get_blockwise_cast_kernel,
     narrow_channel_tile,
@@ -34,18 +30,6 @@ SHAPES = [  # (M, N, block size, input dtype)
     (70, 96, 32, torch.bfloat16),
 ]
 SF_MODES = {"fp32_sf": (False, False), "ue8m0_sf": (True, False), "packed_sf": (True, True)}
-# The untimed alternatives (kernels/quant/NOTES.md, "Small blockwise casts"), each with those before it.
-VARIANTS = {
-    "grid_2d": CastVariant(grid_2d=True),
-    "full_tiles": CastVariant(grid_2d=True, full_tiles=True),
-    "bf16_words": CastVariant(grid_2d=True, full_tiles=True, bf16_words=True),
-}
-VARIANT_SHAPES = [  # full row tiles (the small shape), ragged rows and columns, a dtype without words
-    (128, 7168, 128, torch.bfloat16),
-    (200, 7168 + 64, 128, torch.bfloat16),
-    (37, 100, 128, torch.bfloat16),
-    (257, 7168, 128, torch.float16),
-]
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -65,28 +49,6 @@ def test_matches_reference_bit_for_bit(layout, m, n, size, dtype, sf_mode, seed)
     q_ref, sf_ref = op(x.cpu(), **{size_arg: size}, round_sf=round_sf, pack_sf=pack_sf)
     assert q.dtype == q_ref.dtype and q.shape == q_ref.shape and q.stride() == q_ref.stride()
     assert sf.dtype == sf_ref.dtype and sf.shape == sf_ref.shape
-    assert torch.equal(bytes_of(q).cpu(), bytes_of(q_ref))
-    assert torch.equal(sf.cpu().view(torch.uint8), sf_ref.view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("sf_mode", ["fp32_sf", "packed_sf"])
-@pytest.mark.parametrize("m,n,size,dtype", VARIANT_SHAPES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_variants_match_reference_bit_for_bit(layout, m, n, size, dtype, sf_mode, variant, seed):
-    """The factory's variants, called directly (the wrapper builds the shipped kernel only)."""
-    op, size_arg, block_of = LAYOUTS[layout]
-    round_sf, pack_sf = SF_MODES[sf_mode]
-    (block_m, block_n), sf_dtype = block_of(size), torch.uint8 if pack_sf else torch.float32
-    x = cast_input(m, n, dtype=dtype, device="cuda", seed=seed)
-    kernel = get_blockwise_cast_kernel(n, block_m, block_n, tl_dtype(dtype), round_sf, pack_sf,
-                                       variant=VARIANTS[variant])
-    poison_allocator("cuda")
-    q = torch.empty((m, n), dtype=reference.E4M3, device="cuda")
-    sf = torch.empty((-(-m // block_m), -(-n // block_n)), dtype=sf_dtype, device="cuda")
-    kernel(x, q, sf)
-    q_ref, sf_ref = op(x.cpu(), **{size_arg: size}, round_sf=round_sf, pack_sf=pack_sf)
     assert torch.equal(bytes_of(q).cpu(), bytes_of(q_ref))
     assert torch.equal(sf.cpu().view(torch.uint8), sf_ref.view(torch.uint8))
 
@@ -150,25 +112,3 @@ def test_few_rows_per_channel_take_narrow_tiles():
     assert narrow_channel_tile(128, 7168, (128, 1), 8, device) == (128, NARROW_CHANNEL_COLUMNS, 128)
     assert narrow_channel_tile(16384, 7168, (128, 1), 8, device) is None
     assert narrow_channel_tile(128, 7168, (128, 128), 8, device) is None
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_variants_compile_for_sm90a(variant, tmp_path):
-    """Each variant at the small casts' specializations (registers only, no spills: ptxas); the last
-    (all three changes) also ragged, packed, with float32 input (no words) and per-token."""
-    specs = [(7168, 128, 1, "bfloat16", False, False), (7168, 128, 128, "bfloat16", False, False)]
-    if variant == "bf16_words":
-        specs += [(300, 128, 1, "bfloat16", True, True), (7168, 1, 128, "float32", False, False),
-                  (64, 1, 128, "bfloat16", True, False)]
-    with lowering.compile_only():
-        kernels = [get_blockwise_cast_kernel(*spec, variant=VARIANTS[variant]) for spec in specs]
-    for spec, kernel in zip(specs, kernels):
-        assert "fp8" in lowering.kernel_source(kernel), spec
-    if shutil.which("ptxas") is None:
-        pytest.skip("no ptxas")
-    for i, kernel in enumerate(kernels[:2]):
-        ptx = tmp_path / f"{i}.ptx"
-        kernel.export_ptx(str(ptx))
-        report = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", "/dev/null"], capture_output=True,
-                                text=True, check=True).stderr
-        assert ".local" not in ptx.read_text() and "0 bytes spill stores" in report, report
