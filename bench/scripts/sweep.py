@@ -32,14 +32,8 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
-# shipped: 256 threads, plain loads, a CTA a tile; session 22: streaming loads (L1 bypassed, 256-byte L2
-# lines, as tile-kernels' cp.async.cg staging) and fixed grids (CTAs an SM) striding over the tiles
-# (sweep 1: streaming 108.3 / 193.0 us, fixed grids 110.8-111.1 / 196.1-201.5, shipped 108.4 / 189.2,
-# tile-kernels 108.2 / 188.9); then a CTA barrier before the stores, as tile-kernels' stage has
-PRE_APPLY_OPTIONS = [dict(sync_stores=True), dict(threads=64, sync_stores=True), dict(threads=128, sync_stores=True),
-                     dict(threads=512, sync_stores=True), dict(streaming=True, sync_stores=True)]
-# session 22: the register transpose's (bm, bn) block and CTA at [8, 16, 7168] bf16 (shipped: (8, 8), 64)
-TRANSPOSE_BLOCKS = [((16, 8), 64), ((8, 4), 64), ((8, 4), 128), ((4, 8), 128), ((8, 2), 128)]
+PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
+TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
@@ -195,15 +189,10 @@ def variants(op: str, inp) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-
-        def kernel(threads=256, streaming=False, ctas_per_sm=None, sync_stores=False):
-            return get_pre_apply_kernel(n, d, "bfloat16", threads, streaming, ctas_per_sm and ctas_per_sm * sms, sync_stores)
-
-        return {" ".join(f"{k}={v}" for k, v in o.items()): functools.partial(pre_apply, kernel(**o))
-                for o in PRE_APPLY_OPTIONS}
+        return {f"threads={k}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k))
+                for k in PRE_APPLY_THREADS}
     if op == "batched_transpose":
-        from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel, get_pair_transpose_kernel
+        from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 
         s = inp.shape
         x = inp.x_TD.view(s.transpose_batch, s.tokens // s.transpose_batch, s.hidden).view(torch.uint16)
@@ -213,16 +202,8 @@ def variants(op: str, inp) -> dict[str, object]:
             kernel(x, out)
             return out.view(torch.bfloat16)
 
-        def pairs(kernel):  # 2-byte elements as 32-bit pairs, packed by prmt
-            out = torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device)
-            kernel(x.view(torch.uint32), out.view(torch.uint32))
-            return out.view(torch.bfloat16)
-
-        kernel = functools.partial(get_batched_transpose_kernel, x.shape[1], x.shape[2], "uint16")
-        found = {f"block={b} threads={k}": functools.partial(transpose, kernel(k, b)) for b, k in TRANSPOSE_BLOCKS}
-        for k in (64, 128):
-            found[f"pairs threads={k}"] = functools.partial(pairs, get_pair_transpose_kernel(x.shape[1], x.shape[2], k))
-        return found
+        return {f"threads={k}": functools.partial(transpose, get_batched_transpose_kernel(x.shape[1], x.shape[2], "uint16", k))
+                for k in TRANSPOSE_THREADS}
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):

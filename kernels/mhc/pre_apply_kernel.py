@@ -43,63 +43,15 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     return threads // tile_v, tile_v
 
 
-# Loads that bypass L1 and ask L2 for whole 256-byte lines: what tile-kernels' cp.async.cg staging gets
-# (a sweep option, session 22)
-STREAMING_LOAD = r"""
-__device__ __forceinline__ void ep_load_streaming(void* dst, const void* src) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  *reinterpret_cast<uint4*>(dst) = v;
-}
-"""
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, streaming: bool = False,
-                         ctas: int | None = None, sync_stores: bool = False):
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
-    (``pre_TN`` float32; the token count is dynamic); for sweeps: ``threads`` per CTA, ``streaming``
-    loads of ``x`` (16-byte vectors only), ``ctas``, a fixed grid whose CTAs stride over the tiles,
-    and ``sync_stores``, a CTA barrier before the stores (the CTA's stores leave together, as
-    tile-kernels' after its shared-memory stage)."""
+    (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     tile_m, tile_v = row_tile(nv, threads)
     tiles_v = T.ceildiv(nv, tile_v)
-    num_tiles = T.ceildiv(num_tokens, tile_m) * tiles_v
-    grid = ctas or num_tiles  # (outside the prim_func, whose tracing makes `or` a device condition)
-    if streaming and vec * T.dtype(dtype).bytes != 16:
-        raise ValueError(f"streaming: needs 16-byte vectors, D = {d} of {dtype} gives {vec} elements")
-
-    @T.macro
-    def apply_tile(x_TND, pre_TN, y_TD, pid):
-        bm, bn = row_major(pid, tiles_v)
-        tid = T.get_thread_binding()
-        x_local = T.alloc_local((n * vec,), dtype)
-        acc = T.alloc_local((vec,), T.float32)
-        token = bm * tile_m + tid // tile_v
-        c = bn * tile_v + tid % tile_v
-        row = T.Cast(T.int64, token)
-        if token < num_tokens and c < nv:
-            for i in T.unroll(n):  # all N loads issue before the first use
-                if streaming:
-                    T.call_extern("handle", "ep_load_streaming", T.address_of(x_local[i * vec]),
-                                  T.address_of(x_TND[row, i, c * vec]))
-                else:
-                    for j in T.vectorized(vec):
-                        x_local[i * vec + j] = x_TND[row, i, c * vec + j]
-            for j in T.serial(vec):
-                acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[j], T.float32))
-            for i in T.unroll(1, n):
-                for j in T.serial(vec):
-                    acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x_local[i * vec + j], T.float32)))
-        if sync_stores:
-            T.sync_threads()
-        if token < num_tokens and c < nv:
-            for j in T.vectorized(vec):
-                y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 
     @T.prim_func
     def pre_apply_kernel(
@@ -107,14 +59,25 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         pre_TN: T.Tensor[(num_tokens, n), T.float32],
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
-        with T.Kernel(grid, threads=threads) as pid:
-            if streaming:
-                T.import_source(STREAMING_LOAD)
-            if ctas:
-                for k in T.serial(T.ceildiv(num_tiles - pid, ctas)):
-                    apply_tile(x_TND, pre_TN, y_TD, pid + k * ctas)
-            else:
-                apply_tile(x_TND, pre_TN, y_TD, pid)
+        with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
+            bm, bn = row_major(pid, tiles_v)
+            tid = T.get_thread_binding()
+            x_local = T.alloc_local((n * vec,), dtype)
+            acc = T.alloc_local((vec,), T.float32)
+            token = bm * tile_m + tid // tile_v
+            c = bn * tile_v + tid % tile_v
+            if token < num_tokens and c < nv:
+                row = T.Cast(T.int64, token)
+                for i in T.unroll(n):  # all N loads issue before the first use
+                    for j in T.vectorized(vec):
+                        x_local[i * vec + j] = x_TND[row, i, c * vec + j]
+                for j in T.serial(vec):
+                    acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[j], T.float32))
+                for i in T.unroll(1, n):
+                    for j in T.serial(vec):
+                        acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x_local[i * vec + j], T.float32)))
+                for j in T.vectorized(vec):
+                    y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 
     return pre_apply_kernel
 

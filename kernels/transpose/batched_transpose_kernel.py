@@ -31,25 +31,21 @@ REGISTER_THREADS = 64  # the register kernel's CTA: [8, 16, 7168] bf16 makes 224
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS,
-                                 register_block: tuple[int, int] | None = None):
+def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS):
     """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64);
-    ``register_threads`` the register kernel's CTA and ``register_block`` its ``(bm, bn)`` (for
-    tuning sweeps; by default a 16-byte vector each way)."""
+    ``register_threads`` the register kernel's CTA (for tuning sweeps)."""
     if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
-        return _register_blocks(rows, cols, bits_dtype, register_threads, register_block)
+        return _register_blocks(rows, cols, bits_dtype, register_threads)
     return _shared_tiles(rows, cols, bits_dtype)
 
 
-def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block: tuple[int, int] | None):
+def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int):
     """Each thread a ``[bm, bn]`` block: ``bm`` input vectors in, ``bn`` output vectors out. The
     blocks of one column band go to adjacent threads, so a store instruction writes whole output
     rows and a load instruction runs along the input rows."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
-    bm, bn = block or (vector_width(rows, elem_bytes), vector_width(cols, elem_bytes))  # they divide rows, cols
-    if rows % bm or cols % bn:
-        raise ValueError(f"register_block: ({bm}, {bn}) must divide the matrix's ({rows}, {cols})")
+    bm, bn = vector_width(rows, elem_bytes), vector_width(cols, elem_bytes)  # they divide rows, cols
     blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
 
     @T.prim_func
@@ -73,53 +69,6 @@ def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block:
                         out_BNM[b, n0 + j, m0 + k] = column[k]
 
     return batched_transpose
-
-
-# One 16-byte store of four words, in PTX: nvcc split the first of a thread's eight uint4 stores into
-# four 4-byte ones (every other one stayed whole), from a local array and from make_uint4 alike
-STORE_WORDS = r"""
-__device__ __forceinline__ void ep_store_words(unsigned* dst, unsigned a, unsigned b, unsigned c, unsigned d) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-"""
-
-
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pair_transpose_kernel(rows: int, cols: int, threads: int = REGISTER_THREADS):
-    """``(x_BMW, out_BNV)`` kernel: the register transpose of 2-byte elements held as 32-bit pairs
-    (``x`` as ``[*, rows, cols / 2]`` words, ``out`` as ``[*, cols, rows / 2]``), each output word
-    packed from two rows' halves by one ``prmt`` (a sweep option, session 22: the element-wise
-    kernel's first output vector leaves nvcc as four 4-byte stores)."""
-    batch = T.dynamic("batch")
-    bm, bw = 8, 4  # 8 rows x 4 words (8 columns) a thread: 16-byte vectors both ways
-    if rows % bm or cols % (2 * bw):
-        raise ValueError(f"rows, cols: expected multiples of ({bm}, {2 * bw}), got ({rows}, {cols})")
-    blocks_m, blocks = rows // bm, rows // bm * (cols // (2 * bw))
-    low_halves, high_halves = 0x5410, 0x7632  # __byte_perm selectors: (a.lo, b.lo), (a.hi, b.hi)
-
-    def pair(block_MW, j, k):  # output column j's word k: rows 2k and 2k + 1 of input word j // 2
-        return T.call_extern("uint32", "__byte_perm", block_MW[2 * k, j // 2], block_MW[2 * k + 1, j // 2],
-                             T.uint32(high_halves if j % 2 else low_halves))
-
-    @T.prim_func
-    def pair_transpose(
-        x_BMW: T.Tensor[(batch, rows, cols // 2), "uint32"],
-        out_BNV: T.Tensor[(batch, cols, rows // 2), "uint32"],
-    ):
-        with T.Kernel(T.ceildiv(blocks, threads), batch, threads=threads) as (pb, b):
-            T.import_source(STORE_WORDS)
-            block_MW = T.alloc_local((bm, bw), "uint32")
-            blk = pb * threads + T.get_thread_binding()
-            m0, w0 = blk % blocks_m * bm, blk // blocks_m * bw
-            if blk < blocks:
-                for i in T.unroll(bm):
-                    for k in T.vectorized(bw):
-                        block_MW[i, k] = x_BMW[b, m0 + i, w0 + k]
-                for j in list(range(2 * bw)):  # unrolled at trace time: the selector is a constant
-                    T.call_extern("handle", "ep_store_words", T.address_of(out_BNV[b, 2 * w0 + j, m0 // 2]),
-                                  *[pair(block_MW, j, k) for k in range(bm // 2)])
-
-    return pair_transpose
 
 
 def _shared_tiles(rows: int, cols: int, bits_dtype: str):

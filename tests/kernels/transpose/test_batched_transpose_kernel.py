@@ -6,7 +6,7 @@ import torch
 
 from kernels import lowering
 from kernels.transpose import reference
-from kernels.transpose.batched_transpose_kernel import batched_transpose, get_batched_transpose_kernel, get_pair_transpose_kernel
+from kernels.transpose.batched_transpose_kernel import batched_transpose, get_batched_transpose_kernel
 from kernels.testing import poison_allocator
 
 
@@ -33,20 +33,6 @@ def test_matches_reference_bit_for_bit(shape, dtype, seed):
     expected = reference.batched_transpose(x_BMN)
     assert out.dtype == dtype and out.shape == expected.shape and out.stride() == expected.stride()
     assert torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(8, 16, 7168), (3, 8, 64), (2, 24, 8), (0, 16, 8)])
-@pytest.mark.parametrize("threads", [64, 128])
-def test_pair_kernel_matches_reference(shape, threads, seed):
-    """The 2-byte register transpose through 32-bit pairs (a sweep variant), bit for bit."""
-    x_BMN = random_tensor(shape, torch.bfloat16, seed)
-    b, m, n = shape
-    poison_allocator("cuda")
-    out = torch.empty((b, n, m), dtype=torch.bfloat16, device="cuda")
-    if b:
-        get_pair_transpose_kernel(m, n, threads)(x_BMN.cuda().view(torch.uint32), out.view(torch.uint32))
-    assert torch.equal(out.cpu().view(torch.uint16), reference.batched_transpose(x_BMN).view(torch.uint16))
 
 
 @pytest.mark.gpu
@@ -80,4 +66,3 @@ def test_compiles_for_sm90a():
                                    ((33, 70, "uint8"), False)]:
             source = lowering.kernel_source(get_batched_transpose_kernel(*spec))
             assert "batched_transpose" in source and ("__shared__" not in source) == in_registers, spec
-        assert "st.global.v4.u32" in lowering.kernel_source(get_pair_transpose_kernel(16, 7168))
