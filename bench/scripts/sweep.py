@@ -38,6 +38,7 @@ ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
 NORM_FN_OPTIONS = [dict(stages=6), dict(block_k=256, stages=3)]  # shipped: 64 x 128, 4 stages
+NORM_FN_PARTS_OPTIONS = [{}, dict(stages=3), dict(block_k=32, stages=6)]  # float32 / float16 streams (64-column chunks, 4 stages)
 # shipped: 2 stages (kernels/mhc/NOTES.md has session 21's sweeps of stages, chunks, columns and stores)
 NORM_FN_BACKWARD_OPTIONS = [dict(stages=1), dict(stages=3)]
 
@@ -127,12 +128,12 @@ def _norm_fn_variants(x, fn) -> dict[str, object]:
 
     (t, n, d), m = x.shape, fn.shape[0]
 
-    def cuda_cores(kernel):  # mixes only, as the op returns
+    def cuda_cores(kernel, x=x):  # mixes only, as the op returns
         mixes, rstd = torch.empty((t, m), device=x.device), torch.empty((t,), device=x.device)
         kernel(x.view(t, n * d), fn, mixes, rstd)
         return mixes
 
-    def mma(kernel):
+    def mma(kernel, x=x):
         mixes, rstd = torch.empty((t, m), device=x.device), torch.empty((t,), device=x.device)
         parts = torch.empty((nf.fn_rows(m), n * d), dtype=torch.bfloat16, device=x.device)
         nf.get_fn_parts_kernel(n * d, m)(fn, parts)
@@ -142,6 +143,14 @@ def _norm_fn_variants(x, fn) -> dict[str, object]:
     found = {"cuda cores": functools.partial(cuda_cores, nf.get_norm_fn_kernel(n * d, m, "bfloat16", 1e-6))}
     for options in NORM_FN_OPTIONS:
         found[f"mma {options}"] = functools.partial(mma, nf.get_norm_fn_mma_kernel(n * d, m, 1e-6, **options))
+    # session 22: float32 / float16 streams (training's), the same values as x's bfloat16 (so the same
+    # reference), on the CUDA cores and in exact bfloat16 parts on the tensor cores
+    for dtype in ("float32", "float16"):
+        xd = x.to(getattr(torch, dtype))
+        found[f"{dtype} cuda cores"] = functools.partial(cuda_cores, nf.get_norm_fn_kernel(n * d, m, dtype, 1e-6), xd)
+        for options in NORM_FN_PARTS_OPTIONS:
+            kernel = nf.get_norm_fn_mma_kernel(n * d, m, 1e-6, dtype=dtype, **options)
+            found[f"{dtype} mma {options}"] = functools.partial(mma, kernel, xd)
     return found
 
 

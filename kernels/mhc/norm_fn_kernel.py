@@ -225,52 +225,69 @@ def get_fn_parts_kernel(k: int, m: int, threads: int = 256):
     return fn_parts_kernel
 
 
+X_PARTS = {"bfloat16": 1, "float16": 2, "float32": 3}  # bfloat16 parts that hold a stream element exactly
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int = 128, stages: int = 4,
-                           threads: int = 128):
-    """``(x_TK, w_RK, mixes_TM, rstd_T)`` kernel for bfloat16 ``x`` of ``K = k`` columns and the
+def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_k: int | None = None,
+                           stages: int = 4, threads: int = 128, dtype: str = "bfloat16"):
+    """``(x_TK, w_RK, mixes_TM, rstd_T)`` kernel for ``x`` of ``K = k`` columns of ``dtype`` and the
     parts ``w_RK`` of ``M = m`` rows of ``fn`` (:func:`get_fn_parts_kernel`), on the tensor cores
     (see the module docstring). ``block_t`` tokens a CTA of ``threads`` (128 per 64 tokens: one
-    warpgroup's MMA rows), ``block_k`` columns a chunk, ``stages`` chunks in flight. Each chunk's
-    MMA sums into a fresh accumulator that the CUDA cores add to the running one (the tensor cores'
-    float32 adds truncate: over 3K terms they drifted 1.6e-5 of the largest mix, session 21)."""
+    warpgroup's MMA rows), ``block_k`` columns a chunk (128 for bfloat16, 64 otherwise: shared
+    memory), ``stages`` chunks in flight. float16 / float32 streams are split in shared memory
+    into their exact bfloat16 parts (``X_PARTS``: 2 / 3), one MMA each, so every product of a part
+    with a part of ``fn`` is still exact. Each chunk's MMAs sum into a fresh accumulator that the
+    CUDA cores add to the running one (the tensor cores' float32 adds truncate: over 3K terms they
+    drifted 1.6e-5 of the largest mix, session 21)."""
     num_tokens = T.dynamic("num_tokens")
     rows = fn_rows(m)
+    parts = X_PARTS[dtype]
+    block_k = block_k or (128 if parts == 1 else 64)
+    elems = 16 // T.dtype(dtype).bytes  # a 16-byte vector of x
     lanes = threads // block_t  # threads summing a token's squares, block_k / lanes columns each
-    vectors = block_k // lanes // 8  # 16-byte vectors of bf16 a thread reads a chunk
+    vectors = block_k // lanes // elems  # vectors of x a thread reads a chunk
 
     @T.prim_func
     def norm_fn_mma_kernel(
-        x_TK: T.Tensor[(num_tokens, k), T.bfloat16],
+        x_TK: T.Tensor[(num_tokens, k), dtype],
         w_RK: T.Tensor[(rows, k), T.bfloat16],
         mixes_TM: T.Tensor[(num_tokens, m), T.float32],
         rstd_T: T.Tensor[(num_tokens,), T.float32],
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as b:
             tid = T.get_thread_binding()
-            x_S = T.alloc_shared((block_t, block_k), T.bfloat16)
+            x_S = T.alloc_shared((block_t, block_k), dtype)
             w_S = T.alloc_shared((rows, block_k), T.bfloat16)
+            x_parts_S = [T.alloc_shared((block_t, block_k), T.bfloat16) for _ in range(parts if parts > 1 else 0)]
             chunk = T.alloc_fragment((block_t, rows), T.float32)
             acc = T.alloc_fragment((block_t, rows), T.float32)
-            x_local = T.alloc_local((8,), T.bfloat16)
-            sq = T.alloc_local((8,), T.float32)  # eight chains, not one
+            x_local = T.alloc_local((elems,), dtype)
+            sq = T.alloc_local((elems,), T.float32)  # several chains, not one
             sq_S = T.alloc_shared((threads,), T.float32)
             acc_S = T.alloc_shared((block_t, rows), T.float32)
             T.clear(acc)
-            for e in T.unroll(8):
+            for e in T.unroll(elems):
                 sq[e] = T.float32(0)
             for c in T.Pipelined(T.ceildiv(k, block_k), num_stages=stages):
                 T.copy(x_TK[b * block_t, c * block_k], x_S)
                 T.copy(w_RK[0, c * block_k], w_S)
-                T.gemm(x_S, w_S, chunk, transpose_B=True, clear_accum=True)
+                if parts == 1:
+                    T.gemm(x_S, w_S, chunk, transpose_B=True, clear_accum=True)
+                else:
+                    for i, j in T.Parallel(block_t, block_k):
+                        for q, part in enumerate(split_parts(T.cast(x_S[i, j], T.float32), parts)):
+                            x_parts_S[q][i, j] = part
+                    for q, x_part_S in enumerate(x_parts_S):
+                        T.gemm(x_part_S, w_S, chunk, transpose_B=True, clear_accum=q == 0)
                 for i, r in T.Parallel(block_t, rows):
                     acc[i, r] += chunk[i, r]
                 for v in T.unroll(vectors):
-                    for e in T.vectorized(8):
-                        x_local[e] = x_S[tid // lanes, (tid % lanes * vectors + v) * 8 + e]
-                    for e in T.unroll(8):
+                    for e in T.vectorized(elems):
+                        x_local[e] = x_S[tid // lanes, (tid % lanes * vectors + v) * elems + e]
+                    for e in T.unroll(elems):
                         sq[e] += T.cast(x_local[e], T.float32) * T.cast(x_local[e], T.float32)
-            sq_S[tid] = sum(sq[e] for e in range(8))
+            sq_S[tid] = sum(sq[e] for e in range(elems))
             T.copy(acc, acc_S)
             for i, r in T.Parallel(block_t, m):
                 token = b * block_t + i
@@ -442,13 +459,10 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
     if t == 0:
         return mixes_TM, rstd_T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
-    if x_TND.dtype == torch.bfloat16:
-        parts_RK = torch.empty((fn_rows(m), n * d), dtype=torch.bfloat16, device=x_TND.device)
-        get_fn_parts_kernel(n * d, m)(aligned(w_MK), parts_RK)
-        get_norm_fn_mma_kernel(n * d, m, eps)(aligned(x_TND).view(t, n * d), parts_RK, mixes_TM, rstd_T)
-    else:
-        kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
-        kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
+    parts_RK = torch.empty((fn_rows(m), n * d), dtype=torch.bfloat16, device=x_TND.device)
+    get_fn_parts_kernel(n * d, m)(aligned(w_MK), parts_RK)
+    kernel = get_norm_fn_mma_kernel(n * d, m, eps, dtype=tl_dtype(x_TND.dtype))
+    kernel(aligned(x_TND).view(t, n * d), parts_RK, mixes_TM, rstd_T)
     return mixes_TM, rstd_T
 
 

@@ -3,10 +3,10 @@ reference in float64 on the same inputs, the public op's kernel path forward and
 sm_90a compile of the runtime's shapes.
 
 Tolerance: a float32 sum of n terms is within ``n * u * sum |terms|`` of the exact one (``u =
-2**-24``). The CUDA-core kernels (float16 / float32 streams) sum ``K = N*D`` products; the
-tensor-core kernels (bfloat16 streams) sum the products of ``fn``'s three exact bfloat16 parts,
-``3K`` terms, and the tensor cores' float32 adds may truncate, so twice that. The bound per element
-is that, scaled by rstd, plus rstd's error (a float32 sum of K squares). Outputs start as poison
+2**-24``). The forward's tensor-core kernel sums the exact products of the streams' bfloat16 parts
+(one for bfloat16, two for float16, three for float32 elements) with ``fn``'s three, ``3K`` to ``9K``
+terms for ``K = N*D``, and the tensor cores' float32 adds may truncate, so twice that. The bound
+per element is that, scaled by rstd, plus rstd's error (a float32 sum of K squares). Outputs start as poison
 (:func:`kernels.testing.poison_allocator`)."""
 
 import pytest
@@ -21,9 +21,11 @@ from kernels.mhc.norm_fn_kernel import (
     get_norm_fn_backward_mma_kernel,
     get_norm_fn_kernel,
     get_norm_fn_mma_kernel,
+    X_PARTS,
     norm_fn,
     norm_fn_backward,
 )
+from kernels.quant.tiles import tl_dtype
 from kernels.testing import poison_allocator
 
 CASES = [  # (T, N, D, M, dtype, tf32)
@@ -35,6 +37,9 @@ CASES = [  # (T, N, D, M, dtype, tf32)
     (33, 2, 300, 8, torch.bfloat16, True),
     (200, 1, 100, 3, torch.bfloat16, False),  # the tensor-core kernel: rows not 16-byte aligned, T past a tile
     (8192, 4, 7168, 24, torch.bfloat16, False),  # the bench's shape
+    (130, 2, 300, 8, torch.float32, False),  # float32 / float16 in exact bfloat16 parts: K past a chunk, T past a tile
+    (200, 4, 4096, 24, torch.float16, False),
+    (1000, 4, 4096, 24, torch.float32, False),
 ]
 
 
@@ -52,7 +57,7 @@ def assert_close(mixes_TM, rstd_T, x_TND, fn_MK, tf32, eps=1e-6):
     want_rstd = torch.rsqrt(flat.square().mean(-1) + eps)
     want = (flat @ w.double().T) * want_rstd[:, None]
     k, u = n * d, 2.0**-24
-    adds = 2 * (3 * k + 2) if x_TND.dtype == torch.bfloat16 else k + 2  # the tensor cores' sum: module docstring
+    adds = 2 * (3 * X_PARTS[tl_dtype(x_TND.dtype)] * k + 2)  # the tensor cores' sum of exact products: module docstring
     # the sum's error, then rstd's (a sum of K positive squares: K * u / 2 relative)
     bound = adds * u * (flat.abs() @ w.double().abs().T) * want_rstd[:, None] + (k / 2 + 4) * u * want.abs()
     assert mixes_TM.dtype == torch.float32 and mixes_TM.shape == want.shape
@@ -138,11 +143,15 @@ def test_compiles_for_sm90a():
 def test_tensor_core_kernels_compile_for_sm90a():
     """bfloat16 streams' kernels at both DeepSeek-V4 widths (the backward's code differs only in
     K there, so one), a head's M = N, and K = 600 and 100 ending inside a chunk (100: rows not
-    16-byte aligned)."""
+    16-byte aligned); the forward for float32 / float16 streams (an MMA per part of ``x``)."""
     with lowering.compile_only():
         for k, m in ((4 * 4096, 24), (4 * 7168, 24), (4 * 7168, 4), (600, 8), (100, 3)):
             source = lowering.kernel_source(get_norm_fn_mma_kernel(k, m, 1e-6))
             assert "wgmma" in source and "__fsqrt_rn" in source, (k, m)
+            dtype = {(4 * 7168, 24): "float32", (600, 8): "float16"}.get((k, m))  # streams in bfloat16 parts
+            if dtype:
+                parts_source = lowering.kernel_source(get_norm_fn_mma_kernel(k, m, 1e-6, dtype=dtype))
+                assert parts_source.count("wgmma_ss<") == X_PARTS[dtype] * source.count("wgmma_ss<"), (k, m, dtype)
             assert "w_RK" in lowering.kernel_source(get_fn_parts_kernel(k, m)), (k, m)
             if k != 4 * 7168 or m != 24:
                 source = lowering.kernel_source(get_norm_fn_backward_mma_kernel(k, m, backward_chunks(8192)))
