@@ -38,7 +38,7 @@ ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
 NORM_FN_OPTIONS = [dict(stages=6), dict(block_k=256, stages=3)]  # shipped: 64 x 128, 4 stages
-NORM_FN_PARTS_OPTIONS = [{}, dict(stages=3), dict(block_k=32, stages=6)]  # float32 / float16 streams (64-column chunks, 4 stages)
+NORM_FN_PARTS_OPTIONS = [{}, dict(stages=3)]  # float32 / float16 streams (64-column chunks, 4 stages)
 # shipped: 2 stages (kernels/mhc/NOTES.md has session 21's sweeps of stages, chunks, columns and stores)
 NORM_FN_BACKWARD_OPTIONS = [dict(stages=1), dict(stages=3)]
 
