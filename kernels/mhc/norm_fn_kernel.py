@@ -12,9 +12,10 @@ against 179 us at D = 7168, session 21); then a CTA of one warpgroup owns ``bloc
 walks ``K`` in ``block_k`` chunks, pipelined: the chunks of ``x`` and of the parts arrive by
 ``cp.async``, one MMA of ``[block_t, block_k] x [block_k, 3M]`` sums each chunk, and the sum of
 squares is taken from the same shared tile. Their backward takes the tensor cores too
-(:func:`get_norm_fn_backward_mma_kernel`).
+(:func:`get_norm_fn_backward_mma_kernel`). The forward of float16 streams takes them as well, each
+chunk split in shared memory into two exact bfloat16 parts, an MMA each (``MMA_STREAMS``).
 
-float16 / float32 streams use the CUDA cores: a CTA is ``WARPS`` warps of ``TOKENS_PER_WARP``
+float32 streams (training's), and float16 ones in the backward, use the CUDA cores: a CTA is ``WARPS`` warps of ``TOKENS_PER_WARP``
 tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's loads in flight
 while this one multiplies); the chunk's ``[M, chunk]`` slice of ``fn`` is staged in shared memory
 once for the CTA's tokens, and each lane multiplies its elements of each of its warp's tokens by
@@ -226,6 +227,11 @@ def get_fn_parts_kernel(k: int, m: int, threads: int = 256):
 
 
 X_PARTS = {"bfloat16": 1, "float16": 2, "float32": 3}  # bfloat16 parts that hold a stream element exactly
+# Streams whose forward takes the tensor cores. float32 in three parts took 416 / 727 us at D = 4096 /
+# 7168 against the CUDA cores' 358 / 638 (float16 in two: 257 / 453 against 299 / 516; H100, session
+# 22, bench/results/h100/2026-11-26-s22): the split in shared memory and three MMAs a chunk, one
+# warpgroup an SM doing each in turn, cost more than the FMAs they replace.
+MMA_STREAMS = (torch.bfloat16, torch.float16)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -459,10 +465,14 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
     if t == 0:
         return mixes_TM, rstd_T
     w_MK = round_to_tf32(fn_MK) if tf32 else fn_MK
-    parts_RK = torch.empty((fn_rows(m), n * d), dtype=torch.bfloat16, device=x_TND.device)
-    get_fn_parts_kernel(n * d, m)(aligned(w_MK), parts_RK)
-    kernel = get_norm_fn_mma_kernel(n * d, m, eps, dtype=tl_dtype(x_TND.dtype))
-    kernel(aligned(x_TND).view(t, n * d), parts_RK, mixes_TM, rstd_T)
+    if x_TND.dtype in MMA_STREAMS:
+        parts_RK = torch.empty((fn_rows(m), n * d), dtype=torch.bfloat16, device=x_TND.device)
+        get_fn_parts_kernel(n * d, m)(aligned(w_MK), parts_RK)
+        kernel = get_norm_fn_mma_kernel(n * d, m, eps, dtype=tl_dtype(x_TND.dtype))
+        kernel(aligned(x_TND).view(t, n * d), parts_RK, mixes_TM, rstd_T)
+    else:
+        kernel = get_norm_fn_kernel(n * d, m, tl_dtype(x_TND.dtype), eps)
+        kernel(aligned(x_TND).view(t, n * d), aligned(w_MK), mixes_TM, rstd_T)
     return mixes_TM, rstd_T
 
 
