@@ -15,13 +15,13 @@ squares is taken from the same shared tile. Their backward takes the tensor core
 (:func:`get_norm_fn_backward_mma_kernel`). The forward of float16 streams takes them as well, each
 chunk split in shared memory into two exact bfloat16 parts, an MMA each (``MMA_STREAMS``).
 
-float32 streams (training's), and float16 ones in the backward, use the CUDA cores: a CTA is ``WARPS`` warps of ``TOKENS_PER_WARP``
-tokens each, walking ``K = N*D`` in chunks of 16 bytes per lane (the next chunk's loads in flight
-while this one multiplies); the chunk's ``[M, chunk]`` slice of ``fn`` is staged in shared memory
-once for the CTA's tokens, and each lane multiplies its elements of each of its warp's tokens by
-the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read from shared memory; NOTES.md has the
-measurements). The reference instead copies the streams to float32, squares
-them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
+float32 streams (training's), and float16 ones in the backward, use the CUDA cores: a CTA is
+``WARPS`` warps of ``TOKENS_PER_WARP`` tokens each, walking ``K = N*D`` in chunks of 16 bytes per
+lane (the next chunk's loads in flight while this one multiplies); the chunk's ``[M, chunk]`` slice
+of ``fn`` is staged in shared memory once for the CTA's tokens, and each lane multiplies its
+elements of each of its warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read
+from shared memory; NOTES.md has the measurements). The reference instead copies the streams to
+float32, squares them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
 
 Shape suffixes: T tokens, K = N*D, M mixes.
 """
