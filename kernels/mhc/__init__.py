@@ -1,15 +1,16 @@
 """mHC: manifold-constrained hyper-connections (see :mod:`kernels.mhc.reference`, the specification).
 
-``norm_fn`` (on the tensor cores for bfloat16 streams; float16/float32 on the CUDA cores, the
-weight gradient then by torch), ``split_sinkhorn``, ``pre_apply``, ``post`` and the inference-only
-``pre_fused`` (one kernel; bfloat16: ``pre``'s kernels) run their TileLang kernels, forward and
-(under autograd) backward, when :func:`kernels.select.use_tilelang` says so for the input's device and the kernels
-take the inputs (streams bfloat16/float16/float32, coefficients float32; split + Sinkhorn up to 8
-streams); otherwise the reference with its autograd runs. ``pre`` is the reference's composition
-(``norm_fn`` -> ``split_sinkhorn`` -> ``pre_apply``, optionally recomputed in backward) over these
-ops. The choice is made from the arguments up front, never by catching a kernel's error. The kernels
-check shapes, dtypes and devices, not values: a NaN/Inf check reads the whole tensor and syncs with
-the host on every call (the references do check). The other ops are the reference's.
+``norm_fn`` (forward on the tensor cores for bfloat16/float16 streams, backward for bfloat16;
+otherwise on the CUDA cores, the weight gradient then by torch), ``split_sinkhorn``, ``pre_apply``,
+``post`` and the inference-only ``pre_fused`` (one kernel; bfloat16: ``pre``'s kernels) run their
+TileLang kernels, forward and (under autograd) backward, when :func:`kernels.select.use_tilelang`
+says so for the input's device and the kernels take the inputs (streams bfloat16/float16/float32,
+coefficients float32; split + Sinkhorn up to 8 streams); otherwise the reference with its autograd
+runs. ``pre`` is the reference's composition (``norm_fn`` -> ``split_sinkhorn`` -> ``pre_apply``,
+optionally recomputed in backward) over these ops. The choice is made from the arguments up front,
+never by catching a kernel's error. The kernels check shapes, dtypes and devices, not values: a
+NaN/Inf check reads the whole tensor and syncs with the host on every call (the references do
+check). The other ops are the reference's.
 
 Shape suffixes as in :mod:`kernels.mhc.reference`.
 """

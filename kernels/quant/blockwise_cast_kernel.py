@@ -135,8 +135,10 @@ def narrow_channel_tile(m: int, n: int, block: tuple[int, int], vec: int, device
     leaves SMs idle, else None. At 128 x 7168 bf16 the default 128-column tiles make 56 CTAs for an
     H100's 132 SMs; 32-column tiles of 128 threads make 224: 5.50 against 5.63 us, tile-kernels 5.56
     (paired rounds, ``bench/results/h100/2026-11-26-s22``)."""
+    if block[1] != 1:
+        return None
     tile_m, tile_n, _ = blockwise_tile(n, block, vec)
-    if block[1] != 1 or tile_n <= NARROW_CHANNEL_COLUMNS or -(-m // tile_m) * -(-n // tile_n) >= sm_count(device):
+    if tile_n <= NARROW_CHANNEL_COLUMNS or -(-m // tile_m) * -(-n // tile_n) >= sm_count(device):
         return None
     return tile_m, NARROW_CHANNEL_COLUMNS, max(32, min(128, tile_m * NARROW_CHANNEL_COLUMNS // vec))
 
