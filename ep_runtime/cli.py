@@ -2,7 +2,7 @@
 
     ep-runtime train ...              the main job: local processes, or Ray actors (--launcher ray)
     ep-runtime plan ...               expert placement (``topology.report``)
-    ep-runtime bench <name> ...       benchmarks (``ep_runtime.bench.<name>``: kernels, ep-scaling, ...)
+    ep-runtime bench <name> ...       benchmarks (``ep_runtime.bench.<name>``, listed in ``BENCHMARKS``)
 
 ``plan`` and ``bench`` hand their remaining arguments to the module's ``main(argv)``.
 """
@@ -144,15 +144,18 @@ def _train(a: argparse.Namespace) -> None:
     print(f"trained {len(losses)} steps on {len(results)} processes{where}{summary}")
 
 
+BENCHMARKS = {
+    "kernels": "every kernel against its peers (tile-kernels, torch.compile, eager) at DeepSeek-V3 / V4 shapes",
+    "dispatch": "dispatch and combine per backend against NCCL all_to_all_single, all_to_all_vdev and the P2P copy",
+    "ep-scaling": "the MoE layer and its dispatch/combine at EP sizes 1, 2, 4, ... (weak and strong scaling)",
+    "pipeline": "each pipeline schedule's step time, bubble fraction and peak memory per stage",
+    "mhc-overhead": "an mHC sublayer (pre + post, forward and backward) as a fraction of the MoE layer",
+}
+
+
 def _bench(name: str, argv: list[str]) -> None:
     import importlib
-    import pkgutil
 
-    from . import bench
-
-    names = sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__))
-    if name not in names:
-        raise SystemExit(f"ep-runtime bench: expected one of {names}, got {name!r}")
     importlib.import_module(f"ep_runtime.bench.{name.replace('-', '_')}").main(argv)
 
 
@@ -163,8 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     launch_arguments(train_parser(sub.add_parser("train", help="train the tiny MoE model with expert parallelism")))
     plan = sub.add_parser("plan", help="place experts on a cluster (ep-runtime plan --help)", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER)
-    bench = sub.add_parser("bench", help="benchmarks: ep-runtime bench <name> --help")
-    bench.add_argument("name")
+    listing = "\n".join(f"  {name:14s} {what}" for name, what in BENCHMARKS.items())
+    bench = sub.add_parser("bench", help="benchmarks: ep-runtime bench <name> --help",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=f"benchmarks (each takes --help):\n{listing}")
+    bench.add_argument("name", choices=BENCHMARKS, metavar="name", help="one of the benchmarks below")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     args, rest = parser.parse_known_args(argv)  # plan and bench take options of their own
     if args.command == "train":

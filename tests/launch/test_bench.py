@@ -3,11 +3,15 @@ and strong scaling, both backends), ``dispatch``, ``pipeline`` and ``mhc-overhea
 plots) written."""
 
 import json
+import pkgutil
 import subprocess
 import sys
 
 import pytest
 from cluster import REPO, job_env
+
+from ep_runtime import bench
+from ep_runtime.cli import BENCHMARKS, main
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,6 +38,20 @@ def test_ep_scaling_runs_at_ep_1_and_2(tmp_path):
             assert row["dispatch_gbps_per_rank"] > 0 and row["a2a_same_bytes_gbps_per_rank"] > 0
     assert (tmp_path / "ep_scaling_small.png").stat().st_size > 10_000
     assert "weak EP   2" in done.stdout
+
+
+def test_bench_lists_every_benchmark_module_and_refuses_other_names(capsys):
+    """``BENCHMARKS`` names exactly the modules of ``ep_runtime.bench`` that define ``main``."""
+    with_main = {m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)
+                 if "\ndef main(" in (REPO / "ep_runtime" / "bench" / f"{m.name}.py").read_text()}
+    assert set(BENCHMARKS) == with_main
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listing = capsys.readouterr().out
+    assert all(f"  {name} " in listing for name in BENCHMARKS)
+    with pytest.raises(SystemExit):
+        main(["bench", "peer-tuning"])
+    assert "invalid choice: 'peer-tuning'" in capsys.readouterr().err
 
 
 def run_bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
