@@ -4,8 +4,9 @@ at the small shape (any of ``bench kernels``' ops) it reports, for ours, torch.c
 op's tile-kernels peer, alternating ``--rounds`` times in one process:
 
 - the timer's time (events around the call, the GPU busy before it: launch + kernel);
-- the kernel's own time on the GPU (CUPTI through ``torch.profiler``, the L2 flushed before each
-  call as the timer does): if ours matches Triton's here, the gap is in the launch, not the body;
+- the kernel's own time on the GPU (``Timer.kernel_us``: CUPTI through ``torch.profiler``, the L2
+  flushed before each call as the timer does; memsets were left out before session 23): if ours
+  matches Triton's here, the gap is in the launch, not the body;
 - for the transpose, the same TileLang kernel launched by TileLang's Cython wrapper (which sets
   the programmatic-stream-serialization attribute on every launch) next to the default TVM-FFI one,
   and the register kernel's CTA sizes;
@@ -21,30 +22,8 @@ import json
 import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ep_runtime.bench import kernels as bench
-
-
-def kernel_us(fn, timer: bench.Timer, calls: int) -> float:
-    """Median CUPTI duration of the kernels ``fn`` launches (summed per call), the L2 flushed
-    before each call; the flush's own kernel is told apart by running it alone first."""
-    with profile(activities=[ProfilerActivity.CUDA]) as flush_only:
-        timer.flush()
-        timer.sync()
-    flush_names = {e.name for e in flush_only.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            timer.flush()
-            fn()
-        timer.sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and e.name not in flush_names and not e.name.startswith("Memset")]
-    per_call = len(kernels) // calls
-    if per_call == 0:
-        raise RuntimeError("no kernel of the op was profiled")
-    sums = [sum(k.device_time for k in kernels[i * per_call:(i + 1) * per_call]) for i in range(calls)]
-    return statistics.median(sums)
 
 
 def transpose_variant(x, backend: str = "tvm_ffi", **options):
@@ -112,7 +91,7 @@ def main() -> None:
         for _ in range(a.rounds):
             for name, fn in impls.items():
                 times[name]["timer_us"].append(timer.median_us(fn)[0])
-                times[name]["kernel_us"].append(kernel_us(fn, timer, 50))
+                times[name]["kernel_us"].append(timer.kernel_us(fn, 50))
         for name, t in times.items():
             print(f"{case.op:18s} {name:20s} timer {statistics.median(t['timer_us']):5.2f} us  "
                   f"kernel {statistics.median(t['kernel_us']):5.2f} us", flush=True)

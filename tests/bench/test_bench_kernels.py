@@ -4,6 +4,9 @@ the documented structure and every time, byte count and rate is positive."""
 import json
 import types
 
+import pytest
+import torch
+
 from ep_runtime.bench import kernels as bench
 from ep_runtime.cli import main as cli_main
 
@@ -99,3 +102,56 @@ def test_engram_hash_peer_gets_our_hash_in_its_conventions():
     got = case.peers["tile_kernels"]()
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
     assert bench.agreement(got, want) == 1.0
+
+
+class GpuTimeStandIn(bench.Timer):
+    """A CPU timer whose ``kernel_us`` reads a set GPU time per thunk, 3 us for any other (CUPTI
+    needs a GPU)."""
+
+    def __init__(self, gpu_us: dict):
+        super().__init__(torch.device("cpu"), iters=3, warmup=0, budget_s=0.01, flush_bytes=0, kernel_calls=1)
+        self.gpu_us = gpu_us
+
+    def kernel_us(self, fn, calls=50):
+        return self.gpu_us.get(fn, 3.0)
+
+
+def test_kernel_time_judges_the_ratio_and_fusion_bars_beside_the_timer():
+    """With ``--kernel-time`` every timed thunk gets ``kernel_us``; the peer ratio and the fusion
+    gain are judged by it too, and a thunk CUPTI cannot time leaves the timer's result standing."""
+    x = torch.ones(64)
+    ours, peer, partial, unfused = (lambda: x + 1), (lambda: x + 1), (lambda: x + 1), (lambda: (x + 0) + 1)
+    case = bench.Case("swiglu_per_token_cast", ours, lambda t: t + 1, (x,), bytes=100, bytes_note="-",
+                      peers={"peer": peer, "part": partial}, partial_peers=("part",), compile_peer=False,
+                      unfused=unfused, unfused_bytes=180, unfused_note="two ops")
+    timer = GpuTimeStandIn({ours: 2.0, peer: 2.5, partial: 1.0, unfused: 4.0})  # the eager peer: 3 us
+    result = bench.run_case(case, timer, 1.0, with_peers=True, compile_budget=None, impl="reference")
+    assert result["kernel_us"] == 2.0
+    assert result["fastest_peer_kernel_us"] == 2.5  # the partial peer's 1 us does not count
+    assert result["ratio_vs_fastest_peer_by_kernel_time"] == 2.5 / 2.0
+    gpu = result["fusion"]["kernel_time"]
+    assert gpu["unfused_kernel_us"] == 4.0 and gpu["speedup"] == 2.0
+    assert abs(gpu["gain_over_bytes_gain"] - 1.0 / 0.8) < 1e-12 and gpu["bar_ok"]
+    bars = bench.summarize_bars([{"shape": "small", **result}])
+    assert bars["ratio_vs_fastest_peer_ge_1_by_kernel_time"] == {"small/swiglu_per_token_cast": True}
+    assert bars["fusion_by_kernel_time"] == {"small/swiglu_per_token_cast": True}
+
+    def no_cupti(fn, calls=50):
+        raise RuntimeError("3 GPU events in 2 calls")
+
+    timer.kernel_us = no_cupti
+    result = bench.run_case(case, timer, 1.0, with_peers=False, compile_budget=None, impl="reference")
+    assert "time_us" in result and "kernel_us" not in result and "RuntimeError" in result["kernel_error"]
+    assert "kernel_error" in result["fusion"]["kernel_time"] and "speedup" in result["fusion"]
+    assert set(bench.summarize_bars([{"shape": "small", **result}])) == {
+        "memory_bound_ge_90pct_of_copy", "ratio_vs_fastest_peer_ge_1", "fusion"}
+
+
+@pytest.mark.gpu
+def test_kernel_us_sums_the_work_of_a_call_without_the_flush():
+    timer = bench.Timer(torch.device("cuda"), iters=10, warmup=2, budget_s=0.1, flush_bytes=256 << 20)
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    y, z = torch.empty_like(x), torch.empty_like(x)
+    one = timer.kernel_us(lambda: y.copy_(x))
+    two = timer.kernel_us(lambda: (y.copy_(x), z.copy_(x)))
+    assert 0 < one < 1000 and 1.6 < two / one < 2.4, (one, two)
