@@ -34,9 +34,10 @@ speedup with the ratio of bytes the fusion saves.
 ``--kernel-time`` adds each call's GPU work alone (CUPTI through ``torch.profiler``: its kernels,
 memsets and copies summed, the L2 flushed before each call, the median of 50 calls) for ours, the
 peers and the unfused sequences, and the ratio and fusion bars by that time beside the timer's.
-At 128 tokens the timer's launch and events cost about 3 us of a 5 us measurement (session 20,
-``bench/scripts/launch_gap.py``), the same for one kernel or two, which hides what a fusion saves;
-the GPU time leaves out the gap between an unfused sequence's kernels, so it favours the sequence.
+At 128 tokens the timer's launch and events cost 3.5-4 us of a 6 us measurement (sessions 20-21,
+``bench/scripts/launch_gap.py``), paid once per measurement whether the call launches one kernel
+or two, which hides what a fusion saves; the GPU time leaves out the gap between an unfused
+sequence's kernels, so it favours the sequence.
 
 On the CPU (``--device cpu``) only the references run (the public ops pick them there), with host
 timers and no peers; ``--quick`` there uses a tiny shape: a smoke test of the program.
