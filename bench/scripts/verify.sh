@@ -10,6 +10,8 @@
 #   scaling-D    ep-scaling of backend D (all_to_all | nvlink) over every GPU, $MODES (default weak,strong).
 #   pipeline     bench pipeline on two GPUs (PP 2, EP 1), 1F1B vs the overlap schedule, v3-layer.
 #   kernels-v4   bench kernels at the DeepSeek-V4-like mHC/Engram shapes (GPU 0).
+#   kernels-small-gpu-time  bench kernels at 128 tokens with --kernel-time (GPU 0): issue #3's ratio and
+#                fusion bars by the timer and by the kernels' own GPU time; first Timer.kernel_us's GPU test.
 #   mhc-overhead the mHC sublayer's time against the MoE layer's, T = 8192, D = 4096 and 7168 (GPU 0),
 #                bfloat16 streams, then float32 streams under autocast (as training runs them).
 #   sweep        kernel variants (tiles, prefetch) against the shipped kernels and tile-kernels
@@ -53,6 +55,12 @@ for step in "$@"; do
     kernels-v4)
       LIMIT=330 run bench-kernels-v4 python3 -m ep_runtime.cli bench kernels --shapes v4 --out "$out/kernels-v4.json" --commit "$commit"
       tail -12 "$out/bench-kernels-v4.log" ;;
+    kernels-small-gpu-time)
+      LIMIT=60 run pytest-kernel-us python3 -m pytest -q -m gpu -p no:cacheprovider tests/bench/test_bench_kernels.py
+      tail -2 "$out/pytest-kernel-us.log"
+      LIMIT=300 run bench-kernels-small python3 -m ep_runtime.cli bench kernels --shapes small --kernel-time \
+        --out "$out/kernels-small.json" --commit "$commit"
+      grep -A40 "^fused vs" "$out/bench-kernels-small.log" | cut -c1-200 ;;
     mhc-overhead)
       LIMIT=150 run bench-mhc-overhead python3 -m ep_runtime.cli bench mhc-overhead --out "$out" --commit "$commit"
       tail -4 "$out/bench-mhc-overhead.log"
