@@ -5,8 +5,9 @@
 ``topk_route_kernel.py`` and ``expert_counts`` runs ``expert_counts_kernel.py``, except where the
 reference alone has what the call asks for: float64 logits, or logits that need a gradient (the
 kernel's weights are not differentiable; ``topk_weights`` is). Kernel paths check shapes, dtypes
-and devices but no values (that would cost a host sync per call): a token whose logits are not
-finite gets no routes (-1) there, where the reference raises. Callers that must reject NaN/Inf
+and devices but no values (that would cost a host sync per call): for a token whose logits are
+not finite the kernel's routes are unspecified (a NaN score can win, with a NaN weight), where the
+reference raises. Callers that must reject NaN/Inf
 logits check them once where they sync anyway (the MoE router does).
 """
 
@@ -38,7 +39,8 @@ def _router_kernel_applies(logits_TE: object, options: dict) -> bool:
         return False
     from .topk_route_kernel import supports
 
-    return logits_TE.dim() != 2 or supports(logits_TE.shape[1], options.get("num_groups", 1), options.get("topk_groups"))
+    return logits_TE.dim() != 2 or supports(logits_TE.shape[1], options.get("topk"), options.get("num_groups", 1),
+                                            options.get("topk_groups"))
 
 
 def topk_route(logits_TE: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:

@@ -327,15 +327,18 @@ def get_topk_route_kernel(
 
 
 @functools.cache
-def supports(num_experts: int, num_groups: object, topk_groups: object) -> bool:
-    """False only for valid group options whose groups do not line up with lanes (the public op
-    then runs the reference); invalid options are left to :func:`topk_route` to reject."""
+def supports(num_experts: int, topk: object, num_groups: object, topk_groups: object) -> bool:
+    """False for valid options beyond the kernel's limits (more than ``MAX_EXPERTS`` experts, ``topk``
+    above a warp, more than a warp of groups to choose from, groups that do not line up with lanes):
+    the public op then runs the reference. Invalid options are left to :func:`topk_route` to reject."""
+    if num_experts > MAX_EXPERTS or (isinstance(topk, int) and topk > WARP):
+        return False
     if not (isinstance(num_groups, int) and num_groups >= 1 and num_experts % num_groups == 0):
         return True
     topk_groups = num_groups if topk_groups is None else topk_groups
-    if not (isinstance(topk_groups, int) and 1 <= topk_groups < num_groups <= WARP and num_experts <= MAX_EXPERTS):
+    if not (isinstance(topk_groups, int) and 1 <= topk_groups < num_groups):
         return True
-    return lane_layout(num_experts, num_groups, topk_groups) is not None
+    return num_groups <= WARP and lane_layout(num_experts, num_groups, topk_groups) is not None
 
 
 @functools.cache
@@ -392,9 +395,10 @@ def topk_route(
     """:func:`kernels.routing.reference.topk_route` on the GPU, in one kernel.
 
     Args:
-        logits_TE: [T, E] float32, bfloat16 or float16, contiguous, on a CUDA device; E <= 1024.
+        logits_TE: [T, E] float32, bfloat16 or float16 on a CUDA device (copied if not contiguous);
+            E <= 1024.
         topk, scoring, bias_E, num_groups, topk_groups, normalize, routed_scaling_factor: as in the
-            reference (``bias_E`` [E] float32 contiguous on the same device). ``topk`` <= 32 and,
+            reference (``bias_E`` [E] float32 on the same device). ``topk`` <= 32 and,
             when groups limit the choice, ``num_groups`` <= 32 and the groups line up with lanes
             (:func:`lane_layout` is not None; true for every E <= 1024 whose group size is a power
             of two times ``ceil(E / 32)`` or a divisor of it, DeepSeek-V3 included).
@@ -410,9 +414,9 @@ def topk_route(
         check_tensor("logits_TE", logits_TE, dtype=tuple(LOGIT_DTYPES))
     if logits_TE.dim() != 2:
         raise ValueError(f"logits_TE: expected a 2-D tensor, got shape {tuple(logits_TE.shape)}")
-    check_cuda_contiguous("logits_TE", logits_TE)
-    if logits_TE.data_ptr() % 16:  # rows are read with 16-byte loads
-        logits_TE = logits_TE.clone()
+    check_cuda("logits_TE", logits_TE)
+    if not logits_TE.is_contiguous() or logits_TE.data_ptr() % 16:  # rows are read with 16-byte loads
+        logits_TE = logits_TE.clone(memory_format=torch.contiguous_format)
     num_tokens, num_experts = logits_TE.shape
     kernel = _router(num_experts, topk, num_groups, topk_groups, scoring, logits_TE.dtype, normalize, with_counts)
     device = logits_TE.device
@@ -420,7 +424,8 @@ def topk_route(
         bias_E = torch.zeros(num_experts, dtype=torch.float32, device=device)  # + 0.0 is exact
     elif bias_E.dtype != torch.float32 or bias_E.shape != (num_experts,) or bias_E.device != device:
         check_tensor("bias_E", bias_E, dtype=torch.float32, shape=(num_experts,), device=device)
-    check_cuda_contiguous("bias_E", bias_E)
+    check_cuda("bias_E", bias_E)
+    bias_E = bias_E.contiguous()
 
     topk_idx_TK = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
     topk_weights_TK = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
@@ -439,8 +444,3 @@ def grid_size(num_tokens: int, with_counts: bool, device: torch.device, ctas_per
     return min(ctas, sm_count(device) * ctas_per_sm) if with_counts else ctas
 
 
-def check_cuda_contiguous(name: str, t: torch.Tensor) -> None:
-    """A CUDA tensor in row-major order (what every kernel here indexes); shared by the kernel wrappers."""
-    check_cuda(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")

@@ -94,12 +94,32 @@ def test_topk_route_public_op_uses_the_kernel_result(seed):
     assert int(counts_E.sum()) == 300 * 6
 
 
+def test_options_beyond_the_kernel_send_the_public_op_to_the_reference():
+    """Valid options the kernel cannot take (more than 1024 experts, top-k above a warp, more than
+    a warp of groups to choose from) are not the kernel's: the public op runs the reference."""
+    assert not supports(2048, 8, 1, None) and not supports(256, 40, 1, None) and not supports(512, 8, 64, 8)
+    assert supports(256, 8, 8, 4) and supports(512, 8, 64, 64) and supports(1024, 32, 1, None)
+
+
+@pytest.mark.gpu
+def test_public_op_takes_non_contiguous_logits_and_options_beyond_the_kernel(seed):
+    from kernels.routing import topk_route as public
+
+    logits_TE, bias_E = router_inputs(65, 256, device="cuda", seed=seed)
+    columns_first = logits_TE.t().contiguous().t()  # same values, strides (1, 65)
+    options = {"topk": 8, "scoring": "sigmoid", "num_groups": 8, "topk_groups": 4, "normalize": True}
+    got, want = public(columns_first, bias_E=bias_E, **options), reference.topk_route(logits_TE, bias_E=bias_E, **options)
+    assert torch.equal(got[0], want[0]) and torch.allclose(got[1], want[1], rtol=2e-6, atol=0)
+    got = public(logits_TE, topk=40)  # top-40: more than a warp, the reference's
+    assert torch.equal(got[0], reference.topk_route(logits_TE, topk=40)[0])
+
+
 @pytest.mark.gpu
 def test_groups_off_the_lanes_run_the_reference(seed):
     """500-expert groups fit no lane layout: the public op falls back to the reference."""
     from kernels.routing import topk_route as public
 
-    assert not supports(1000, 2, 1)
+    assert not supports(1000, 4, 2, 1)
     logits_TE, bias_E = router_inputs(65, 1000, device="cuda", seed=seed)
     options = {"topk": 4, "scoring": "sigmoid", "num_groups": 2, "topk_groups": 1, "normalize": True}
     got = public(logits_TE, bias_E=bias_E, **options)
