@@ -130,10 +130,12 @@ def fp8_rows(
 def arrived_routes(world: int, t_max: int, topk: int, num_local_experts: int, seed: int = 0,
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(meta_RM, count_W)`` as a dispatch's receive region holds them: ids in ``[-3, W * E_local +
-    2)`` (every rank's, masked and out of range), random weight bits, each sender's count in
-    ``[0, t_max]`` (rank 1 sent nothing when W > 1; rows past a count are left from earlier calls)."""
+    2)`` (every rank's, masked and out of range; distinct in a row, as a sender's router gives them),
+    random weight bits, each sender's count in ``[0, t_max]`` (rank 1 sent nothing when W > 1; rows
+    past a count are left from earlier calls)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(-3, world * num_local_experts + 2, (world * t_max, topk), generator=g, dtype=torch.int32)
+    span = world * num_local_experts + 5
+    ids = (torch.rand(world * t_max, span, generator=g).argsort(1)[:, :topk] - 3).to(torch.int32)
     bits = torch.randint(-(2**31), 2**31 - 1, (world * t_max, topk), generator=g, dtype=torch.int32)
     count = torch.randint(0, t_max + 1, (world,), generator=g, dtype=torch.int32)
     if world > 1:

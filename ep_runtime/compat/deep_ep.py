@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernels.validate import check_tensor
+from kernels.validate import check_index_range, check_tensor
 
 from ..dispatch.all_to_all import home_rows, sum_home
 
@@ -174,6 +174,7 @@ class Buffer:
         """``(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [T, W] bool, event)``."""
         check_tensor("topk_idx", topk_idx, ndim=2, dtype=(torch.int64, torch.int32))
+        check_index_range("topk_idx", topk_idx, num_experts)  # the bincount below syncs anyway
         _wait(previous_event)
         local = self._num_local_experts(num_experts)
         device = topk_idx.device

@@ -19,10 +19,9 @@ import torch.distributed as dist
 from kernels.permute import ExpertLayout, expert_layout
 from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
-from kernels.validate import check_index_range
 
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
-        check_index_range("topk_idx_TK", topk_idx_TK, self.num_experts)
+        check_routes(topk_idx_TK, self.num_experts)
         with torch.no_grad():
             route, local_idx_RK, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
         layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)

@@ -24,7 +24,7 @@ from kernels.quant import per_token_cast
 from kernels.reduce import weighted_reduce
 
 from .autograd import CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class DeepEPDispatcher:
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
+        check_routes(topk_idx_TK, self.num_experts)  # DeepEP's dispatch syncs anyway
         idx_TK = topk_idx_TK.to(torch.int64)
         with torch.no_grad():
             per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(idx_TK, self.num_experts)

@@ -30,7 +30,7 @@ from kernels.permute import ExpertLayout
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
 from .nvlink import NVLinkDispatcher, PeerRoute
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class HierarchicalDispatcher:
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
+        check_routes(topk_idx_TK, self.num_experts)  # the rail's all_to_all syncs anyway
         if x_TD.shape[0] > self.max_tokens:
             raise ValueError(f"x_TD: rank {dist.get_rank()} dispatches {x_TD.shape[0]} tokens, more than the "
                              f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")

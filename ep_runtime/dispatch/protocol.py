@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from kernels.permute import ExpertLayout
-from kernels.validate import check_tensor
+from kernels.validate import check_index_range, check_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,8 +59,11 @@ class Dispatcher(Protocol):
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> tuple[torch.Tensor, ExpertLayout, DispatchHandle]:
         """Args:
-            x_TD: [T, D] tokens (float32 / bfloat16).
-            topk_idx_TK: [T, K] int64 expert ids in [0, num_experts), -1 = no route.
+            x_TD: [T, D] tokens (float32, bfloat16 or float16).
+            topk_idx_TK: [T, K] int64 or int32 expert ids in [0, num_experts), -1 = no route; a
+                token's ids are distinct experts (what a top-k router gives: ``nvlink``'s receive
+                buffers count on it). Backends that sync anyway check this (:func:`check_routes`);
+                ``nvlink`` on GPUs does not (a check costs a host sync).
             topk_weights_TK: [T, K] float32 router weights (ignored where the id is -1).
         Returns:
             x_PD: [P, D] received tokens in the local experts' aligned expert-major layout
@@ -86,6 +89,17 @@ def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weig
                  device=x_TD.device)
     check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=tuple(topk_idx_TK.shape),
                  device=x_TD.device)
+
+
+def check_routes(topk_idx_TK: torch.Tensor, num_experts: int) -> None:
+    """The values of ``Dispatcher.dispatch``'s routes: experts in ``[0, num_experts)`` or -1, and a
+    token's experts distinct. Syncs with the host."""
+    check_index_range("topk_idx_TK", topk_idx_TK, num_experts)
+    sorted_TK = topk_idx_TK.sort(dim=1).values
+    repeated_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
+    if bool(repeated_T.any()):
+        t = int(repeated_T.nonzero()[0, 0])
+        raise ValueError(f"topk_idx_TK: expected distinct experts per token, token {t} has {topk_idx_TK[t].tolist()}")
 
 
 def check_combine_args(y_PD: torch.Tensor, handle: object) -> None:

@@ -287,7 +287,8 @@ def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_ex
     routes (:func:`kernels.permute.reference.expert_layout` of ``local_idx_RK`` over
     ``num_local_experts`` experts, segments aligned to ``alignment``, ``num_rows`` rows)."""
     plan = plan_receive(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank, max_tokens=max_tokens)
-    return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows)
+    return plan, expert_layout(plan.local_idx_RK, num_local_experts, alignment=alignment, num_rows=num_rows,
+                               routes_per_token=min(plan.local_idx_RK.shape[1], num_local_experts))
 
 
 def receive_rows(world: int, max_tokens: int, topk: int, num_local_experts: int, alignment: int) -> int:

@@ -4,7 +4,7 @@
 ``expert_layout`` runs the sync-free kernels of ``expert_layout_kernel.py``: with ``num_rows=None``
 it lays out into the static capacity :func:`max_rows` and then reads ``offsets_E[-1]`` on the host
 to trim ``src_P`` (the one host sync, as in the reference); with ``num_rows`` given it never syncs
-and needs ``num_rows >= max_rows(...)``. ``expand`` and ``unexpand`` run the row-copy kernels of
+and needs ``num_rows >= max_rows(...)``, as the reference does. ``expand`` and ``unexpand`` run the row-copy kernels of
 ``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows).
 """
 
@@ -19,15 +19,22 @@ __all__ = ["ExpertLayout", "expand", "expert_layout", "max_rows", "unexpand"]
 
 
 def expert_layout(
-    topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int | None = None
+    topk_idx_TK: torch.Tensor,
+    num_experts: int,
+    *,
+    alignment: int = 128,
+    num_rows: int | None = None,
+    routes_per_token: int | None = None,
 ) -> ExpertLayout:
     """Expert-major layout of the routes; see :func:`kernels.permute.reference.expert_layout`."""
     if not (isinstance(topk_idx_TK, torch.Tensor) and use_tilelang(topk_idx_TK.device)):
-        return reference.expert_layout(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows)
+        return reference.expert_layout(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows,
+                                       routes_per_token=routes_per_token)
     from .expert_layout_kernel import expert_layout as kernel
 
     if num_rows is not None:
-        return kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows)
+        return kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows,
+                      routes_per_token=routes_per_token)
     capacity = max_rows(*topk_idx_TK.shape, num_experts, alignment) if topk_idx_TK.dim() == 2 else 0
     layout = kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=capacity)
     needed = int(layout.offsets_E[-1])

@@ -273,7 +273,9 @@ def get_expert_layout_one_cta_kernel(num_experts: int, alignment: int, index_dty
     return expert_layout_one_cta_kernel
 
 
-def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int) -> ExpertLayout:
+def expert_layout(
+    topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int, routes_per_token: int | None = None
+) -> ExpertLayout:
     """:func:`kernels.permute.reference.expert_layout` on the GPU, with a static row count.
 
     Args:
@@ -281,7 +283,10 @@ def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int
             experts in [0, E) or -1.
         num_experts: E, at most 1024.
         alignment: segment lengths are multiples of it.
-        num_rows: P, at least ``max_rows(T, K, E, alignment)`` so that no batch can overflow it.
+        num_rows: P, at least ``max_rows(T, routes_per_token, E, alignment)`` so that no batch can
+            overflow it.
+        routes_per_token: the most unmasked routes a token has (default K); trusted, not checked
+            (that would cost a host sync): rows a token has beyond it may fall past ``num_rows``.
 
     Returns:
         The :class:`ExpertLayout` (int32 tensors; ``src_P`` has ``num_rows`` rows).
@@ -290,7 +295,7 @@ def expert_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int
     check_cuda("topk_idx_TK", topk_idx_TK)
     _check_sizes(num_experts, alignment)
     num_tokens, topk = topk_idx_TK.shape
-    capacity = max_rows(num_tokens, topk, num_experts, alignment)
+    capacity = max_rows(num_tokens, routes_per_token or topk, num_experts, alignment)
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < capacity:
         raise ValueError(f"num_rows: expected an int >= {capacity} (max_rows for this batch), got {num_rows!r}")
     device = topk_idx_TK.device

@@ -54,8 +54,9 @@ class ExpertLayout:
 
 
 def max_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> int:
-    """Worst-case P for T tokens with K routes each: every route, plus ``alignment - 1`` padding rows
-    per expert. A static capacity for :func:`expert_layout` that needs no host sync."""
+    """Worst-case P for T tokens with at most K routes each (``topk``: K, or fewer where the caller
+    knows a token has fewer routes to these experts): every route, plus ``alignment - 1`` padding
+    rows per expert. A static capacity for :func:`expert_layout` that needs no host sync."""
     for name, value in (("num_tokens", num_tokens), ("topk", topk)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
@@ -65,7 +66,12 @@ def max_rows(num_tokens: int, topk: int, num_experts: int, alignment: int) -> in
 
 
 def expert_layout(
-    topk_idx_TK: torch.Tensor, num_experts: int, *, alignment: int = 128, num_rows: int | None = None
+    topk_idx_TK: torch.Tensor,
+    num_experts: int,
+    *,
+    alignment: int = 128,
+    num_rows: int | None = None,
+    routes_per_token: int | None = None,
 ) -> ExpertLayout:
     """Lays the routes out expert-major, each expert's segment padded to a multiple of ``alignment``.
 
@@ -74,7 +80,10 @@ def expert_layout(
         num_experts: E.
         alignment: segment lengths are multiples of it (e.g. the grouped GEMM's row tile).
         num_rows: P. None: exactly the rows needed, ``offsets_E[-1]`` (reads it on the host). An int:
-            a static capacity (see :func:`max_rows`); rows past ``offsets_E[-1]`` are padding.
+            a static capacity, at least ``max_rows(T, routes_per_token, E, alignment)`` (what the
+            kernel needs, so that no batch can overflow it); rows past ``offsets_E[-1]`` are padding.
+        routes_per_token: the most unmasked routes a token has (default K): a receiver whose
+            senders route each token to distinct experts has at most ``min(K, E)`` to its own.
 
     Returns:
         The :class:`ExpertLayout`.
@@ -95,11 +104,20 @@ def expert_layout(
     counts_E = counts_X[:num_experts]
     padded_E = (counts_E + alignment - 1) // alignment * alignment
     offsets_E = padded_E.cumsum(0)
-    needed = int(offsets_E[-1])
+    num_tokens, topk = topk_idx_TK.shape
+    if routes_per_token is not None:
+        check_positive("routes_per_token", routes_per_token)
+        most = int((topk_idx_TK >= 0).sum(1).max()) if num_tokens else 0
+        if most > routes_per_token:
+            raise ValueError(f"topk_idx_TK: expected at most {routes_per_token} routes a token (routes_per_token), "
+                             f"got a token with {most}")
     if num_rows is None:
-        num_rows = needed
-    elif not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < needed:
-        raise ValueError(f"num_rows: expected an int >= {needed} (rows these routes need) or None, got {num_rows!r}")
+        num_rows = int(offsets_E[-1])
+    else:
+        capacity = max_rows(num_tokens, routes_per_token or topk, num_experts, alignment)
+        if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < capacity:
+            raise ValueError(f"num_rows: expected an int >= {capacity} (max_rows for this batch) or None, "
+                             f"got {num_rows!r}")
 
     # A route's row: its segment's start plus its rank among its expert's routes.
     first_X = counts_X.cumsum(0) - counts_X

@@ -3,7 +3,9 @@ multiplying by e + 1 is ``sum_k w_k (e_k + 1) x`` (and its gradients), for balan
 routing (experts without tokens), -1 routes and tokens without any, a rank with no tokens (idle), FP8
 payloads (and FP8 rows home too, where a backend has that); ``nvlink`` and ``deepep`` (the adapter to DeepEP's Buffer, over ep-runtime's facade of
 it) give ``all_to_all``'s bits and hand each expert the same rows in the same order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
-dispatches more tokens than the receive buffers hold gets an error naming the limit.
+dispatches more tokens than the receive buffers hold gets an error naming the limit; routes naming
+an expert out of range, or one expert twice for a token, get an error naming ``topk_idx_TK``
+(except ``nvlink`` on GPUs, which checks no values: that would cost a host sync).
 
 CPU: gloo processes (``nvlink`` over shared-memory files); GPU: one process per GPU (``nvlink``
 over NVLink symmetric memory with the TileLang kernels)."""
@@ -43,6 +45,12 @@ def test_backends_conform(world, ranks_per_node, backends):
         for backend in {"nvlink", "hierarchical"} & set(backends):
             overflow = per_case.pop(f"overflow-{backend}")
             assert overflow is not None and f"rank {rank} " in overflow and "max_tokens_per_rank" in overflow, backend
+        for backend in backends:
+            if backend == "nvlink" and torch.cuda.is_available():
+                continue
+            out_of_range, repeated = per_case.pop(f"bad-routes-{backend}")
+            assert out_of_range.startswith(f"topk_idx_TK: expected entries in -1 or [0, {4 * world})"), backend
+            assert repeated.startswith("topk_idx_TK: expected distinct experts per token, token 2 has"), backend
         assert sorted(per_case) == sorted(case_name(*c) for c in CASES)
         for case, r in per_case.items():
             assert r.pop("same_out") and r.pop("same_rows") and r.pop("same_row_sets"), (rank, case)

@@ -94,7 +94,9 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
     whether ``nvlink`` and ``deepep`` (the adapter, over ep-runtime's facade of DeepEP's Buffer)
     gave ``all_to_all``'s bits and rows per expert in the same order, and ``hierarchical`` (the
     EP group declared ``ranks_per_node`` ranks per node) the same rows per expert in some order;
-    the overflow error's message."""
+    the overflow error's message; the errors for an expert out of range and for one named twice by
+    a token (every rank's routes bad alike, so that no rank waits in a collective; ``nvlink`` on
+    GPUs does not check values)."""
     assert backends[0] == "all_to_all", backends
     ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
     world = ctx.world_size
@@ -149,6 +151,19 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
             results[f"overflow-{backend}"] = None
         except ValueError as e:
             results[f"overflow-{backend}"] = str(e)
+    idx, weights = routing("balanced", ctx.rank, 4, num_experts, ctx.device)
+    out_of_range, repeated = idx.clone(), idx.clone()
+    out_of_range[1, 0], repeated[2, 1] = num_experts, idx[2, 0]
+    for backend in backends:
+        if backend == "nvlink" and ctx.device.type == "cuda":
+            continue
+        results[f"bad-routes-{backend}"] = []
+        for bad in (out_of_range, repeated):
+            try:
+                dispatchers[backend, False].dispatch(x[:4], bad, weights)
+                results[f"bad-routes-{backend}"].append(None)
+            except ValueError as e:
+                results[f"bad-routes-{backend}"].append(str(e))
     dist.destroy_process_group()
     return results
 

@@ -44,14 +44,31 @@ def test_kernel_matches_reference(world, t_max, k, e_local, alignment, seed):
 
 
 @pytest.mark.gpu
-def test_a_larger_batch_takes_the_two_ops(seed):
-    world, t_max, k, e_local = 2, MAX_ROUTES // 8, 8, 64  # one row past what one CTA takes
-    t_max += 1
+@pytest.mark.parametrize("e_local", [64, 4])
+def test_a_larger_batch_takes_the_two_ops(e_local, seed):
+    """One row past what one CTA takes; with 4 local experts for top-8, at the dispatcher's capacity
+    (``receive_rows``: min(K, E_local) routes a row, fewer than max_rows over K)."""
+    world, t_max, k = 2, MAX_ROUTES // 8 + 1, 8
     assert not fits(world * t_max * k, e_local)
     meta, count = arrived_routes(world, t_max, k, e_local, seed)
-    args = sizes(world, t_max, k, e_local, 8)
+    args = sizes(world, t_max, k, e_local, 8) | {"num_rows": reference.receive_rows(world, t_max, k, e_local, 8)}
     got = receive_layout(meta.cuda(), count.cuda(), **args)
     assert_same_receive(got, reference.receive_layout(meta, count, **args))
+
+
+def test_a_receivers_capacity_counts_min_k_e_local_routes_a_row(seed):
+    """Top-8 onto 4 local experts: the reference lays the rows out in ``receive_rows`` (which is
+    less than max_rows over K) and refuses a row with more routes to this rank than experts here."""
+    world, t_max, k, e_local = 2, 40, 8, 4
+    assert reference.receive_rows(world, t_max, k, e_local, 8) < max_rows(world * t_max, k, e_local, 8)
+    meta, count = arrived_routes(world, t_max, k, e_local, seed)
+    args = sizes(world, t_max, k, e_local, 8) | {"num_rows": reference.receive_rows(world, t_max, k, e_local, 8)}
+    plan, layout = receive_layout(meta, count, **args)
+    assert int(layout.offsets_E[-1]) <= layout.num_rows == args["num_rows"]
+    meta[0, :k] = 2 * e_local - 1  # rank 1's last expert, eight times: not a router's routes
+    count[0] = max(int(count[0]), 1)
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected at most 4 routes a token"):
+        receive_layout(meta, count, **args)
 
 
 def test_compiles_for_sm90a():

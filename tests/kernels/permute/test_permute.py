@@ -110,6 +110,9 @@ BAD_INPUTS = [
     (lambda: expert_layout(IDX, 0), ValueError, "num_experts"),
     (lambda: expert_layout(IDX, 4, alignment=0), ValueError, "alignment"),
     (lambda: expert_layout(IDX, 4, alignment=4, num_rows=11), ValueError, "num_rows"),
+    (lambda: expert_layout(IDX, 4, alignment=4, num_rows=12), ValueError, "num_rows"),  # needed, < max_rows
+    (lambda: expert_layout(IDX, 4, alignment=4, routes_per_token=1), ValueError, "topk_idx_TK"),
+    (lambda: expert_layout(IDX, 4, alignment=4, routes_per_token=0), ValueError, "routes_per_token"),
     (lambda: expert_layout(IDX, 4, num_rows=-1), ValueError, "num_rows"),
     (lambda: expand(torch.zeros(3, 8), LAYOUT), ValueError, "x_TD"),
     (lambda: expand(torch.zeros(2), LAYOUT), ValueError, "x_TD"),
@@ -128,6 +131,14 @@ BAD_INPUTS = [
 def test_bad_input_names_the_argument(call, error, argname):
     with pytest.raises(error, match=f"^{argname}: expected"):
         call()
+
+
+def test_a_static_capacity_counts_the_routes_a_token_can_have():
+    """A receiver's tokens have at most min(K, E_local) routes to its experts: its capacity is
+    max_rows over that many, less than over K."""
+    idx_TK = torch.tensor([[0, -1, -1], [-1, 1, -1]])
+    layout = expert_layout(idx_TK, 2, alignment=4, num_rows=max_rows(2, 1, 2, 4), routes_per_token=1)
+    assert layout.num_rows == 2 + 2 * 3 < max_rows(2, 3, 2, 4) and layout.offsets_E.tolist() == [4, 8]
 
 
 def test_layout_is_frozen():
