@@ -436,6 +436,8 @@ def short_conv(
     check_tensor("x_BSND", x_BSND, dtype=FLOAT_DTYPES, ndim=4)
     b, s, n, d = x_BSND.shape
     check_tensor("weight_NDW", weight_NDW, dtype=FLOAT_DTYPES, shape=(n, d, None), device=x_BSND.device)
+    if not weight_NDW.shape[-1]:
+        raise ValueError("weight_NDW: expected at least one tap, got shape (N, D, 0)")
     check_positive("dilation", dilation)
     check_finite("x_BSND", x_BSND)
     check_finite("weight_NDW", weight_NDW)
@@ -446,6 +448,8 @@ def short_conv(
         check_finite("norm_weight_ND", norm_weight_ND)
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps) * norm_weight_ND.to(cdt)
     w = weight_NDW.shape[-1]
+    if not x.numel():  # no positions or no channels: an empty result, in both inputs' autograd graph
+        return (x * weight_NDW.to(cdt).sum()).to(x_BSND.dtype)
     x_BCS = x.reshape(b, s, n * d).transpose(1, 2)
     x_BCS = F.pad(x_BCS, ((w - 1) * dilation, 0))
     y_BCS = F.conv1d(x_BCS, weight_NDW.to(cdt).reshape(n * d, 1, w), dilation=dilation, groups=n * d)

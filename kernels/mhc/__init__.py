@@ -173,6 +173,7 @@ def pre(
     where they take the inputs (streams bfloat16/float16/float32, float32 parameters)."""
     options = dict(norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters,
                    tf32=tf32, recompute=recompute)
+    # fn_MK stands in for mixes_TM and pre_TN, which the kernels make float32 from a float32 fn
     kernels = (_kernel_for(x_TND, fn_MK, scale_3, base_M) and split_sinkhorn_kernel.supports(fn_MK, scale_3, base_M)
                and pre_apply_kernel.supports(x_TND, fn_MK) and norm_fn_kernel.supports(x_TND, fn_MK))
     if not kernels:

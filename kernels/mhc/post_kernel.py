@@ -87,6 +87,7 @@ def supports(f_TD: torch.Tensor, x_TND: torch.Tensor, post_TN: torch.Tensor, com
         and x_TND.dtype in KERNEL_DTYPES
         and post_TN.dtype == torch.float32
         and comb_TNN.dtype == torch.float32
+        and x_TND.dim() == 3
         and x_TND.shape[1] <= WARP
     )
 

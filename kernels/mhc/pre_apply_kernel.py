@@ -85,7 +85,7 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
 def supports(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> bool:
     """True when the kernels take these inputs (up to ``WARP`` streams, bfloat16/float16/float32;
     ``pre`` float32); float64 stays with the reference."""
-    return x_TND.dtype in KERNEL_DTYPES and pre_TN.dtype == torch.float32 and x_TND.shape[1] <= WARP
+    return x_TND.dim() == 3 and x_TND.dtype in KERNEL_DTYPES and pre_TN.dtype == torch.float32 and x_TND.shape[1] <= WARP
 
 
 def pre_apply(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> torch.Tensor:

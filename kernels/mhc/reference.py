@@ -342,8 +342,8 @@ class _Expand(torch.autograd.Function):
 
 # ``values=False`` (the kernels' wrappers): no NaN/Inf check, which reads the whole tensor and
 # syncs with the host on every call; a NaN then shows in the outputs instead.
-def _check_stream(name: str, x: torch.Tensor, device: torch.device | None = None, *, values: bool = True) -> torch.Tensor:
-    check_tensor(name, x, dtype=STREAM_DTYPES, ndim=3, device=device)
+def _check_stream(name: str, x: torch.Tensor, *, values: bool = True) -> torch.Tensor:
+    check_tensor(name, x, dtype=STREAM_DTYPES, ndim=3)
     if values:
         check_finite(name, x)
     return x

@@ -2,15 +2,18 @@
 
 ``reference.py`` is the specification. On devices where :func:`kernels.select.use_tilelang` is true,
 ``expert_layout`` runs the sync-free kernels of ``expert_layout_kernel.py``: with ``num_rows=None``
-it lays out into the static capacity :func:`max_rows` and then reads ``offsets_E[-1]`` on the host
-to trim ``src_P`` (the one host sync, as in the reference); with ``num_rows`` given it never syncs
-and needs ``num_rows >= max_rows(...)``, as the reference does. ``expand`` and ``unexpand`` run the row-copy kernels of
+it checks the experts' range and lays out into the static capacity :func:`max_rows`, then reads
+``offsets_E[-1]`` on the host to trim ``src_P`` (the host syncs the reference has too); with
+``num_rows`` given it never syncs, needs ``num_rows >= max_rows(...)`` as the reference does, and
+checks no values: an expert out of range counts as a masked route there, where the reference
+raises. ``expand`` and ``unexpand`` run the row-copy kernels of
 ``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows).
 """
 
 import torch
 
 from kernels.select import use_tilelang
+from kernels.validate import check_index_range
 
 from . import reference
 from .reference import ExpertLayout, max_rows
@@ -35,6 +38,8 @@ def expert_layout(
     if num_rows is not None:
         return kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows,
                       routes_per_token=routes_per_token)
+    if topk_idx_TK.dim() == 2 and isinstance(num_experts, int):
+        check_index_range("topk_idx_TK", topk_idx_TK, num_experts)
     capacity = max_rows(*topk_idx_TK.shape, num_experts, alignment) if topk_idx_TK.dim() == 2 else 0
     layout = kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=capacity)
     needed = int(layout.offsets_E[-1])

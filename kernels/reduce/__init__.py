@@ -5,7 +5,8 @@
 ``weighted_reduce_backward`` its kernel (both gradients in one pass over the routed rows only) and
 ``reduce_sum_home`` its kernel (a combine's home side: the own rows reduced into the sum of the
 returned ones) where :func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the
-reference otherwise.
+reference otherwise. Kernel paths check shapes, dtypes and devices but no values (that would cost
+a host sync): a position past ``y_PD``'s rows counts as -1 there, where the reference raises.
 """
 
 import torch

@@ -19,6 +19,8 @@ float64 for float64 logits (so gradients can be checked in double precision).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -161,6 +163,9 @@ def topk_weights(
         "topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, shape=(logits_TE.shape[0], None), device=logits_TE.device
     )
     check_index_range("topk_idx_TK", topk_idx_TK, logits_TE.shape[1])
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
+            or not math.isfinite(routed_scaling_factor):
+        raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor!r}")
     routed_TK = topk_idx_TK >= 0
     gathered_TK = scores_TE.gather(1, topk_idx_TK.clamp(min=0).long())
     weights_TK = torch.where(routed_TK, gathered_TK, 0.0)

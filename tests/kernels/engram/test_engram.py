@@ -296,6 +296,17 @@ def test_short_conv_is_causal(seed):
     assert diff.nonzero().flatten().tolist() == [8, 11, 14, 17]  # s, s + dilation, ... (kernel 4)
 
 
+def test_short_conv_of_empty_sequences_or_channels_is_empty_and_differentiable():
+    weight = torch.randn(2, 4, 4, requires_grad=True)
+    for x in (torch.randn(3, 0, 2, 4, requires_grad=True), torch.randn(0, 5, 2, 4, requires_grad=True)):
+        out = engram.short_conv(x, weight, dilation=2)
+        assert out.shape == x.shape
+        out.sum().backward()
+        assert x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros_like(weight))
+    with pytest.raises(ValueError, match="^weight_NDW: expected at least one tap"):
+        engram.short_conv(torch.randn(1, 5, 2, 4), torch.randn(2, 4, 0), dilation=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input.
 

@@ -248,6 +248,8 @@ BAD_INPUTS = [
     (lambda: topk_route(L, topk=2, num_groups=0), ValueError, "num_groups"),
     (lambda: topk_route(L, topk=9), ValueError, "topk"),
     (lambda: topk_route(L, topk=0), ValueError, "topk"),
+    (lambda: topk_route(L, topk=2, routed_scaling_factor="2"), ValueError, "routed_scaling_factor"),
+    (lambda: topk_route(L, topk=2, routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor"),
     (lambda: topk_route(L, topk=5, num_groups=4, topk_groups=2), ValueError, "topk"),
     (lambda: topk_route(L, topk=2, num_groups=4, topk_groups=5), ValueError, "topk_groups"),
     (lambda: topk_route(L, topk=2, num_groups=4, topk_groups=0), ValueError, "topk_groups"),
