@@ -77,14 +77,15 @@ def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=("local", "ray"), default="local",
                    help="local processes (default), or Ray actors on a Ray cluster")
     p.add_argument("--num-workers", "--nproc", dest="num_workers", type=int,
-                   help="worker processes (default: one per GPU, else 2)")
+                   help="worker processes (default: one per GPU; on the CPU the local launcher starts "
+                        "max(2, pp x ep), Ray 2)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart the job this many times after a worker failure, from the newest checkpoint "
                         "(default 0: fail at once, naming the rank)")
     ray = p.add_argument_group("ray launcher")
     ray.add_argument("--address", help="Ray cluster: auto, or HOST:PORT (default: RAY_ADDRESS, else a local Ray)")
     ray.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default: 1 if the cluster has GPUs)")
-    ray.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per worker (default 1)")
+    ray.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default 1)")
     return p
 
 
@@ -110,18 +111,55 @@ def _given(**options) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def check_launch(cfg: JobConfig, nproc: int) -> None:
+    """What the workers would refuse as they start, said before any starts, naming the flags."""
+    pp, microbatches, batch_size = cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.batch_size
+    if nproc < 1:
+        raise ValueError(f"--num-workers: expected at least 1, got {nproc}")
+    if nproc % pp:
+        raise ValueError(f"--pp {pp}: expected a divisor of the {nproc} worker processes (--num-workers)")
+    per_stage = nproc // pp
+    ep = cfg.parallel.ep or per_stage
+    if per_stage % ep:
+        raise ValueError(f"--ep {ep}: expected a divisor of the {per_stage} ranks of a pipeline stage "
+                         f"({nproc} processes, --pp {pp})")
+    if cfg.model.moe.num_experts % ep:
+        raise ValueError(f"--ep {ep}: expected a divisor of the model's {cfg.model.moe.num_experts} experts (--experts)")
+    if pp > 1 and batch_size % microbatches:
+        raise ValueError(f"--microbatches {microbatches}: expected a divisor of --batch-size {batch_size} "
+                         "(the default is 2 x --pp)")
+
+
+def _root_cause(failure) -> str:
+    """The first failed rank's exception line, out of torch elastic's report."""
+    rank, first = failure.get_first_failure()
+    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return f"rank {rank}: {lines[-1] if lines else f'exit code {first.exitcode}'}"
+
+
 def _train(a: argparse.Namespace) -> None:
     import logging
 
     from .train import worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
-    cfg = job_config_from_args(a)
+    if a.launcher != "ray":
+        given = [flag for flag, value in (("--address", a.address), ("--gpus-per-worker", a.gpus_per_worker),
+                                          ("--cpus-per-worker", a.cpus_per_worker)) if value is not None]
+        if given:
+            raise SystemExit(f"ep-runtime train: {', '.join(given)}: only with --launcher ray")
+    try:
+        cfg = job_config_from_args(a)
+        if a.launcher == "ray" and a.num_workers is not None:
+            check_launch(cfg, a.num_workers)
+    except ValueError as error:
+        raise SystemExit(f"ep-runtime train: {error}") from None
     if a.launcher == "ray":
         from launch.ray import RayConfig, WorkerFailed, launch_ray
 
         config = RayConfig(address=a.address, num_workers=a.num_workers, gpus_per_worker=a.gpus_per_worker,
-                           cpus_per_worker=a.cpus_per_worker, max_restarts=a.max_restarts)
+                           max_restarts=a.max_restarts, **_given(cpus_per_worker=a.cpus_per_worker))
         try:
             results = launch_ray(worker, cfg, config=config)
         except WorkerFailed as failure:
@@ -132,11 +170,17 @@ def _train(a: argparse.Namespace) -> None:
 
         from launch.local import launch_local
 
-        nproc = a.num_workers or torch.cuda.device_count() or max(2, a.pp * (a.ep or 1))
+        nproc = a.num_workers if a.num_workers is not None else (
+            torch.cuda.device_count() or max(2, a.pp * (a.ep or 1)))
+        try:
+            check_launch(cfg, nproc)
+        except ValueError as error:
+            raise SystemExit(f"ep-runtime train: {error}") from None
         try:
             results = launch_local(worker, cfg, nproc=nproc, max_restarts=a.max_restarts)
         except ChildFailedError as failure:
-            raise SystemExit(f"ep-runtime train: {failure.format_msg()}") from None
+            raise SystemExit(f"ep-runtime train: {failure.format_msg()}\n"
+                             f"ep-runtime train: failed: {_root_cause(failure)}") from None
     first = results[0]
     losses, resumed = first["losses"], first["first_step"] > 1
     where = f" (resumed at step {first['first_step']})" if resumed else ""

@@ -184,6 +184,9 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
         if saved is not None:
             checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, ctx=ctx)
+            if t.resume and restart_count() == 0 and saved >= t.steps:
+                raise ValueError(f"train.steps: expected more than the checkpoint's step {saved} to resume, "
+                                 f"got {t.steps}")
             log.info("resumed from %s (restart %d)", checkpoint.step_dir(ckpt_dir, saved), restart_count())
             first_step = saved + 1
     elif ckpt_dir.is_dir():  # a fresh run must never resume from an older run's files

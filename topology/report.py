@@ -140,11 +140,22 @@ def draw(plans: list[Plan], layer: int, path: str) -> None:
     plt.close(fig)
 
 
+def _read_arg(flag: str, path: str, read):
+    """``read(path)``, or the program's exit naming the flag and what is wrong with the file."""
+    import yaml
+
+    try:
+        return read(path)
+    except (OSError, ValueError, KeyError, yaml.YAMLError) as error:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"ep-runtime plan: {flag} {path}: {type(error).__name__}: {error}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ep-runtime plan", description="Plan expert placement for a cluster.")
     ap.add_argument("--topology", required=True, help="cluster description (.yaml/.yml/.json)")
     ap.add_argument("--load", required=True, help="load JSON ({'load': [[...]], ...}); see topology.synthetic")
-    ap.add_argument("--physical", type=int, help="physical experts per layer (default: the file's, else E + GPUs)")
+    ap.add_argument("--physical", type=int, help="physical experts per layer, a multiple of the GPUs (default: the "
+                    "file's, else the experts rounded up to whole GPUs plus one replica slot a GPU)")
     ap.add_argument("--groups", type=int, help="expert groups of group-limited routing (default: the file's)")
     ap.add_argument("--policy", default="locality", choices=sorted(POLICIES))
     ap.add_argument("--compare", action="store_true", help="also plan with the baselines and print them side by side")
@@ -155,12 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the plan (phy2log, counts, balance, traffic) here")
     args = ap.parse_args(argv)
 
-    topology = Topology.from_file(args.topology)
-    doc = _read_load(args.load)
+    topology = _read_arg("--topology", args.topology, Topology.from_file)
+    doc = _read_arg("--load", args.load, _read_load)
     load_LE = doc["load"]
     L, E = load_LE.shape
     groups = args.groups if args.groups is not None else doc.get("expert_groups")
-    physical = args.physical or doc.get("num_physical_experts") or E + topology.num_gpus
+    gpus = topology.num_gpus
+    # default: the logical experts rounded up to whole GPUs, plus one replica slot a GPU
+    physical = args.physical or doc.get("num_physical_experts") or -(-E // gpus) * gpus + gpus
+    if physical % gpus or physical < E:
+        raise SystemExit(f"--physical: expected a multiple of the {gpus} GPUs and at least the {E} experts, "
+                         f"got {physical}")
     if not 0 <= args.layer < L:
         raise SystemExit(f"--layer: expected 0..{L - 1}, got {args.layer}")
     traffic = TrafficModel(routes_LTK=doc.get("routes"), topk=int(doc.get("topk", 8)),
@@ -169,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     print(topology.describe())
     source = "measured routes" if doc.get("routes") is not None else "routes drawn from the load"
     print(f"load: {L} layers x {E} experts from {args.load}; traffic from {source}")
-    results = compare(load_LE, topology, physical, groups, traffic,
-                      tuple(dict.fromkeys((args.policy,) + (COMPARED if args.compare else ()))))
+    try:
+        results = compare(load_LE, topology, physical, groups, traffic,
+                          tuple(dict.fromkeys((args.policy,) + (COMPARED if args.compare else ()))))
+    except ValueError as error:  # the planner's checks name what is wrong (the load's values, the groups)
+        raise SystemExit(f"ep-runtime plan: {error}") from None
     if isinstance(results[args.policy], str):
         raise SystemExit(f"--policy {args.policy}: {results[args.policy]}")
     main_plan = results[args.policy][0]

@@ -43,6 +43,10 @@ def test_resume_continues_with_identical_losses(tmp_path, reference_losses):
     assert "saved with world size 2, EP 2 (EP rank 0 holds experts 0..3 of 8" in message
     assert "this job has world size 1, EP 1" in message
 
+    with pytest.raises(ChildFailedError) as refused:  # nothing left to train: not a silent success
+        launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--resume"), nproc=2)
+    assert f"train.steps: expected more than the checkpoint's step {STEPS} to resume" in refused.value.format_msg()
+
 
 def test_restarted_local_job_resumes_by_itself(tmp_path, monkeypatch, reference_losses):
     monkeypatch.setenv(FAULT_ENV, "0:4:raise")

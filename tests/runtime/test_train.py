@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.cli import main as cli_main
 from ep_runtime.train import worker
 from launch.local import launch_local
 
@@ -59,6 +60,25 @@ def test_cli_entry_point(tmp_path):
     nproc = torch.cuda.device_count() or 2
     assert f"trained 3 steps on {nproc} processes" in out.stdout
     assert (tmp_path / "tiny" / "metrics.jsonl").read_text().count("\n") == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ep", "3"], "--ep 3: expected a divisor of the model's 8 experts (--experts)"),
+    (["--nproc", "3", "--ep", "2"], "--ep 2: expected a divisor of the 3 ranks of a pipeline stage"),
+    (["--nproc", "3", "--pp", "2"], "--pp 2: expected a divisor of the 3 worker processes"),
+    (["--nproc", "0"], "--num-workers: expected at least 1, got 0"),
+    (["--pp", "3", "--layers", "3"], "--microbatches 6: expected a divisor of --batch-size 8"),
+    (["--address", "auto", "--gpus-per-worker", "1"], "--address, --gpus-per-worker: only with --launcher ray"),
+    (["--steps", "0"], "train.steps: expected >= 1, got 0"),
+])
+def test_cli_refuses_a_job_before_starting_it(tmp_path, args, message):
+    """What the workers would refuse, or a launcher would ignore, is said at once, naming the flag."""
+    if torch.cuda.is_available():
+        pytest.skip("the default process count is the GPUs'")
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["train", *args, "--out", str(tmp_path)])
+    assert str(refused.value).startswith(f"ep-runtime train: {message}")
+    assert not (tmp_path / "tiny").exists()
 
 
 def test_v4_preset_from_the_command_line(tmp_path):
