@@ -2,13 +2,14 @@
 
     <out_dir>/<name>/ckpt/step_<n>/rank_<r>.pt
 
-A rank's file holds its model state (the dense parameters every rank has, the experts this rank
-holds, the router biases), its optimizer state, the step, the RNG state and the expert placement
+A rank's file holds the model's config, its model state (the dense parameters every rank has, the
+experts this rank holds, the router biases), its optimizer state, the step, the RNG state and the expert placement
 it was saved under (world size, EP size and rank; the logical expert in each of its slots and each
 MoE layer's run-time placement, which ``load`` restores before the weights). A step is complete when every
 rank has its file: resuming picks the newest step that is complete on all ranks (they agree
 through one all-gather), so a job killed while saving resumes from the step before, and a job of
-another world size or EP size is told so instead of loading the wrong experts.
+another world size, EP size or model is told what differs instead of loading the wrong tensors
+(options that leave the tensors as they were, such as the dispatcher, may change).
 
 Each rank writes and deletes only its own files, so the directory need not be shared between
 nodes as long as each rank resumes where it saved (a shared filesystem lets it resume anywhere).
@@ -82,7 +83,8 @@ def save(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim
     rank's, then deletes this rank's files of all but the newest ``KEEP`` steps. Collective."""
     path = rank_file(directory, step, ctx.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "placement": asdict(Placement.of(model, ctx)), "model": model.state_dict(),
+    state = {"step": step, "model_config": _config_fields(model), "placement": asdict(Placement.of(model, ctx)),
+             "model": model.state_dict(),
              "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
              "cuda_rng": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None}
     tmp = path.with_suffix(".tmp")
@@ -127,11 +129,15 @@ def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim
 
     path = rank_file(directory, step, ctx.rank)
     state = torch.load(path, map_location=ctx.device, weights_only=False)
+    saved_config, config = state.get("model_config", {}), _config_fields(model)
+    differ = "; ".join(f"{name} saved {saved_config[name]!r}, this job {config.get(name)!r}"
+                       for name in saved_config if saved_config[name] != config.get(name))
     saved = Placement(**{k: _tuples(v) for k, v in state["placement"].items()})
     here = Placement.of(model, ctx)
     if not saved.same_job(here):
-        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {here.describe()}: "
-                         "resume with the world size and EP size it was saved with")
+        fix = "the model options" if differ else "the world size and EP size"
+        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {here.describe()}"
+                         f"{f' ({differ})' if differ else ''}: resume with {fix} it was saved with")
     for layer, phy2log, nodes in zip(model.moe_layers, saved.phy2log, saved.node_of_rank):
         if phy2log is not None:
             layer.set_placement(ExpertPlacement(phy2log_P=torch.tensor(phy2log), num_experts=saved.num_experts,
@@ -139,11 +145,27 @@ def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim
     if Placement.of(model, ctx).local_experts != saved.local_experts:
         raise ValueError(f"checkpoint {path}: its MoE layers hold experts {saved.local_experts} on this rank, the "
                          f"model {Placement.of(model, ctx).local_experts}")
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as error:  # torch's message lists every tensor: name the options instead
+        first = str(error).splitlines()[0]
+        raise ValueError(f"checkpoint {path}: {differ or first}: resume with the model options it was saved "
+                         "with") from error
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"].cpu())
     if state["cuda_rng"] is not None and ctx.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), ctx.device)
+
+
+def _config_fields(model: nn.Module) -> dict:
+    """The model's config (``model.cfg``, a dataclass) as dotted names: ``{"model.moe.num_experts": 8, ...}``."""
+    def flat(prefix: str, value) -> dict:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(f"{prefix}.{key}", item).items()}
+        return {prefix: value}
+
+    config = getattr(model, "cfg", None)
+    return flat("model", asdict(config)) if config is not None else {}
 
 
 def _tuples(value):

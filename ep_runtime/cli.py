@@ -18,7 +18,7 @@ from .config import (PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, Para
                      v4_model_config)
 
 PRESETS = {
-    # ~0.5M parameters: trains on 2 CPU processes in about 10 s.
+    # ~0.3M parameters: trains on 2 CPU processes in about 10 s.
     "tiny": lambda: ModelConfig(hidden=64, num_layers=2, num_heads=4,
                                 moe=MoEConfig(num_experts=8, expert_hidden=64, router=RouterConfig(topk=2))),
     "small": lambda: ModelConfig(hidden=256, num_layers=4, num_heads=8,

@@ -232,5 +232,3 @@ class JobConfig:
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len",
                  f"<= model.max_seq_len={self.model.max_seq_len}", self.train.seq_len)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)

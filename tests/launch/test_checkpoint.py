@@ -47,6 +47,10 @@ def test_resume_continues_with_identical_losses(tmp_path, reference_losses):
         launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--resume"), nproc=2)
     assert f"train.steps: expected more than the checkpoint's step {STEPS} to resume" in refused.value.format_msg()
 
+    with pytest.raises(ChildFailedError) as refused:  # another model: the option that differs, not 100 tensors
+        launch_local(worker, job(tmp_path, "--steps", str(STEPS + 2), "--resume", "--hidden", "128"), nproc=2)
+    assert "model.hidden saved 64, this job 128: resume with the model options" in refused.value.format_msg()
+
 
 def test_restarted_local_job_resumes_by_itself(tmp_path, monkeypatch, reference_losses):
     monkeypatch.setenv(FAULT_ENV, "0:4:raise")
