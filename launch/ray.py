@@ -120,6 +120,8 @@ def launch_ray(fn: Callable[..., Any], *args: Any, config: RayConfig) -> dict[in
         gpus = config.gpus_per_worker if config.gpus_per_worker is not None else float(cluster_gpus > 0)
         workers = config.num_workers or (int(cluster_gpus // gpus) if gpus else 2)
         config = dataclasses.replace(config, gpus_per_worker=gpus, num_workers=workers)
+        if started_here and config.address is None and not os.environ.get("RAY_ADDRESS"):
+            check_fits(config, ray.cluster_resources())  # a new local Ray never grows: fail now, not in 300 s
         for attempt in range(config.max_restarts + 1):
             try:
                 return _attempt(fn, args, config, attempt)
@@ -134,6 +136,18 @@ def launch_ray(fn: Callable[..., Any], *args: Any, config: RayConfig) -> dict[in
             ray.shutdown()
 
 
+def check_fits(config: RayConfig, resources: dict) -> None:
+    """``WorkerFailed`` when the cluster's resources, in all, are fewer than the workers ask for."""
+    wanted = {"CPU": config.num_workers * config.cpus_per_worker,
+              "GPU": config.num_workers * (config.gpus_per_worker or 0)}
+    short = [f"{wanted[r]:g} {r}s (it has {resources.get(r, 0):g})" for r in wanted
+             if wanted[r] > resources.get(r, 0)]
+    if short:
+        raise WorkerFailed(f"ray: {config.num_workers} workers need {' and '.join(short)}: the local Ray started for "
+                           "this job cannot hold them (fewer --num-workers, or --address of a larger cluster)",
+                           ranks=(), reports={})
+
+
 def _attempt(fn, args, config: RayConfig, attempt: int) -> dict[int, Any]:
     import ray
     import torch.distributed as dist
@@ -146,6 +160,8 @@ def _attempt(fn, args, config: RayConfig, attempt: int) -> dict[int, Any]:
     pg = placement_group([bundle] * config.num_workers, strategy=config.strategy)
     actors = []
     try:
+        log.info("ray: placing %d workers of %s (%s), waiting up to %.0f s", config.num_workers, bundle,
+                 config.strategy, config.start_timeout_s)
         ready, _ = ray.wait([pg.ready()], timeout=config.start_timeout_s)
         if not ready:
             raise WorkerFailed(f"ray: {config.num_workers} workers of {bundle} could not be placed ({config.strategy}) "

@@ -196,7 +196,14 @@ class Buffer:
         [T, H / 128])``, and ``recv_x`` comes back in the same form."""
         data, scales = x if isinstance(x, tuple) else (x, None)
         check_tensor("x", data, ndim=2)
+        if scales is not None:
+            check_tensor("x", scales, dtype=torch.float32, shape=(data.shape[0], -(-data.shape[1] // 128)),
+                         device=data.device)
+        if handle is not None and data.shape[0] != handle.is_token_in_rank.shape[0]:
+            raise ValueError(f"x: expected the {handle.is_token_in_rank.shape[0]} tokens of the handle's dispatch, "
+                             f"got {data.shape[0]}")
         _wait(previous_event)
+        cached = handle is not None
         if handle is None:
             for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                                 ("num_tokens_per_expert", num_tokens_per_expert)):
@@ -211,8 +218,8 @@ class Buffer:
             raise ValueError("topk_idx, topk_weights: expected None with a handle (a cached dispatch)")
         recv = self._send(data, handle)
         recv_x = recv if scales is None else (recv, self._send(scales.contiguous(), handle))
-        if topk_idx is None and num_tokens_per_expert is None:  # cached
-            return recv_x, None, None, None, None, _event(async_finish)
+        if cached:  # padded as the handle's dispatch was
+            return _pad(recv_x, handle.recv_src_idx.shape[0], 0), None, None, None, None, _event(async_finish)
 
         recv_topk_idx = recv_topk_weights = None
         local = self._num_local_experts(num_tokens_per_expert.numel())
@@ -231,21 +238,32 @@ class Buffer:
             recv_x = _pad(recv_x, num_worst_tokens, 0)
             recv_topk_idx = _pad(recv_topk_idx, num_worst_tokens, -1)
             recv_topk_weights = _pad(recv_topk_weights, num_worst_tokens, 0)
+            handle = handle._replace(recv_src_idx=_pad(handle.recv_src_idx, num_worst_tokens, -1))
         return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, _event(async_finish)
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None, bias=None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``: each token's rows
-        from the ranks it went to, summed (float32, then x's dtype), plus ``bias`` (a tensor or a
-        pair)."""
-        check_tensor("x", x, ndim=2, shape=(sum(handle.recv_splits), None))
+        from the ranks it went to and ``bias`` (``[T, H]``, a tensor or a pair) summed in float32,
+        then cast to x's dtype once. ``x`` has the dispatch's received rows, or as many as
+        ``recv_src_idx`` (a dispatch with ``num_worst_tokens``: the padding rows are not read)."""
+        received, padded = sum(handle.recv_splits), handle.recv_src_idx.shape[0]
+        check_tensor("x", x, ndim=2)
+        if x.shape[0] not in (received, padded):
+            raise ValueError(f"x: expected the dispatch's {received} received rows (or {padded} with its "
+                             f"num_worst_tokens), got {x.shape[0]}")
+        biases = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+        for b in biases:
+            check_tensor("bias", b, shape=(handle.home_TW.shape[0], x.shape[1]), device=x.device)
         _wait(previous_event)
-        combined = self._sum_home(x, handle)
-        for b in (bias if isinstance(bias, tuple) else (bias,)):
-            if b is not None:
-                combined = (combined.float() + b.float()).to(x.dtype)
-        weights = None if topk_weights is None else self._sum_home(topk_weights, handle)
+        combined = self._sum_home(x[:received], handle, out_dtype=torch.float32 if biases else None)
+        if biases:
+            combined = sum((b.float() for b in biases), combined).to(x.dtype)
+        weights = None
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+            weights = self._sum_home(topk_weights[:received], handle)
         return combined, weights, _event(async_finish)
 
     # The transport.
@@ -284,8 +302,8 @@ class Buffer:
             return self._send_rows(rows.view(torch.uint8), handle).view(rows.dtype)
         return self._send_rows(rows, handle)
 
-    def _sum_home(self, rows_NX: torch.Tensor, handle: Handle) -> torch.Tensor:
-        return sum_home(self._exchange(rows_NX, handle.recv_splits, handle.send_splits), handle.home_TW)
+    def _sum_home(self, rows_NX: torch.Tensor, handle: Handle, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return sum_home(self._exchange(rows_NX, handle.recv_splits, handle.send_splits), handle.home_TW, out_dtype)
 
 
 def _chunks(table: dict[int, int], num_ranks: int) -> int:

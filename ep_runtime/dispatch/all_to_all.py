@@ -62,11 +62,11 @@ def home_rows(dest_S: torch.Tensor, send_token_S: torch.Tensor, num_tokens: int,
     return home_TW
 
 
-def sum_home(rows_SX: torch.Tensor, home_TW: torch.Tensor) -> torch.Tensor:
-    """Each token's returned rows summed in float32 in rank order, in the rows' dtype: the home sum
-    of every backend (all_to_all, nvlink, the DeepEP facade), the same bits on every run (no
-    atomics)."""
-    out_TX = weighted_reduce(rows_SX.flatten(1), home_TW, None)
+def sum_home(rows_SX: torch.Tensor, home_TW: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's returned rows summed in float32 in rank order, in ``out_dtype`` (default: the
+    rows' dtype): the home sum of every backend (all_to_all, nvlink, the DeepEP facade), the same
+    bits on every run (no atomics)."""
+    out_TX = weighted_reduce(rows_SX.flatten(1), home_TW, None, out_dtype=out_dtype)
     return out_TX.view(home_TW.shape[0], *rows_SX.shape[1:])
 
 

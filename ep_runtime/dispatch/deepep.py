@@ -56,6 +56,7 @@ class DeepEPDispatcher:
             raise ValueError(f"num_experts: expected a multiple of the EP size {world}, got {num_experts}")
         self.num_experts, self.num_local_experts = num_experts, num_experts // world
         self.alignment, self.fp8 = alignment, fp8
+        self.bf16_only = buffer_api is None  # DeepEP's own kernels combine bf16 rows only
         self.buffer = (buffer_api or import_deep_ep()).Buffer(group, num_nvl_bytes)
 
     def scatter(self, rows_TX: torch.Tensor, route: BufferRoute) -> torch.Tensor:
@@ -72,6 +73,9 @@ class DeepEPDispatcher:
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
+        if self.bf16_only and x_TD.dtype != torch.bfloat16:
+            raise TypeError(f"x_TD: expected torch.bfloat16 with dispatcher 'deepep' (DeepEP combines bf16 rows "
+                            f"only), got {x_TD.dtype}")
         check_routes(topk_idx_TK, self.num_experts)  # DeepEP's dispatch syncs anyway
         idx_TK = topk_idx_TK.to(torch.int64)
         with torch.no_grad():

@@ -8,7 +8,7 @@ from conftest import STEPS, read_losses, train_cli
 
 from ep_runtime.cli import job_config_from_args, train_parser
 from ep_runtime.train import worker
-from launch.ray import RayConfig, WorkerFailed, launch_ray
+from launch.ray import RayConfig, WorkerFailed, check_fits, launch_ray
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,3 +53,12 @@ def test_ep_scaling_bench_through_ray(ray_cluster, tmp_path):
                    "--iters", "1", "--out", str(tmp_path)])
     assert report["launcher"] == "ray" and [r["ep"] for r in report["rows"]] == [1, 2]
     assert (tmp_path / "ep_scaling_small.json").is_file() and (tmp_path / "ep_scaling_small.png").is_file()
+
+
+def test_workers_a_local_ray_cannot_hold_fail_at_once():
+    """A Ray started for the job never grows: asking it for more than it has is an error up front."""
+    check_fits(RayConfig(num_workers=2, cpus_per_worker=1), {"CPU": 2.0})
+    with pytest.raises(WorkerFailed, match=r"^ray: 4 workers need 4 CPUs \(it has 2\)"):
+        check_fits(RayConfig(num_workers=4), {"CPU": 2.0})
+    with pytest.raises(WorkerFailed, match=r"need 2 GPUs \(it has 0\)"):
+        check_fits(RayConfig(num_workers=2, gpus_per_worker=1, cpus_per_worker=0), {"CPU": 2.0})

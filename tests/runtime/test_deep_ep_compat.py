@@ -1,7 +1,8 @@
 """ep_runtime.compat.deep_ep behaves as DeepEP's Buffer in intranode normal mode (the checks of
 DeepEP's own test_intranode.py, written out here): layout dtypes and values, rows grouped by
 source rank, local top-k indices with zero weights elsewhere, per-expert counts, worst-case
-padding, cached dispatch, FP8 (data, scales) inputs, combine as a per-rank sum."""
+padding (combined and cached as DeepEP does), cached dispatch, FP8 (data, scales) inputs, combine as a
+per-rank sum with biases added in float32 before the one cast."""
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ from deepep_workers import facade_checks
 
 from launch.local import launch_local
 
-CHECKS_PER_CASE = {"": ["rows", "counts", "cached", "combine"], "-topk": ["rows", "counts", "local idx", "worst",
-                                                                           "combine", "combined weights"]}
+CHECKS_PER_CASE = {"": ["rows", "counts", "cached", "bias", "combine"],
+                   "-topk": ["rows", "counts", "local idx", "worst", "worst combine", "worst cached", "combine",
+                             "combined weights"]}
 
 
 @pytest.mark.parametrize("world", [2, 4])

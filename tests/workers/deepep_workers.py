@@ -78,10 +78,20 @@ def facade_checks(num_tokens: int, hidden: int, num_experts: int, topk: int) -> 
                       and torch.equal(worst_x[:n].view(torch.uint8), got_x.view(torch.uint8))
                       and torch.equal(worst[1][:n], recv_idx) and bool((worst[1][n:] == -1).all())
                       and torch.equal(worst[2][:n], recv_w))
+                padded = cast_back(*worst[0], block=(1, 128)) if isinstance(worst[0], tuple) else worst[0]
+                check(f"{tag}: worst combine", torch.equal(buffer.combine(x=padded, handle=worst[4])[0],
+                                                           buffer.combine(x=recv, handle=handle)[0]))
+                again = buffer.dispatch(x=current, handle=worst[4])[0]
+                again = again[0] if isinstance(again, tuple) else again
+                check(f"{tag}: worst cached", torch.equal(again.view(torch.uint8), worst_x.view(torch.uint8)))
             else:
                 cached, *rest = buffer.dispatch(x=current, handle=handle, previous_event=buffer.capture())
                 cached = cast_back(*cached, block=(1, 128)) if isinstance(cached, tuple) else cached
                 check(f"{tag}: cached", torch.equal(cached, recv) and rest[:4] == [None] * 4)
+                bias = torch.randn(num_tokens, recv.shape[1], generator=torch.Generator().manual_seed(rank)).to(device)
+                summed = buffer.combine(x=recv.float(), handle=handle)[0]  # float32 rows: the sum in float32
+                check(f"{tag}: bias", torch.equal(buffer.combine(x=recv, handle=handle, bias=(bias, bias))[0],
+                                                  (summed + bias + bias).to(recv.dtype)))
             combined, combined_w, _ = buffer.combine(x=recv, handle=handle, topk_weights=recv_w)
             source = x_rand if name == "rand" else x
             copies = in_rank.sum(1, keepdim=True).float()
