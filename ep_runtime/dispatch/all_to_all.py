@@ -21,7 +21,7 @@ from kernels.quant import cast_back, per_token_cast
 from kernels.reduce import weighted_reduce
 
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,7 @@ class AllToAllDispatcher:
                  fp8: bool = False, fp8_combine: bool = False):
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
-        if num_experts % self.world:
-            raise ValueError(f"num_experts: expected a multiple of the EP size {self.world}, got {num_experts}")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.world
+        self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.alignment = alignment
         self.fp8, self.fp8_combine = fp8, fp8_combine
 

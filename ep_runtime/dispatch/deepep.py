@@ -24,7 +24,7 @@ from kernels.quant import per_token_cast
 from kernels.reduce import weighted_reduce
 
 from .autograd import CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,7 @@ class DeepEPDispatcher:
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, alignment: int = 128, fp8: bool = False,
                  buffer_api: types.ModuleType | None = None, num_nvl_bytes: int = 1 << 30):
         world = dist.get_world_size(group)
-        if num_experts % world:
-            raise ValueError(f"num_experts: expected a multiple of the EP size {world}, got {num_experts}")
-        self.num_experts, self.num_local_experts = num_experts, num_experts // world
+        self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, world)
         self.alignment, self.fp8 = alignment, fp8
         self.bf16_only = buffer_api is None  # DeepEP's own kernels combine bf16 rows only
         self.buffer = (buffer_api or import_deep_ep()).Buffer(group, num_nvl_bytes)

@@ -30,7 +30,7 @@ from kernels.permute import ExpertLayout
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
 from .nvlink import NVLinkDispatcher, PeerRoute
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,7 @@ class HierarchicalDispatcher:
                  device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,
                  fp8_combine: bool = False):
         nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
-        if num_experts % (nodes * per_node):
-            raise ValueError(f"num_experts: expected a multiple of the EP size {nodes * per_node}, got {num_experts}")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // (nodes * per_node)
+        self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, nodes * per_node)
         self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment, fp8=fp8)
         # A rank forwards at most one row per token of each node's rail peer.
         self.node = NVLinkDispatcher(num_experts=num_experts // nodes, group=node_group, device=device,

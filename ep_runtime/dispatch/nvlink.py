@@ -69,7 +69,7 @@ from kernels.validate import check_positive
 
 from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
 from .symmetric import SymmetricHeap, aligned, make_heap
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
@@ -146,10 +146,7 @@ class NVLinkDispatcher:
                  alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):
         self.group, self.device = group, device
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if num_experts % self.world:
-            raise ValueError(f"num_experts: expected a multiple of the EP size {self.world}, got {num_experts}")
-        self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.world
+        self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.max_tokens = check_positive("max_tokens_per_rank", max_tokens_per_rank)
         self.alignment = check_positive("alignment", alignment)
         self.fp8, self.fp8_combine = fp8, fp8_combine

@@ -91,6 +91,13 @@ def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weig
                  device=x_TD.device)
 
 
+def local_experts(num_experts: int, ep_size: int) -> int:
+    """Experts per rank of an EP group of ``ep_size``; every backend's constructor checks this."""
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
+    return num_experts // ep_size
+
+
 def check_routes(topk_idx_TK: torch.Tensor, num_experts: int) -> None:
     """The values of ``Dispatcher.dispatch``'s routes: experts in ``[0, num_experts)`` or -1, and a
     token's experts distinct. Syncs with the host."""
