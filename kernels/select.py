@@ -2,7 +2,10 @@
 
 TileLang on CUDA devices of compute capability >= 9.0, the reference everywhere else. The
 environment variable ``EP_KERNELS=reference|tilelang`` overrides. The choice is made once per
-device and logged; it never depends on a kernel raising.
+device and logged; it never depends on a kernel raising. Ops whose kernels have no autograd of
+their own (SwiGLU, the weighted reduction, the transpose) run the reference for inputs that need a
+gradient (:func:`needs_grad`), so that a direct call is differentiable on every device; the
+runtime calls them inside its own ``autograd.Function``s, where grad mode is off.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def _choice(device_type: str, index: int | None) -> str:
         raise ValueError(f"EP_KERNELS=tilelang needs a CUDA device, got {device_type}")
     log.info("kernels on %s:%s: %s (%s)", device_type, index, choice, why)
     return choice
+
+
+def needs_grad(*tensors: object) -> bool:
+    """True when grad mode is on and one of ``tensors`` requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def use_tilelang(device: torch.device) -> bool:

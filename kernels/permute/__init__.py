@@ -7,7 +7,8 @@ it checks the experts' range and lays out into the static capacity :func:`max_ro
 ``num_rows`` given it never syncs, needs ``num_rows >= max_rows(...)`` as the reference does, and
 checks no values: an expert out of range counts as a masked route there, where the reference
 raises. ``expand`` and ``unexpand`` run the row-copy kernels of
-``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows).
+``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows). Both move
+bits and have no autograd on any path: the dispatchers' own autograd functions carry the gradients.
 """
 
 import torch

@@ -1,7 +1,8 @@
 """FP8 (e4m3) casts and SwiGLU (see :mod:`kernels.quant.reference` for the conventions).
 
 Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
-device, and the PyTorch reference otherwise. The blockwise casts take the kernel for block sides
+device, and the PyTorch reference otherwise (``swiglu`` also for an input that needs a gradient:
+the kernel has no autograd of its own, :mod:`kernels.select`). The blockwise casts take the kernel for block sides
 that are powers of two (:func:`kernels.quant.tiles.supports_block`; 1x128, 128x128 and 128x1 among
 them) and the reference for any other block shape; so do ``swiglu_per_token_cast``,
 ``expand_per_token_cast`` and ``expand_cast_back`` for their group.
@@ -18,7 +19,7 @@ from kernels.quant.blockwise_cast_kernel import blockwise_cast
 from kernels.quant import swiglu_kernel
 from kernels.quant.cast_back_kernel import cast_back as cast_back_kernel
 from kernels.quant.tiles import supports_block
-from kernels.select import use_tilelang
+from kernels.select import needs_grad, use_tilelang
 
 
 def _kernel_for(x: object, block: tuple[int, int] | None = None) -> bool:
@@ -73,7 +74,7 @@ def cast_back(
 
 def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu`."""
-    if _kernel_for(x_TI2):
+    if _kernel_for(x_TI2) and not needs_grad(x_TI2):
         return swiglu_kernel.swiglu(x_TI2, rows=rows)
     return reference.swiglu(x_TI2, rows=rows)
 

@@ -5,7 +5,8 @@
 ``weighted_reduce_backward`` its kernel (both gradients in one pass over the routed rows only) and
 ``reduce_sum_home`` its kernel (a combine's home side: the own rows reduced into the sum of the
 returned ones) where :func:`kernels.select.use_tilelang` says so for ``y_PD``'s device, and the
-reference otherwise. Kernel paths check shapes, dtypes and devices but no values (that would cost
+reference otherwise (``weighted_reduce`` also for inputs that need a gradient: its kernel has no
+autograd of its own, :mod:`kernels.select`). Kernel paths check shapes, dtypes and devices but no values (that would cost
 a host sync): a position past ``y_PD``'s rows counts as -1 there, where the reference raises.
 """
 
@@ -15,7 +16,7 @@ from kernels.comm.signal import Signal
 from kernels.permute.reference import ExpertLayout
 from kernels.reduce import reference
 from kernels.reduce.weighted_reduce_kernel import weighted_reduce as weighted_reduce_kernel
-from kernels.select import use_tilelang
+from kernels.select import needs_grad, use_tilelang
 
 
 def weighted_reduce(
@@ -28,7 +29,8 @@ def weighted_reduce(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """See :func:`kernels.reduce.reference.weighted_reduce`."""
-    impl = weighted_reduce_kernel if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device) else reference.weighted_reduce
+    kernel = isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device) and not needs_grad(y_PD, weights_TK)
+    impl = weighted_reduce_kernel if kernel else reference.weighted_reduce
     return impl(y_PD, pos_TK, weights_TK, sf_PG=sf_PG, group=group, out_dtype=out_dtype)
 
 
