@@ -124,7 +124,8 @@ def check_launch(cfg: JobConfig, nproc: int) -> None:
         raise ValueError(f"--ep {ep}: expected a divisor of the {per_stage} ranks of a pipeline stage "
                          f"({nproc} processes, --pp {pp})")
     if cfg.model.moe.num_experts % ep:
-        raise ValueError(f"--ep {ep}: expected a divisor of the model's {cfg.model.moe.num_experts} experts (--experts)")
+        raise ValueError(f"--ep {ep}: expected a divisor of the model's {cfg.model.moe.num_experts} experts "
+                         "(--experts)")
     if pp > 1 and batch_size % microbatches:
         raise ValueError(f"--microbatches {microbatches}: expected a divisor of --batch-size {batch_size} "
                          "(the default is 2 x --pp)")

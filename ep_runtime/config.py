@@ -8,6 +8,7 @@ Each component takes only its own part (the router its ``RouterConfig``, the MoE
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -36,13 +37,17 @@ class RouterConfig:
     def __post_init__(self):
         p = "model.moe.router"
         _require(self.scoring in SCORINGS, f"{p}.scoring", f"one of {SCORINGS}", self.scoring)
-        _require(self.topk >= 1, f"{p}.topk", ">= 1", self.topk)
-        _require(self.num_groups >= 1, f"{p}.num_groups", ">= 1", self.num_groups)
+        _require(_is_int(self.topk) and self.topk >= 1, f"{p}.topk", "an int >= 1", self.topk)
+        _require(_is_int(self.num_groups) and self.num_groups >= 1, f"{p}.num_groups", "an int >= 1", self.num_groups)
         if self.topk_groups is not None:
-            _require(1 <= self.topk_groups <= self.num_groups, f"{p}.topk_groups",
-                     f"in [1, num_groups={self.num_groups}]", self.topk_groups)
-        _require(self.bias_update_rate >= 0, f"{p}.bias_update_rate", ">= 0", self.bias_update_rate)
-        _require(self.aux_loss_coef >= 0, f"{p}.aux_loss_coef", ">= 0", self.aux_loss_coef)
+            _require(_is_int(self.topk_groups) and 1 <= self.topk_groups <= self.num_groups, f"{p}.topk_groups",
+                     f"an int in [1, num_groups={self.num_groups}]", self.topk_groups)
+        _require(isinstance(self.normalize, bool), f"{p}.normalize", "a bool", self.normalize)
+        _require(_is_number(self.routed_scaling_factor), f"{p}.routed_scaling_factor", "a finite number",
+                 self.routed_scaling_factor)
+        for name in ("bias_update_rate", "aux_loss_coef"):
+            value = getattr(self, name)
+            _require(_is_number(value) and value >= 0, f"{p}.{name}", "a finite number >= 0", value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +131,10 @@ class EngramConfig:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)

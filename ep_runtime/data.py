@@ -17,11 +17,19 @@ class MarkovText:
         self.next_VN = torch.randint(vocab_size, (vocab_size, successors), generator=g)
         self.probs_VN = torch.softmax(2.0 * torch.randn(vocab_size, successors, generator=g), -1)
 
-    def mean_successor_entropy(self) -> float:
-        """Entropy of the next token given the current one, averaged uniformly over tokens (nats):
-        about the loss a model that learned the chain reaches."""
-        p = self.probs_VN
-        return float(-(p * p.log()).sum(-1).mean())
+    def loss_floor(self, seq_len: int) -> float:
+        """The next-token loss (nats) of a model that knows the chain, on :meth:`batch`'s sequences:
+        each token's successor entropy (repeated successors merged), averaged over the positions
+        that are predicted, 1 .. seq_len - 1, with the state distribution each has (uniform at 0)."""
+        next_VV = torch.zeros(self.vocab_size, self.vocab_size, dtype=torch.float64)
+        next_VV.scatter_add_(1, self.next_VN, self.probs_VN.double())
+        entropy_V = -(next_VV * next_VV.clamp(min=1e-300).log()).sum(-1)
+        state_V = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64)
+        total = 0.0
+        for _ in range(1, seq_len):
+            total += float(state_V @ entropy_V)
+            state_V = state_V @ next_VV
+        return total / max(seq_len - 1, 1)
 
     def batch(self, batch_size: int, seq_len: int, *, seed: int) -> torch.Tensor:
         """``[batch_size, seq_len]`` int64 token ids, a pure function of ``seed``."""

@@ -101,8 +101,8 @@ class ShardedTable(nn.Module):
     """An embedding table of ``num_rows`` rows of width ``dim``, split by rows over ``group``.
 
     This rank holds ``weight_LE`` ``[L, dim]``, rows ``[rank * L, (rank + 1) * L)`` with
-    ``L = ceil(num_rows / W)``; rows past ``num_rows`` (the last shard's padding) are zero and never
-    looked up. ``group=None``: one process holding the whole table. Initial rows ~ N(0, 1), a pure
+    ``L = ceil(num_rows / W)``; rows past ``num_rows`` (padding, in the last shard or the last few)
+    are zero and never looked up. ``group=None``: one process holding the whole table. Initial rows ~ N(0, 1), a pure
     function of ``(seed, row)``.
     """
 
@@ -120,6 +120,8 @@ class ShardedTable(nn.Module):
     def _initial_rows(self, dim: int, seed: int) -> torch.Tensor:
         out_LE = torch.zeros(self.rows_per_rank, dim)
         start, end = self.first_row, min(self.first_row + self.rows_per_rank, self.num_rows)
+        if start >= end:  # a shard wholly past the table: padding only
+            return out_LE
         for block in range(start // INIT_BLOCK, -(-end // INIT_BLOCK)):
             g = torch.Generator().manual_seed(((seed * 1_000_003 + block) ^ _SALT) & _MASK63)
             rows = torch.randn(INIT_BLOCK, dim, generator=g)

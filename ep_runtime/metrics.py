@@ -35,7 +35,7 @@ def plot_loss(metrics_path: Path, png_path: Path, *, floor: float | None = None)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="training loss")
     if floor is not None:
-        ax.axhline(floor, color="gray", linestyle="--", label="data entropy")
+        ax.axhline(floor, color="gray", linestyle="--", label="the data's floor (a model that knows the chain)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()

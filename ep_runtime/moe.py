@@ -7,9 +7,11 @@ local experts' layout, K routes per token.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kernels.routing import expert_counts
+from kernels.validate import check_tensor
 
 from .config import MoEConfig
 from .dispatch import Dispatcher
@@ -32,7 +34,8 @@ class MoELayer(nn.Module):
 
     After each forward, ``load_E`` holds the number of this rank's routes to every (logical) expert
     and ``aux_loss`` the balance loss (0 when disabled), per lane (``ep_runtime.lanes``; a
-    ``PerLane`` dispatcher gives each lane its own EP group).
+    ``PerLane`` dispatcher gives each lane its own EP group); :meth:`update_bias` after a step does
+    the auxiliary-loss-free balancing.
     """
 
     load_E = PerLaneAttribute()
@@ -44,8 +47,16 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         self.dispatcher = dispatcher
         self.ep_rank = ep_rank
+        self.hidden = hidden
         self.router = Router(hidden, cfg.num_experts, cfg.router)
         n_local = dispatcher.num_local_experts
+        ep_size = dispatcher.num_experts // n_local
+        if not (isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
+            raise ValueError(f"ep_rank: expected 0..{ep_size - 1} (the dispatcher's EP size {ep_size}), "
+                             f"got {ep_rank!r}")
+        if placement is None and dispatcher.num_experts != cfg.num_experts:
+            raise ValueError(f"dispatcher.num_experts: expected model.moe.num_experts={cfg.num_experts} (or a "
+                             f"placement's physical experts), got {dispatcher.num_experts}")
         logical_ids = None
         if placement is not None:
             self.check_placement(placement, name="placement")
@@ -89,16 +100,28 @@ class MoELayer(nn.Module):
         self.experts.logical_ids = tuple(placement.local_experts(self.ep_rank))
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        check_tensor("x_BSD", x_BSD, ndim=3, shape=(None, None, self.hidden))
         x_TD = x_BSD.flatten(0, -2)
         routing = self.router(x_TD)
         topk_idx_TK = routing.topk_idx_TK  # logical experts
         if self.placement is not None:  # physical slots
-            topk_idx_TK = route_to_replicas(topk_idx_TK, self.route_fraction_ER, self.route_log2phy_ER)
+            topk_idx_TK = route_to_replicas(topk_idx_TK, self.route_fraction_ER, self.route_log2phy_ER,
+                                            ep_rank=self.ep_rank)
         x_PD, layout, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, routing.topk_weights_TK)
         out_TD = self.dispatcher.combine(self.experts(x_PD, layout), handle)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
         self.load_E = expert_counts(routing.topk_idx_TK, self.cfg.num_experts)
-        if self.cfg.router.aux_loss_coef > 0:
+        if self.cfg.router.aux_loss_coef > 0 and x_TD.shape[0]:
             self.aux_loss = self.router.balance_loss(routing, batch=x_BSD.shape[0])
         return out_TD.view_as(x_BSD)
+
+    @torch.no_grad()
+    def update_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Aux-loss-free balancing, once a step: the last forward's ``load_E`` summed over ``group``
+        (every rank whose tokens these experts serve; None: this process's routes alone) moves the
+        router's bias (``model.moe.router.bias_update_rate``)."""
+        load_E = self.load_E.to(self.router.bias_E.device, torch.int64)
+        if group is not None:
+            dist.all_reduce(load_E, group=group)
+        self.router.update_bias(load_E)

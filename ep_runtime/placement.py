@@ -140,16 +140,18 @@ class ExpertPlacement:
         """[T, K] logical routes of ``ep_rank``'s tokens (-1 = none) -> [T, K] int64 physical slots
         (-1 kept). Token ``t`` is the ``t``-th row of the rank's batch."""
         fraction_ER, log2phy_ER = self.route_tables(ep_rank)
-        return route_to_replicas(topk_idx_TK, fraction_ER.to(topk_idx_TK.device), log2phy_ER.to(topk_idx_TK.device))
+        return route_to_replicas(topk_idx_TK, fraction_ER.to(topk_idx_TK.device), log2phy_ER.to(topk_idx_TK.device),
+                                 ep_rank=ep_rank)
 
 
-def route_to_replicas(topk_idx_TK: torch.Tensor, fraction_ER: torch.Tensor, log2phy_ER: torch.Tensor) -> torch.Tensor:
-    """The replica pick of ``ExpertPlacement.physical_route`` from its ``route_tables`` (on the
-    routes' device, no host sync)."""
+def route_to_replicas(topk_idx_TK: torch.Tensor, fraction_ER: torch.Tensor, log2phy_ER: torch.Tensor, *,
+                      ep_rank: int) -> torch.Tensor:
+    """The replica pick of ``ExpertPlacement.physical_route`` from ``ep_rank``'s ``route_tables``
+    (on the routes' device, no host sync)."""
     idx_TK = topk_idx_TK.long()
     e_TK = idx_TK.clamp(min=0)
     token_index_T = torch.arange(idx_TK.shape[0], device=idx_TK.device)
-    return choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T)
+    return choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T, ep_rank)
 
 
 def placements_from_phy2log(phy2log_LP: torch.Tensor, *, num_experts: int, ep_size: int,

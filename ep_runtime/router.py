@@ -35,23 +35,31 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> Routing:
         c = self.cfg
         logits_TE = F.linear(x_TD.float(), self.weight.float())
-        check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error, not a dropped token
+        check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error (the layer's one host sync)
         with torch.no_grad():
             topk_idx_TK, _ = topk_route(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E.float(),
                                         num_groups=c.num_groups, topk_groups=c.topk_groups,
                                         normalize=c.normalize, routed_scaling_factor=c.routed_scaling_factor)
         weights_TK = topk_weights(logits_TE, topk_idx_TK, scoring=c.scoring, normalize=c.normalize,
-                                  routed_scaling_factor=c.routed_scaling_factor)
+                                  routed_scaling_factor=c.routed_scaling_factor, values=False)
         return Routing(topk_idx_TK, weights_TK, logits_TE)
 
     def balance_loss(self, routing: Routing, batch: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss, ``aux_loss_coef * mean_b sum_e load * prob``."""
-        scores_BSE = score(routing.logits_TE, self.cfg.scoring).unflatten(0, (batch, -1))
+        scores_BSE = score(routing.logits_TE, self.cfg.scoring, values=False).unflatten(0, (batch, -1))
         load_BE, prob_BE = sequence_balance_stats(scores_BSE, routing.topk_idx_TK.unflatten(0, (batch, -1)))
         return self.cfg.aux_loss_coef * (load_BE * prob_BE).sum(-1).mean()
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded."""
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded.
+        ``load_E``: the routes per expert of the whole EP group (``MoELayer.update_bias`` sums them)."""
         load_E = load_E.float()
         self.bias_E += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+    def _apply(self, fn, recurse=True):
+        """Module casts (``.to(torch.bfloat16)``, ``.half()``) keep the bias float32: in bfloat16,
+        steps of ``bias_update_rate`` round away once the bias reaches about 0.5."""
+        super()._apply(fn, recurse)
+        self.bias_E = self.bias_E.float()
+        return self

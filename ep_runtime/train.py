@@ -250,10 +250,11 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
                "first_step": first_step, "losses": losses}
     if metrics:
         metrics.close()
-        png = plot_loss(metrics.path, run_dir / "loss.png", floor=data.mean_successor_entropy())
+        floor = data.loss_floor(t.seq_len + 1)  # the batches hold seq_len + 1 tokens
+        png = plot_loss(metrics.path, run_dir / "loss.png", floor=floor)
         if losses:
-            log.info("loss %.3f -> %.3f (data entropy %.3f, uniform %.3f); wrote %s and %s", losses[0], losses[-1],
-                     data.mean_successor_entropy(), data.uniform_loss, metrics.path, png)
+            log.info("loss %.3f -> %.3f (the data's floor %.3f, uniform %.3f); wrote %s and %s", losses[0],
+                     losses[-1], floor, data.uniform_loss, metrics.path, png)
     if ctx.distributed:
         dist.destroy_process_group()
     return summary

@@ -158,7 +158,7 @@ class Plan:
 
         A route to expert e takes a replica on the token's own node when there is one with capacity
         left, else one elsewhere, each replica receiving ``load_e / count_e`` in expectation; which
-        one is a pure function of (layer, source node, e, token index), see :mod:`topology.routing`.
+        one is a pure function of (layer, source GPU, e, token index), see :mod:`topology.routing`.
 
         Args:
             topk_idx_TK: [T, K] int logical expert ids, -1 = no route.
@@ -191,7 +191,7 @@ class Plan:
         e_TK = idx_TK.clamp(min=0)
         fraction_ER = self.replica_fractions(layer)[node]
         log2phy_ER = self.log2phy_LER[layer]
-        physical_TK = choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T.cpu())
+        physical_TK = choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T.cpu(), source_gpu)
         return physical_TK.to(device)
 
     # ------------------------------------------------------------------------------------ output

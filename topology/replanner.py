@@ -12,7 +12,9 @@ from-scratch ``locality`` plan achieves (max/mean GPU load). Two kinds of move:
 A move's cost is the change in expert weights that travel, counted against the *original* placement:
 one per (GPU, expert) the GPU did not hold before; moving an expert back where it was is free. Each step takes, if some move brings the busiest GPU to the
 target, the cheapest such move; otherwise the move with the best load reduction per copy. Ties lean
-towards keeping experts on their group's home node (the node holding most of the group now).
+towards keeping experts on their group's home node (the node holding most of the group now). The
+moves only touch the busiest GPU, so they can stall (an expert turned hot whose spare replicas sit
+on cold GPUs); such a layer takes the from-scratch plan's layer.
 
 Shape suffixes: L layers, E experts, P physical experts, G GPUs, X candidate replicas.
 """
@@ -50,7 +52,8 @@ def replan(
     traffic: TrafficModel | None = DEFAULT_TRAFFIC,
 ) -> Plan:
     """A plan for ``new_load`` close to ``current``: each layer's balance within ``tolerance`` of a
-    from-scratch plan's (best effort: a layer stops early if no move improves it).
+    from-scratch plan's. A layer whose moves stop short of that (no move left improves it) takes
+    the from-scratch plan's layer instead, at the cost of more weight copies.
 
     Args:
         current: the plan in use.
@@ -86,12 +89,22 @@ def replan(
     for layer in range(current.num_layers):
         home_E = _home_of_experts(current.phy2log_LP[layer].numpy(), current.expert_groups, node_of_gpu_G,
                                   current.experts_per_gpu, current.num_experts, N)
-        phy2log_LP[layer] = torch.from_numpy(_replan_layer(
-            current.phy2log_LP[layer].numpy(), load_LE[layer].numpy(), float(target_L[layer]), home_E,
-            node_of_gpu_G, G, N))
+        moved_P = _replan_layer(current.phy2log_LP[layer].numpy(), load_LE[layer].numpy(), float(target_L[layer]),
+                                home_E, node_of_gpu_G, G, N)
+        if _max_gpu_load(moved_P, load_LE[layer].numpy(), G) > target_L[layer] * (1 + 1e-9):
+            moved_P = reference.phy2log_LP[layer].numpy()  # the moves got stuck (a hot expert short of
+            # replicas whose spares sit on cold GPUs): the from-scratch layer, which moves more weights
+        phy2log_LP[layer] = torch.from_numpy(moved_P)
     new = plan_from_phy2log(phy2log_LP, load_LE, topology, policy=f"replan({current.policy})",
                             expert_groups=current.expert_groups, traffic=traffic)
     return replace(new, migration=migration(current, new, expert_bytes=expert_bytes))
+
+
+def _max_gpu_load(phy2log_P: np.ndarray, load_E: np.ndarray, G: int) -> float:
+    """The busiest GPU's load: each replica takes an equal share of its expert's."""
+    count_E = np.bincount(phy2log_P, minlength=len(load_E))
+    share_P = load_E[phy2log_P] / count_E[phy2log_P]
+    return float(np.bincount(np.arange(len(phy2log_P)) // (len(phy2log_P) // G), weights=share_P, minlength=G).max())
 
 
 def _home_of_experts(phy2log_P: np.ndarray, expert_groups: int | None, node_of_gpu_G: np.ndarray,

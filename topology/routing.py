@@ -11,9 +11,11 @@ The rule is local first, then spread, and it keeps every replica's expected load
 The result is ``fraction_NER``: the share of node ``n``'s routes to ``e`` that replica ``r`` takes.
 Every replica receives exactly ``load_e / count_e`` in expectation, whatever the node of the replica,
 so a plan's per-GPU load does not depend on where tokens come from. A token picks its replica by a
-low-discrepancy number ``u = frac(token_index * phi + e * psi)`` looked up in the cumulative fractions:
-deterministic, the same on every rank, and over consecutive token indices it hits each replica in
-proportion to its fraction.
+low-discrepancy number ``u = frac(token_index * phi + e * psi + source * theta)`` looked up in the
+cumulative fractions: deterministic (a pure function of the source GPU, the token's index in its
+batch and the expert), and over consecutive token indices it hits each replica in proportion to its
+fraction. The source term keeps ranks with the same fractions (a node's) from all picking the same
+replica for their first tokens: with a token or two per rank, they would pile onto one replica.
 
 Shape suffixes: N nodes, E logical experts, R replica slots (max replicas), T tokens, K top-k.
 """
@@ -26,6 +28,7 @@ __all__ = ["choose_replicas", "replica_fractions"]
 
 _PHI = 0.6180339887498949  # golden ratio conjugate: consecutive token indices spread evenly
 _PSI = 0.7548776662466927  # plastic-number conjugate: decorrelates experts
+_THETA = 0.4142135623730951  # sqrt(2) - 1: decorrelates source GPUs
 
 
 def replica_fractions(log2phy_ER: torch.Tensor, node_of_physical: torch.Tensor, num_nodes: int) -> torch.Tensor:
@@ -63,13 +66,17 @@ def choose_replicas(
     fraction_TKR: torch.Tensor,
     log2phy_TKR: torch.Tensor,
     token_index_T: torch.Tensor,
+    source_T: torch.Tensor | int,
 ) -> torch.Tensor:
     """Picks one replica per route from its fractions (see the module docstring); -1 routes stay -1.
+    ``source_T``: the GPU (EP rank) each token comes from, or one for all.
 
     Returns physical_idx_TK (int64).
     """
     e_TK = topk_idx_TK.clamp(min=0).to(torch.float64)
-    u_TK = torch.frac(token_index_T.to(torch.float64).unsqueeze(-1) * _PHI + e_TK * _PSI)
+    start_T = token_index_T.to(torch.float64) * _PHI + torch.as_tensor(source_T, dtype=torch.float64,
+                                                                         device=token_index_T.device) * _THETA
+    u_TK = torch.frac(start_T.unsqueeze(-1) + e_TK * _PSI)
     cdf_TKR = fraction_TKR.cumsum(-1)
     # Scaling u by the total (1 up to rounding) never lands past the last replica with a share.
     pick_TK = ((u_TK * cdf_TKR[..., -1]).unsqueeze(-1) >= cdf_TKR).sum(-1)

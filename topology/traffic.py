@@ -123,7 +123,7 @@ def count_traffic(
     layer_L11 = torch.arange(L).view(L, 1, 1)
     e_LTK = routes_LTK.clamp(min=0)
     physical_LTK = choose_replicas(routes_LTK, fraction_LNER[layer_L11, src_node_T.view(1, T, 1), e_LTK],
-                                   log2phy_LER[layer_L11, e_LTK], token_index_T.expand(L, T))
+                                   log2phy_LER[layer_L11, e_LTK], token_index_T.expand(L, T), src_gpu_T)
     # Distinct destinations per token: sort along K, keep first occurrences (-1 routes sort first).
     gpu_LTK = torch.where(physical_LTK >= 0, physical_LTK // experts_per_gpu, -1).sort(-1).values
     first_LTK = torch.ones_like(gpu_LTK, dtype=torch.bool)

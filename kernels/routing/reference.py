@@ -36,19 +36,21 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def score(logits_TE: torch.Tensor, scoring: str) -> torch.Tensor:
+def score(logits_TE: torch.Tensor, scoring: str, *, values: bool = True) -> torch.Tensor:
     """Router scores from logits.
 
     Args:
         logits_TE: [T, E] float32, bfloat16, float16 (or float64); must be finite.
         scoring: "softmax" (over the E experts of a token), "sigmoid", or "sqrtsoftplus"
             (``sqrt(softplus(x))``).
+        values: check that the logits are finite (a host sync; False for a caller that checked).
 
     Returns:
         scores_TE: [T, E] float32 (float64 for float64 logits).
     """
     check_tensor("logits_TE", logits_TE, dtype=LOGIT_DTYPES, ndim=2)
-    check_finite("logits_TE", logits_TE)
+    if values:
+        check_finite("logits_TE", logits_TE)
     x_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     if scoring == "softmax":
         return x_TE.softmax(dim=-1)
@@ -142,6 +144,7 @@ def topk_weights(
     scoring: str = "softmax",
     normalize: bool = False,
     routed_scaling_factor: float = 1.0,
+    values: bool = True,
 ) -> torch.Tensor:
     """Weights of chosen experts: their (unbiased) scores, optionally normalized, then scaled.
 
@@ -154,15 +157,18 @@ def topk_weights(
         normalize: divide each token's weights by their sum over its unmasked routes (a token whose
             routes are all masked keeps weights 0).
         routed_scaling_factor: multiplies every weight, after normalization.
+        values: check the logits and the experts' range (host syncs; False for a caller whose
+            routes come from :func:`topk_route` of logits it checked).
 
     Returns:
         topk_weights_TK: [T, K] float32 (float64 for float64 logits); 0 where ``topk_idx_TK`` is -1.
     """
-    scores_TE = score(logits_TE, scoring)
+    scores_TE = score(logits_TE, scoring, values=values)
     check_tensor(
         "topk_idx_TK", topk_idx_TK, dtype=INDEX_DTYPES, shape=(logits_TE.shape[0], None), device=logits_TE.device
     )
-    check_index_range("topk_idx_TK", topk_idx_TK, logits_TE.shape[1])
+    if values:
+        check_index_range("topk_idx_TK", topk_idx_TK, logits_TE.shape[1])
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
             or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor: expected a finite number, got {routed_scaling_factor!r}")

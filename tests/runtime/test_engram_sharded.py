@@ -51,6 +51,21 @@ def test_sharded_engram_matches_unsharded(world):
     assert served == asked  # what the owners served is what the ranks asked for
 
 
+def test_shards_past_the_table_are_padding():
+    """10 rows over 8 ranks, 2 a rank: ranks 5-7 hold padding only; the shards laid end to end are the
+    whole table's rows, then zeros."""
+    from ep_runtime.engram import ShardedTable
+
+    whole = ShardedTable(10, 3, group=None, seed=4)
+    shards = []
+    for rank in range(8):
+        shard = ShardedTable(10, 3, group=None, seed=4)
+        shard.world, shard.rank, shard.rows_per_rank, shard.first_row = 8, rank, 2, 2 * rank
+        shards.append(shard._initial_rows(3, seed=4))
+    laid = torch.cat(shards)
+    assert torch.equal(laid[:10], whole.weight_LE.detach()) and not laid[10:].any()
+
+
 def test_lookup_without_group_is_an_embedding(seed):
     from ep_runtime.engram import ShardedTable
 

@@ -91,6 +91,16 @@ def test_routes_pick_replicas_as_the_plan_does(seed):
     assert set(routes.flatten().tolist()) == {2, 3, 7, 10}
 
 
+def test_ranks_of_a_node_with_one_token_each_spread_over_the_replicas():
+    """Expert 0 on every rank of one node, one route each: the source term sends the four ranks'
+    first tokens to different replicas, not all to one."""
+    phy2log = torch.tensor([[0, 1, 0, 2, 0, 3, 0, 4]])
+    plan = plan_from_phy2log(phy2log, torch.ones(1, 5), Topology.uniform(1, 4), traffic=None)
+    (placement,) = placements_from_plan(plan)
+    picks = [int(placement.physical_route(torch.zeros(1, 1, dtype=torch.long), ep_rank=r)) for r in range(4)]
+    assert len(set(picks)) >= 3 and all(phy2log[0, p] == 0 for p in picks), picks
+
+
 def test_switch_transfers_are_the_planned_migration():
     topo = Topology.uniform(2, 2)
     old = plan_from_phy2log(torch.tensor([[0, 1, 5, 5, 2, 3, 4, 5, 6, 7, 5, 2, 0, 1, 6, 7]]), torch.ones(1, 8), topo,

@@ -30,6 +30,17 @@ def test_replan_within_tolerance_moving_less(topology, seed):
     assert new.migration.bytes_moved == 10 * new.migration.experts_moved
 
 
+def test_replan_of_experts_turned_hot_still_meets_the_tolerance(seed):
+    """Experts 0-3 twenty times hotter: the moves on the busiest GPU stall (their spare replicas sit
+    on cold GPUs), and the stalled layer takes the fresh plan's."""
+    before, after = _drifted(seed)
+    after[:, :4] *= 20
+    current = plan(before, Topology.uniform(2, 4), 80, 8, traffic=None)
+    new = replan(current, after, traffic=None)
+    fresh = plan(after, Topology.uniform(2, 4), 80, 8, traffic=None)
+    assert (new.balance_L <= fresh.balance_L * 1.02 + 1e-9).all()
+
+
 def test_replan_without_drift_moves_nothing(seed):
     before, _ = _drifted(seed)
     current = plan(before, Topology.uniform(2, 4), 80, 8, traffic=None)

@@ -1,0 +1,58 @@
+"""The MoE layer as the README uses it on one process: bad construction and input are named, a
+batch without tokens passes, ``update_bias`` balances without an auxiliary loss, and the router's
+bias stays float32 through module casts."""
+
+import pytest
+import torch
+
+from ep_runtime.config import MoEConfig, RouterConfig
+from ep_runtime.dispatch import AllToAllDispatcher
+from ep_runtime.moe import MoELayer
+
+HIDDEN = 16
+
+
+def layer(num_experts=8, **router):
+    cfg = MoEConfig(num_experts=num_experts, expert_hidden=8, alignment=1, router=RouterConfig(**router))
+    return MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=num_experts, alignment=1), ep_rank=0, seed=0)
+
+
+def test_bad_construction_and_input_are_named():
+    cfg = MoEConfig(num_experts=8, expert_hidden=8, alignment=1)
+    with pytest.raises(ValueError, match=r"^ep_rank: expected 0\.\.0"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8, alignment=1), ep_rank=3, seed=0)
+    with pytest.raises(ValueError, match="^dispatcher.num_experts: expected model.moe.num_experts=8"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=16, alignment=1), ep_rank=0, seed=0)
+    moe = layer()
+    with pytest.raises(ValueError, match="^x_BSD: expected a 3-D tensor"):
+        moe(torch.randn(10, HIDDEN))
+    with pytest.raises(ValueError, match=r"^x_BSD: expected shape \('\*', '\*', 16\), got \(2, 5, 32\)"):
+        moe(torch.randn(2, 5, 32))
+
+
+def test_a_batch_without_tokens(seed):
+    moe = layer(aux_loss_coef=0.01)
+    x = torch.randn(0, 5, HIDDEN, requires_grad=True)
+    out = moe(x)
+    out.sum().backward()
+    assert out.shape == x.shape and int(moe.load_E.sum()) == 0
+
+
+def test_update_bias_lowers_the_busy_experts(seed):
+    moe = layer(bias_update_rate=0.01, topk=2)
+    with torch.no_grad():
+        moe.router.weight[0] += 5.0  # expert 0 wins every token
+    moe(torch.randn(2, 8, HIDDEN).abs())
+    before = moe.router.bias_E.clone()
+    moe.update_bias()
+    moved = moe.router.bias_E - before
+    busy = moe.load_E.float() > moe.load_E.float().mean()
+    assert bool((moved[busy] == -0.01).all()) and bool((moved[~busy] == 0.01).all())
+
+
+def test_router_bias_stays_float32_through_module_casts():
+    moe = layer(bias_update_rate=1e-3).to(torch.bfloat16)
+    assert moe.router.weight.dtype == torch.bfloat16 and moe.router.bias_E.dtype == torch.float32
+    moe.router.bias_E.fill_(0.5)
+    moe.router.update_bias(torch.tensor([9, 1, 1, 1, 1, 1, 1, 1]))
+    assert moe.router.bias_E[0] == torch.tensor(0.499, dtype=torch.float32)  # 0.5 - 1e-3, not rounded away
