@@ -2,15 +2,15 @@
 
 Before the attention of each configured block:
 
-    idx   = ngram_hash(token ids)                    every order 2..N, every hash head: one table row
-    e     = table[idx], concatenated over the C = (N - 1) * heads columns      (the memory vector)
+    idx   = ngram_hash(token ids)                    every order 2..G, every hash head: one table row
+    e     = table[idx], concatenated over the C = (G - 1) * heads columns      (the memory vector)
     k_h   = W_k,h e  (one key per residual stream h),   v = W_v e
     g_h   = gate(x_h, k_h) * v                       (kernels.engram.gate, per stream)
-    x_h  += g_h + short_conv(g_h)                    (depthwise causal conv, kernel 4, dilation N, SiLU)
+    x_h  += g_h + short_conv(g_h)                    (depthwise causal conv, kernel 4, dilation G, SiLU)
 
 Sharding: the concatenated table of ``R`` rows is split by rows over the ``W`` ranks of the EP
-group: rank ``r`` holds rows ``[r * L, (r + 1) * L)`` with ``L = ceil(R / W)`` (the last shard padded
-with rows nobody asks for). A forward sends each owner the distinct rows this rank needs (indices
+group: rank ``r`` holds rows ``[r * L, (r + 1) * L)`` with ``L = ceil(R / W)`` (the last shard, or the
+last few, padded with rows nobody asks for). A forward sends each owner the distinct rows this rank needs (indices
 made unique first, so a row travels once per rank however many tokens use it), then gets the rows
 back; the backward sums each distinct row's gradient locally and sends it to the owner, which adds
 what every rank sent into its shard's gradient. Each direction is one autograd node
@@ -23,8 +23,8 @@ replicas only). Every row's initial value depends only on the seed and the row (
 :data:`INIT_BLOCK` rows, each from its own generator), so a shard equals the same rows of the
 unsharded table.
 
-Shape letters: B sequences, S positions, T = B*S tokens, N mHC streams (1 without mHC), D hidden of
-one stream, C hash columns, E = head_dim, I looked-up indices (T*C), U distinct indices, Q rows
+Shape letters: B sequences, S positions, T = B*S tokens, N mHC streams (1 without mHC), G the
+largest n-gram order, D hidden of one stream, C hash columns, E = head_dim, I looked-up indices (T*C), U distinct indices, Q rows
 this rank serves to others, L rows of this rank's shard, W EP ranks.
 """
 

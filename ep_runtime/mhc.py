@@ -40,8 +40,8 @@ from .config import MHCConfig
 __all__ = ["HyperConnection", "MHCHead", "expand", "saved_bytes", "two_sublayers"]
 
 # Initial values. The per-token part starts small (scale) so the static biases set the start:
-# the sublayer input is the mean of the streams, each stream gets F(y) once (post = 1) and keeps
-# mostly itself (comb leans to the identity).
+# the sublayer input is the mean of the streams (half the one stream for N = 1), each stream gets
+# F(y) once (post = 1) and keeps mostly itself (comb leans to the identity).
 SCALE_INIT = 0.01
 COMB_DIAGONAL_INIT = 2.0
 
@@ -49,6 +49,15 @@ COMB_DIAGONAL_INIT = 2.0
 def _pre_logit(n: int) -> float:
     """Bias that makes ``sigmoid(b) = 1/n`` (the mean of the streams); 0 (one half) for n = 1."""
     return math.log(1.0 / (n - 1)) if n > 1 else 0.0
+
+
+def flat_streams(x_BSND: torch.Tensor, n: int) -> torch.Tensor:
+    """``x_BSND`` checked (``[B, S, n, D]``: ``model.mhc.n`` streams) and flattened to ``x_TND``."""
+    if x_BSND.dim() != 4 or x_BSND.shape[2] != n:
+        raise ValueError(f"x_BSND: expected [B, S, {n}, D] ({n} streams, model.mhc.n), got shape "
+                         f"{tuple(x_BSND.shape)}")
+    b, s, _, d = x_BSND.shape
+    return x_BSND.reshape(b * s, n, d)
 
 
 def _no_autocast(device: torch.device):
@@ -88,11 +97,7 @@ class HyperConnection(nn.Module):
                        recompute=c.recompute if recompute is None else recompute)
 
     def streams(self, x_BSND: torch.Tensor) -> torch.Tensor:
-        """``x_BSND`` checked (``N`` streams) and flattened to ``x_TND``."""
-        b, s, n, d = x_BSND.shape
-        if n != self.cfg.n:
-            raise ValueError(f"x_BSND: expected {self.cfg.n} streams (model.mhc.n), got shape {tuple(x_BSND.shape)}")
-        return x_BSND.reshape(b * s, n, d)
+        return flat_streams(x_BSND, self.cfg.n)
 
     def forward(self, x_BSND: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Args:
@@ -101,8 +106,8 @@ class HyperConnection(nn.Module):
         Returns:
             ``[B, S, N, D]`` streams, ``x_BSND``'s dtype.
         """
-        b, s, n, d = x_BSND.shape
         x_TND = self.streams(x_BSND)
+        b, s, n, d = x_BSND.shape
         with _no_autocast(x_BSND.device):
             y_TD, post_TN, comb_TNN = self.coefficients(x_TND)
         f_BSD = sublayer(y_TD.view(b, s, d))
@@ -166,8 +171,8 @@ class MHCHead(nn.Module):
 
     def forward(self, x_BSND: torch.Tensor) -> torch.Tensor:
         """``[B, S, N, D]`` streams -> ``[B, S, D]``, ``x_BSND``'s dtype."""
-        b, s, n, d = x_BSND.shape
-        x_TND = x_BSND.reshape(b * s, n, d)
+        x_TND = flat_streams(x_BSND, self.cfg.n)
+        b, s, d = *x_BSND.shape[:2], x_BSND.shape[3]
         args = (x_TND, self.fn_NK, self.scale_1, self.base_N)
         with _no_autocast(x_BSND.device):
             if self.cfg.recompute and torch.is_grad_enabled():

@@ -286,7 +286,8 @@ def plan(
             finite, >= 0.
         topology: the cluster.
         num_physical_experts: P, replica slots per layer; >= E and a multiple of the GPUs.
-        expert_groups: groups of group-limited routing (experts e*E/C .. form group c), or None.
+        expert_groups: groups of group-limited routing (experts c*E/C .. (c+1)*E/C - 1 form group c),
+            or None.
         policy: a name in :data:`POLICIES`.
         traffic: how to estimate traffic (see :class:`TrafficModel`); None skips the estimate.
 
@@ -346,7 +347,7 @@ def plan_from_phy2log(
             reachable = E if expert_groups is None else topk_groups * (E // expert_groups)
             popularity_LE = load_LE + 1e-9 * load_LE.sum(-1, keepdim=True).clamp(min=1) / E
             routes_LTK = draw_routes(popularity_LE, traffic.sample_tokens, min(traffic.topk, reachable),
-                                     expert_groups=expert_groups if topk_groups else None,
+                                     expert_groups=expert_groups,
                                      topk_groups=topk_groups, seed=traffic.seed)
         elif (not isinstance(routes_LTK, torch.Tensor) or routes_LTK.dim() != 3 or routes_LTK.shape[0] != L
               or routes_LTK.dtype.is_floating_point):

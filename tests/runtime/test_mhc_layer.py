@@ -223,6 +223,11 @@ def test_bad_inputs_name_themselves(seed):
     hc = mhc.HyperConnection(MHCConfig(n=4), 8)
     with pytest.raises(ValueError, match="model.mhc.n"):
         hc(torch.randn(1, 2, 3, 8), torch.nn.Identity())
+    four_streams = r"^x_BSND: expected \[B, S, 4, D\] \(4 streams, model.mhc.n\), got shape "
+    with pytest.raises(ValueError, match=four_streams + r"\(2, 8\)"):
+        hc(torch.randn(2, 8), torch.nn.Identity())
+    with pytest.raises(ValueError, match=four_streams + r"\(1, 2, 2, 8\)"):
+        mhc.MHCHead(MHCConfig(n=4), 8)(torch.randn(1, 2, 2, 8))
     x = torch.randn(1, 2, 4, 8)
     x[0, 1, 2, 3] = float("inf")
     with pytest.raises(ValueError, match="x_TND: expected finite"):
