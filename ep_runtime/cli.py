@@ -129,6 +129,9 @@ def check_launch(cfg: JobConfig, nproc: int) -> None:
     if pp > 1 and batch_size % microbatches:
         raise ValueError(f"--microbatches {microbatches}: expected a divisor of --batch-size {batch_size} "
                          "(the default is 2 x --pp)")
+    if cfg.parallel.schedule == "interleaved" and microbatches % pp:
+        raise ValueError(f"--microbatches {microbatches}: expected a multiple of --pp {pp} with the interleaved "
+                         "schedule")
 
 
 def _root_cause(failure) -> str:

@@ -217,10 +217,15 @@ class PipelineSchedule:
         if (schedule == "interleaved") != (stage.chunks > 1):
             raise ValueError(f"parallel.virtual_stages: expected > 1 with the interleaved schedule and 1 otherwise, "
                              f"got {stage.chunks} with {schedule!r}")
+        if schedule == "interleaved" and stage.num_stages == 1:
+            raise ValueError("parallel.pp: expected more than one stage with the interleaved schedule, got 1")
         self.lanes = 2 if schedule == "overlap" else 1
         if self.lanes > 1:
             overlap_lanes(stage=0, num_stages=1, num_microbatches=num_microbatches)  # checks M
             _check_lanes(stage, ctx, self.lanes)
+        else:  # checks M now, not at the first step
+            schedule_ops(schedule, stage=stage.stage, num_stages=stage.num_stages, num_microbatches=num_microbatches,
+                         chunks=stage.chunks)
         self.stage, self.ctx = stage, ctx
         self.num_microbatches, self.schedule = num_microbatches, schedule
         self.timed = timed  # on GPUs: synchronize around receives, so that wait_s is the waiting

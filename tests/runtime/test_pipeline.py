@@ -60,6 +60,9 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused():
         pipe.step(tokens(0))
     with pytest.raises(ValueError, match="schedule"):
         PipelineSchedule(PipelineStage(model, stage=0, num_stages=1), ctx, num_microbatches=2, schedule="zb")
+    with pytest.raises(ValueError, match="^parallel.pp: expected more than one stage with the interleaved"):
+        PipelineSchedule(PipelineStage(model, stage=0, num_stages=1, chunks=2), ctx, num_microbatches=2,
+                         schedule="interleaved")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

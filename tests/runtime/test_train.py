@@ -68,6 +68,8 @@ def test_cli_entry_point(tmp_path):
     (["--nproc", "3", "--pp", "2"], "--pp 2: expected a divisor of the 3 worker processes"),
     (["--nproc", "0"], "--num-workers: expected at least 1, got 0"),
     (["--pp", "3", "--layers", "3"], "--microbatches 6: expected a divisor of --batch-size 8"),
+    (["--pp", "2", "--ep", "1", "--layers", "4", "--schedule", "interleaved", "--microbatches", "1"],
+     "--microbatches 1: expected a multiple of --pp 2 with the interleaved schedule"),
     (["--address", "auto", "--gpus-per-worker", "1"], "--address, --gpus-per-worker: only with --launcher ray"),
     (["--steps", "0"], "train.steps: expected >= 1, got 0"),
 ])
