@@ -150,6 +150,14 @@ class TinyDeepSeek(nn.Module):
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """``tokens_BS`` int64 ``[B, S]`` in ``[0, V)``, ``S <= max_seq_len`` -> logits ``[B, S, V]``."""
+        x = self.embed_tokens(tokens_BS)
+        for block in self.blocks:
+            x = block(x, tokens_BS)
+        return self.logits(x)
+
+    def embed_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The stream the first block takes (``[B, S, D]``, with mHC ``[B, S, N, D]``); the tokens
+        checked."""
         check_tensor("tokens_BS", tokens_BS, dtype=(torch.int64, torch.int32), ndim=2)
         check_index_range("tokens_BS", tokens_BS, self.cfg.vocab_size, allow_masked=False)
         if tokens_BS.shape[1] > self.cfg.max_seq_len:
@@ -157,18 +165,21 @@ class TinyDeepSeek(nn.Module):
                              f"got shape {tuple(tokens_BS.shape)}")
         pos_S = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
         x = self.embed(tokens_BS) + self.pos_embed(pos_S)
-        if self.mhc_head is not None:
-            x = mhc.expand(x, self.cfg.mhc.n)
-        for block in self.blocks:
-            x = block(x, tokens_BS)
+        return mhc.expand(x, self.cfg.mhc.n) if self.mhc_head is not None else x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last block's stream -> logits ``[B, S, V]``."""
         if self.mhc_head is not None:
             x = self.mhc_head(x)
         return self.head(self.norm(x))
 
-    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy (+ balance losses when enabled)."""
-        logits = self(tokens_BS[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
+    def next_token_loss(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the logits against the next tokens (+ the balance losses when enabled)."""
+        loss = F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
         if self.cfg.moe.router.aux_loss_coef > 0:
             loss = loss + sum(moe.aux_loss for moe in self.moe_layers)
         return loss
+
+    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy (+ balance losses when enabled)."""
+        return self.next_token_loss(self(tokens_BS[:, :-1]), tokens_BS[:, 1:])

@@ -37,10 +37,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from . import lanes, mhc
+from . import lanes
 from .config import PIPELINE_SCHEDULES
 from .dispatch import HierarchicalDispatcher, NVLinkDispatcher
 from .model import TinyDeepSeek
@@ -123,21 +122,12 @@ class PipelineStage(nn.Module):
         inputs_BS = tokens_BS[:, :-1]
         first, last = self.is_first and chunk == 0, self.is_last and chunk == self.chunks - 1
         if first:
-            pos_S = torch.arange(inputs_BS.shape[1], device=inputs_BS.device)
-            x = m.embed(inputs_BS) + m.pos_embed(pos_S)
-            if self.cfg.mhc:
-                x = mhc.expand(x, self.cfg.mhc.n)
+            x = m.embed_tokens(inputs_BS)
         for i in self.chunk_layers[chunk]:
             x = m.blocks[i](x, inputs_BS)
         if not last:
             return x
-        if m.mhc_head is not None:
-            x = m.mhc_head(x)
-        logits = m.head(m.norm(x))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens_BS[:, 1:].flatten())
-        if self.cfg.moe.router.aux_loss_coef > 0:  # one stage (checked above): every MoE layer is here
-            loss = loss + sum(moe.aux_loss for moe in m.moe_layers)
-        return loss
+        return m.next_token_loss(m.logits(x), tokens_BS[:, 1:])  # balance losses: one stage (checked above)
 
 
 @dataclass(frozen=True)
