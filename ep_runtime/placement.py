@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from topology.planner import migration_sources
 from topology.routing import choose_replicas, replica_fractions
 
 from .parallel import ParallelContext
@@ -294,26 +295,16 @@ class _Transfer:
 
 def _transfers(old: ExpertPlacement, new: ExpertPlacement) -> tuple[list[int], list[_Transfer]]:
     """For each new slot, its old source slot, and the transfers between ranks (one per rank and
-    expert arriving). Source preference (``topology.migration``'s): the same slot, a slot of the same
+    expert arriving), by ``topology.planner.migration_sources``: the same slot, a slot of the same
     rank, a slot on the same node, the expert's lowest old slot."""
-    on_rank: dict[tuple[int, int], int] = {}
-    on_node: dict[tuple[int, int], int] = {}
-    anywhere: dict[int, int] = {}
-    old_P = old.phy2log_P.tolist()
-    for q, e in enumerate(old_P):
-        r = old.rank_of_slot(q)
-        on_rank.setdefault((e, r), q)
-        on_node.setdefault((e, new._node(r)), q)
-        anywhere.setdefault(e, q)
-    sources, transfers, seen = [], [], set()
-    for p, e in enumerate(new.phy2log_P.tolist()):
-        r = new.rank_of_slot(p)
-        if old_P[p] == e:
-            q = p
-        else:
-            q = on_rank.get((e, r), on_node.get((e, new._node(r)), anywhere[e]))
-        sources.append(q)
-        if old.rank_of_slot(q) != r and (r, e) not in seen:
+    old_P, new_P = old.phy2log_P.tolist(), new.phy2log_P.tolist()
+    old_rank_Q = [old.rank_of_slot(q) for q in range(len(old_P))]
+    new_rank_P = [new.rank_of_slot(p) for p in range(len(new_P))]
+    sources = migration_sources(old_P, new_P, old_rank_Q, new_rank_P, [new._node(r) for r in range(new.ep_size)])
+    transfers, seen = [], set()
+    for p, (e, q) in enumerate(zip(new_P, sources)):
+        r = new_rank_P[p]
+        if old_rank_Q[q] != r and (r, e) not in seen:
             seen.add((r, e))
             transfers.append(_Transfer(dest=r, expert=e, source=q))
     return sources, transfers

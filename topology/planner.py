@@ -10,7 +10,7 @@ Physical expert ``p`` lives on GPU ``p // (P / G)`` (every GPU holds ``P / G`` o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -375,6 +375,28 @@ def _invert(phy2log_LP: torch.Tensor, counts_LE: torch.Tensor) -> torch.Tensor:
     return log2phy_LER.view(L, E, R)
 
 
+def migration_sources(old_P: list[int], new_P: list[int], old_gpu_Q: list[int], new_gpu_P: list[int],
+                      node_of_gpu: Sequence[int]) -> list[int]:
+    """For each new slot, the old slot its weights come from: itself when it keeps its expert on
+    its GPU, else a slot of its expert on the same GPU, on the same node, or the expert's lowest.
+    Shared by :func:`migration` and the runtime's plan switch (``ep_runtime.placement``)."""
+    on_gpu: dict[tuple[int, int], int] = {}
+    on_node: dict[tuple[int, int], int] = {}
+    anywhere: dict[int, int] = {}
+    for q, e in enumerate(old_P):
+        on_gpu.setdefault((e, old_gpu_Q[q]), q)
+        on_node.setdefault((e, node_of_gpu[old_gpu_Q[q]]), q)
+        anywhere.setdefault(e, q)
+    sources = []
+    for p, e in enumerate(new_P):
+        g = new_gpu_P[p]
+        if p < len(old_P) and old_P[p] == e and old_gpu_Q[p] == g:
+            sources.append(p)
+        else:
+            sources.append(on_gpu.get((e, g), on_node.get((e, node_of_gpu[g]), anywhere[e])))
+    return sources
+
+
 def migration(old: Plan, new: Plan, *, expert_bytes: int = DEFAULT_EXPERT_BYTES) -> Migration:
     """The copies that turn ``old``'s placement into ``new``'s (same layers, experts and GPUs).
 
@@ -389,26 +411,12 @@ def migration(old: Plan, new: Plan, *, expert_bytes: int = DEFAULT_EXPERT_BYTES)
     if old.topology.node_of_gpu != new.topology.node_of_gpu:
         raise ValueError(f"new: expected the GPUs and nodes of old ({old.topology.num_nodes} x "
                          f"{old.topology.gpus_per_node}), got {new.topology.num_nodes} x {new.topology.gpus_per_node}")
-    node_G = new.topology.node_of_gpu
     old_gpu_Q = (torch.arange(old.num_physical_experts) // old.experts_per_gpu).tolist()
     new_gpu_P = (torch.arange(new.num_physical_experts) // new.experts_per_gpu).tolist()
     L, P = new.phy2log_LP.shape
-    source_LP = torch.empty(L, P, dtype=torch.int64)
-    for layer in range(L):
-        old_P = old.phy2log_LP[layer].tolist()
-        on_gpu: dict[tuple[int, int], int] = {}
-        on_node: dict[tuple[int, int], int] = {}
-        anywhere: dict[int, int] = {}
-        for q, e in enumerate(old_P):
-            on_gpu.setdefault((e, old_gpu_Q[q]), q)
-            on_node.setdefault((e, node_G[old_gpu_Q[q]]), q)
-            anywhere.setdefault(e, q)
-        for p, e in enumerate(new.phy2log_LP[layer].tolist()):
-            g = new_gpu_P[p]
-            if p < len(old_P) and old_P[p] == e and old_gpu_Q[p] == g:
-                source_LP[layer, p] = p
-            else:
-                source_LP[layer, p] = on_gpu.get((e, g), on_node.get((e, node_G[g]), anywhere[e]))
+    source_LP = torch.tensor([migration_sources(old.phy2log_LP[layer].tolist(), new.phy2log_LP[layer].tolist(),
+                                                old_gpu_Q, new_gpu_P, new.topology.node_of_gpu)
+                              for layer in range(L)], dtype=torch.int64).view(L, P)
     moved_LP = torch.tensor(old_gpu_Q)[source_LP] != torch.tensor(new_gpu_P)
     # One transfer per (GPU, expert) that arrives; duplicates on that GPU copy locally.
     experts_moved_L = torch.tensor([len({(new_gpu_P[p], int(new.phy2log_LP[layer, p]))
