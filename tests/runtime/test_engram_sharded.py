@@ -52,18 +52,20 @@ def test_sharded_engram_matches_unsharded(world):
 
 
 def test_shards_past_the_table_are_padding():
-    """10 rows over 8 ranks, 2 a rank: ranks 5-7 hold padding only; the shards laid end to end are the
-    whole table's rows, then zeros."""
+    """4062 rows (the default tables) over 96 ranks, 43 a rank: rank 95 starts past the last row and
+    holds padding only; the shards laid end to end are the whole table's rows, then zeros."""
     from ep_runtime.engram import ShardedTable
 
-    whole = ShardedTable(10, 3, group=None, seed=4)
+    rows, world = 4062, 96
+    whole = ShardedTable(rows, 2, group=None, seed=4)
     shards = []
-    for rank in range(8):
-        shard = ShardedTable(10, 3, group=None, seed=4)
-        shard.world, shard.rank, shard.rows_per_rank, shard.first_row = 8, rank, 2, 2 * rank
-        shards.append(shard._initial_rows(3, seed=4))
+    for rank in range(world):
+        shard = ShardedTable(1, 2, group=None, seed=4)
+        shard.num_rows, shard.world, shard.rank, shard.rows_per_rank = rows, world, rank, -(-rows // world)
+        shard.first_row = rank * shard.rows_per_rank
+        shards.append(shard._initial_rows(2, seed=4))
     laid = torch.cat(shards)
-    assert torch.equal(laid[:10], whole.weight_LE.detach()) and not laid[10:].any()
+    assert torch.equal(laid[:rows], whole.weight_LE.detach()) and not laid[rows:].any()
 
 
 def test_lookup_without_group_is_an_embedding(seed):
