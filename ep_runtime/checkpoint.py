@@ -135,7 +135,8 @@ def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim
     saved = Placement(**{k: _tuples(v) for k, v in state["placement"].items()})
     here = Placement.of(model, ctx)
     if not saved.same_job(here):
-        fix = "the model options" if differ else "the world size and EP size"
+        sizes_differ = (saved.world_size, saved.ep_size) != (here.world_size, here.ep_size)
+        fix = "the world size and EP size" if sizes_differ or not differ else "the model options"
         raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {here.describe()}"
                          f"{f' ({differ})' if differ else ''}: resume with {fix} it was saved with")
     for layer, phy2log, nodes in zip(model.moe_layers, saved.phy2log, saved.node_of_rank):

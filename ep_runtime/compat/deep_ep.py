@@ -108,7 +108,8 @@ class EventOverlap:
 class Handle(NamedTuple):
     """What a cached dispatch and combine reuse. DeepEP's first element (``rank_prefix_matrix``)
     and ``is_token_in_rank`` (its fifth) mean the same here; the channel entries are None (no
-    channels), ``recv_src_idx`` is each received row's token index at its source."""
+    channels), ``recv_src_idx`` is each received row's token index at its source (-1 on the padding
+    rows of a ``num_worst_tokens`` dispatch)."""
 
     rank_prefix_matrix: torch.Tensor
     channel_prefix_matrix: None
@@ -325,8 +326,8 @@ def _pad(x, rows: int, value):
     """Rows appended up to ``rows`` (DeepEP's worst-case output size), filled with ``value``."""
     if isinstance(x, tuple):
         return tuple(_pad(t, rows, value) for t in x)
-    if x is None:
-        return None
+    if x is None or x.shape[0] == rows:  # nothing to append (a cached dispatch of unpadded rows): no copy
+        return x
     if x.shape[0] > rows:
         raise ValueError(f"num_worst_tokens: expected >= the {x.shape[0]} rows received, got {rows}")
     pad = torch.full((rows - x.shape[0], *x.shape[1:]), value, dtype=x.dtype if x.element_size() > 1 else torch.uint8,

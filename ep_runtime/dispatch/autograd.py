@@ -56,7 +56,10 @@ class Transport(Protocol):
         ...
 
     def gather_home(self, rows_RX: torch.Tensor, route: Route) -> torch.Tensor:
-        """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32."""
+        """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32.
+        A backend that moves the router weights' gradients ([R, K] float32) otherwise than rows
+        also has ``gather_weights_home`` with the same arguments (``deepep``: combine's
+        ``topk_weights``); :class:`DispatchFn` uses it where there is one."""
         ...
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route, *,
@@ -92,7 +95,8 @@ class DispatchFn(torch.autograd.Function):
             if grad_weights_RK is None:
                 grad_weights_RK = torch.zeros(pos_RK.shape, dtype=torch.float32, device=pos_RK.device)
             # where, not a product: rows of routes elsewhere may hold anything (a backend's stale rows).
-            grad_weights_TK = transport.gather_home(torch.where(routed_RK, grad_weights_RK, 0.0), route)
+            gather = getattr(transport, "gather_weights_home", transport.gather_home)
+            grad_weights_TK = gather(torch.where(routed_RK, grad_weights_RK, 0.0), route)
         return grad_TD, grad_weights_TK, None, None, None, None
 
 

@@ -34,7 +34,6 @@ class BufferRoute:
     handle: tuple
     layout: ExpertLayout
     num_tokens: int
-    hidden: int  # rows of another width are router weights' gradients ([R, K])
 
 
 def import_deep_ep() -> types.ModuleType:
@@ -61,10 +60,13 @@ class DeepEPDispatcher:
         return self.buffer.dispatch(rows_TX, handle=route.handle)[0]
 
     def gather_home(self, rows_RX: torch.Tensor, route: BufferRoute) -> torch.Tensor:
-        if rows_RX.shape[1] != route.hidden:  # router weights' gradients: combine's topk_weights
-            rows = torch.zeros(rows_RX.shape[0], 8, dtype=torch.bfloat16, device=rows_RX.device)
-            return self.buffer.combine(rows, route.handle, topk_weights=rows_RX.contiguous())[1]
         return self.buffer.combine(rows_RX.contiguous(), route.handle)[0]
+
+    def gather_weights_home(self, weights_RK: torch.Tensor, route: BufferRoute) -> torch.Tensor:
+        """The router weights' gradients go home as combine's ``topk_weights`` (DeepEP combines
+        bf16 rows only: a few zero bf16 columns ride along)."""
+        rows = torch.zeros(weights_RK.shape[0], 8, dtype=torch.bfloat16, device=weights_RK.device)
+        return self.buffer.combine(rows, route.handle, topk_weights=weights_RK.contiguous())[1]
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: BufferRoute) -> torch.Tensor:
         return self.gather_home(weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype), route)
@@ -85,7 +87,7 @@ class DeepEPDispatcher:
             if self.fp8:
                 recv_x = Fp8Rows(q_RD=recv_x[0], sf_RG=recv_x[1], dtype=x_TD.dtype)
         layout = expert_layout(recv_idx_RK, self.num_local_experts, alignment=self.alignment)
-        route = BufferRoute(handle=handle, layout=layout, num_tokens=x_TD.shape[0], hidden=x_TD.shape[1])
+        route = BufferRoute(handle=handle, layout=layout, num_tokens=x_TD.shape[0])
         x_PD, weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, expand_rows(recv_x, layout), recv_weights_RK, route,
                                             self)
         return x_PD, layout, DispatchHandle(route=route, recv_weights_RK=weights_RK)
