@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from topology.planner import migration_sources
+from topology.planner import invert_phy2log, migration_sources
 from topology.routing import choose_replicas, replica_fractions
 
 from .parallel import ParallelContext
@@ -108,11 +108,7 @@ class ExpertPlacement:
     @property
     def log2phy_ER(self) -> torch.Tensor:
         """[E, R] int64 each logical expert's slots, ascending, -1 padded."""
-        slots: list[list[int]] = [[] for _ in range(self.num_experts)]
-        for slot, e in enumerate(self.phy2log_P.tolist()):
-            slots[e].append(slot)
-        R = max(len(s) for s in slots)
-        return torch.tensor([s + [-1] * (R - len(s)) for s in slots], dtype=torch.int64)
+        return invert_phy2log(self.phy2log_P[None].long(), self.replica_counts_E[None])[0]
 
     def local_experts(self, ep_rank: int) -> list[int]:
         """The logical expert of each of ``ep_rank``'s slots, in slot order."""

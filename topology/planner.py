@@ -329,7 +329,7 @@ def plan_from_phy2log(
         layer, expert = (counts_LE == 0).nonzero()[0].tolist()
         raise ValueError(f"phy2log_LP: expected every logical expert at least once, expert {expert} is missing "
                          f"in layer {layer}")
-    log2phy_LER = _invert(phy2log_LP, counts_LE)
+    log2phy_LER = invert_phy2log(phy2log_LP, counts_LE)
     weight_LP = (load_LE / counts_LE).gather(1, phy2log_LP)
     gpu_load_LG = weight_LP.view(L, G, P // G).sum(-1)
     traffic_out = None
@@ -362,8 +362,9 @@ def plan_from_phy2log(
                 traffic=traffic_out, migration=migration)
 
 
-def _invert(phy2log_LP: torch.Tensor, counts_LE: torch.Tensor) -> torch.Tensor:
-    """log2phy_LER: each expert's physical ids ascending, -1 padded to the largest count."""
+def invert_phy2log(phy2log_LP: torch.Tensor, counts_LE: torch.Tensor) -> torch.Tensor:
+    """log2phy_LER: each expert's physical ids ascending, -1 padded to the largest count
+    (``counts_LE``: each expert's physical ids per layer). Shared with ``ep_runtime.placement``."""
     L, P = phy2log_LP.shape
     E = counts_LE.shape[1]
     R = int(counts_LE.max())
