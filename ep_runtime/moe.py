@@ -101,6 +101,9 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         check_tensor("x_BSD", x_BSD, ndim=3, shape=(None, None, self.hidden))
+        dtype = self.router.weight.dtype
+        if x_BSD.dtype != dtype and not torch.is_autocast_enabled(x_BSD.device.type):
+            raise TypeError(f"x_BSD: expected the layer's dtype {dtype} (or autocast), got {x_BSD.dtype}")
         x_TD = x_BSD.flatten(0, -2)
         routing = self.router(x_TD)
         topk_idx_TK = routing.topk_idx_TK  # logical experts

@@ -28,6 +28,10 @@ def test_bad_construction_and_input_are_named():
         moe(torch.randn(10, HIDDEN))
     with pytest.raises(ValueError, match=r"^x_BSD: expected shape \('\*', '\*', 16\), got \(2, 5, 32\)"):
         moe(torch.randn(2, 5, 32))
+    with pytest.raises(TypeError, match=r"^x_BSD: expected the layer's dtype torch.float32 \(or autocast\)"):
+        moe(torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe(torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)).shape == (2, 5, HIDDEN)
 
 
 def test_a_batch_without_tokens(seed):
