@@ -165,7 +165,7 @@ class TinyDeepSeek(nn.Module):
                              f"got shape {tuple(tokens_BS.shape)}")
         pos_S = torch.arange(tokens_BS.shape[1], device=tokens_BS.device)
         x = self.embed(tokens_BS) + self.pos_embed(pos_S)
-        return mhc.expand(x, self.cfg.mhc.n) if self.mhc_head is not None else x
+        return mhc.expand(x, self.cfg.mhc.n) if self.cfg.mhc else x  # not mhc_head: a pipeline stage drops it
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last block's stream -> logits ``[B, S, V]``."""
