@@ -2,8 +2,8 @@
 
 ``reference.py`` is the specification. On devices where :func:`kernels.select.use_tilelang` is true,
 ``expert_layout`` runs the sync-free kernels of ``expert_layout_kernel.py``: with ``num_rows=None``
-it checks the experts' range and lays out into the static capacity :func:`max_rows`, then reads
-``offsets_E[-1]`` on the host to trim ``src_P`` (the host syncs the reference has too); with
+it lays out into the static capacity :func:`max_rows`, then reads ``offsets_E[-1]`` (to trim
+``src_P``) and the experts' range (checked as the reference does) in one host sync; with
 ``num_rows`` given it never syncs, needs ``num_rows >= max_rows(...)`` as the reference does, and
 checks no values: an expert out of range counts as a masked route there, where the reference
 raises. ``expand`` and ``unexpand`` run the row-copy kernels of
@@ -14,7 +14,6 @@ bits and have no autograd on any path: the dispatchers' own autograd functions c
 import torch
 
 from kernels.select import use_tilelang
-from kernels.validate import check_index_range
 
 from . import reference
 from .reference import ExpertLayout, max_rows
@@ -39,11 +38,17 @@ def expert_layout(
     if num_rows is not None:
         return kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=num_rows,
                       routes_per_token=routes_per_token)
-    if topk_idx_TK.dim() == 2 and isinstance(num_experts, int):
-        check_index_range("topk_idx_TK", topk_idx_TK, num_experts)
     capacity = max_rows(*topk_idx_TK.shape, num_experts, alignment) if topk_idx_TK.dim() == 2 else 0
     layout = kernel(topk_idx_TK, num_experts, alignment=alignment, num_rows=capacity)
-    needed = int(layout.offsets_E[-1])
+    # One host read for the trim and the experts' range (the kernel takes an expert out of range as
+    # a masked route, so checking after it is safe).
+    ends = [layout.offsets_E[-1].long()]
+    if topk_idx_TK.numel():
+        ends += [topk_idx_TK.min().long(), topk_idx_TK.max().long()]
+    needed, *span = torch.stack(ends).tolist()
+    if span and (span[0] < -1 or span[1] >= num_experts):
+        raise ValueError(f"topk_idx_TK: expected entries in -1 or [0, {num_experts}), got values in "
+                         f"[{span[0]}, {span[1]}]")
     return ExpertLayout(
         counts_E=layout.counts_E,
         offsets_E=layout.offsets_E,
