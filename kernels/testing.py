@@ -67,7 +67,7 @@ def routes(
 def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, *, seed: int = 0,
                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A dispatch's routes: distinct experts per token of ``world * num_local_experts``, about a
-    fifth masked (-1), and one id past the last expert (goes nowhere).
+    fifth masked (-1).
 
     Returns:
         topk_idx_TK: [T, K] int32; topk_weights_TK: [T, K] float32.
@@ -75,8 +75,6 @@ def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, 
     gen = torch.Generator().manual_seed(seed)
     idx_TK = torch.rand(num_tokens, world * num_local_experts, generator=gen).argsort(1)[:, :topk].to(torch.int32)
     idx_TK[torch.rand(num_tokens, topk, generator=gen) < 0.2] = -1
-    if num_tokens:
-        idx_TK[0, 0] = world * num_local_experts
     return idx_TK.to(device), torch.randn(num_tokens, topk, generator=gen).to(device)
 
 

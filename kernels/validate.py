@@ -59,13 +59,30 @@ def check_finite(name: str, t: torch.Tensor) -> None:
 
 def check_index_range(name: str, t: torch.Tensor, high: int, *, allow_masked: bool = True) -> None:
     """Entries must lie in ``[0, high)``, or be -1 (masked) where ``allow_masked``."""
-    if not t.numel():
-        return
-    low = -1 if allow_masked else 0
-    lo, hi = int(t.min()), int(t.max())
-    if lo < low or hi >= high:
+    if t.numel():
+        _check_range(name, *torch.stack([t.min(), t.max()]).tolist(), high, allow_masked)
+
+
+def _check_range(name: str, lo: int, hi: int, high: int, allow_masked: bool) -> None:
+    if lo < (-1 if allow_masked else 0) or hi >= high:
         allowed = f"-1 or [0, {high})" if allow_masked else f"[0, {high})"
         raise ValueError(f"{name}: expected entries in {allowed}, got values in [{lo}, {hi}]")
+
+
+def check_routes(topk_idx_TK: torch.Tensor, num_experts: int, name: str = "topk_idx_TK") -> None:
+    """A router's ``[T, K]`` routes: experts in ``[0, num_experts)`` or -1, and a token's experts
+    distinct (what a top-k gives; receive buffers sized per token count on it). One host sync;
+    kernels that must not sync check on the device (``kernels.comm.plan_kernel.assert_routes``)."""
+    if not topk_idx_TK.numel():
+        return
+    sorted_TK = topk_idx_TK.sort(dim=1).values
+    repeated_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
+    lo, hi, repeats = torch.stack([sorted_TK[:, 0].min().long(), sorted_TK[:, -1].max().long(),
+                                   repeated_T.sum()]).tolist()
+    _check_range(name, lo, hi, num_experts, True)
+    if repeats:
+        t = int(repeated_T.nonzero()[0, 0])
+        raise ValueError(f"{name}: expected distinct experts per token, token {t} has {topk_idx_TK[t].tolist()}")
 
 
 def check_positive(name: str, value: int) -> int:

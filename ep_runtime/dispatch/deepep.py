@@ -22,9 +22,10 @@ import torch.distributed as dist
 from kernels.permute import ExpertLayout, expert_layout
 from kernels.quant import per_token_cast
 from kernels.reduce import weighted_reduce
+from kernels.validate import check_routes
 
 from .autograd import CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout
+from kernels.validate import check_routes
 
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
 from .nvlink import NVLinkDispatcher, PeerRoute
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
 @dataclass(frozen=True)

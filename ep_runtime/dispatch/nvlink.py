@@ -69,7 +69,7 @@ from kernels.validate import check_positive
 
 from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, check_routes, local_experts
+from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from .symmetric import SymmetricHeap, aligned, make_heap
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
@@ -223,9 +223,7 @@ class NVLinkDispatcher:
                                sf_SG=scales, group=FP8_GROUP, signal=signal)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
-        check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
-        if x_TD.device.type == "cpu":  # on GPUs the check would cost the host sync this backend avoids
-            check_routes(topk_idx_TK, self.num_experts)
+        check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)  # the routes' values: put_routes checks them
         num_tokens, topk = topk_idx_TK.shape
         if num_tokens > self.max_tokens:
             raise ValueError(f"x_TD: rank {self.rank} of the EP group dispatches {num_tokens} tokens, more than the "

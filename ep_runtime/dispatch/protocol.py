@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from kernels.permute import ExpertLayout
-from kernels.validate import check_index_range, check_tensor
+from kernels.validate import check_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -62,8 +62,9 @@ class Dispatcher(Protocol):
             x_TD: [T, D] tokens (float32, bfloat16 or float16).
             topk_idx_TK: [T, K] int64 or int32 expert ids in [0, num_experts), -1 = no route; a
                 token's ids are distinct experts (what a top-k router gives: ``nvlink``'s receive
-                buffers count on it). Backends that sync anyway check this (:func:`check_routes`);
-                ``nvlink`` on GPUs does not (a check costs a host sync).
+                buffers count on it). Checked: by :func:`kernels.validate.check_routes` in backends
+                that sync anyway, by ``nvlink``'s send kernels on GPUs (a device-side assert, no
+                host sync: the process stops at its next sync).
             topk_weights_TK: [T, K] float32 router weights (ignored where the id is -1).
         Returns:
             x_PD: [P, D] received tokens in the local experts' aligned expert-major layout
@@ -96,17 +97,6 @@ def local_experts(num_experts: int, ep_size: int) -> int:
     if num_experts % ep_size:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
     return num_experts // ep_size
-
-
-def check_routes(topk_idx_TK: torch.Tensor, num_experts: int) -> None:
-    """The values of ``Dispatcher.dispatch``'s routes: experts in ``[0, num_experts)`` or -1, and a
-    token's experts distinct. Syncs with the host."""
-    check_index_range("topk_idx_TK", topk_idx_TK, num_experts)
-    sorted_TK = topk_idx_TK.sort(dim=1).values
-    repeated_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
-    if bool(repeated_T.any()):
-        t = int(repeated_T.nonzero()[0, 0])
-        raise ValueError(f"topk_idx_TK: expected distinct experts per token, token {t} has {topk_idx_TK[t].tolist()}")
 
 
 def check_combine_args(y_PD: torch.Tensor, handle: object) -> None:

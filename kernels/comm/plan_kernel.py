@@ -13,8 +13,8 @@ route's rank comes from comparisons with the ranks' expert ranges and a row's se
 division: 64-bit divisions by a runtime size, several per route as the straightforward indexing
 lowers, were most of a small batch's ``plan_receive`` (7 us for 256 rows on an H100, session 11).
 
-Values are not checked on the host (no host sync): an expert id outside ``[0, W * E_local)`` goes
-nowhere, as -1 does (so does the reference).
+Values are not checked on the host (no host sync): ``put_routes`` checks each token's routes on
+the device (:func:`assert_routes`), where the reference raises.
 
 Shape suffixes: T tokens, K routes, W ranks, M = 2K words of metadata, R = W * T_max rows.
 """
@@ -25,6 +25,7 @@ import math
 import tilelang
 import torch
 from tilelang import language as T
+from tvm import tirx
 
 from kernels.pdl import chained
 from kernels.quant.tiles import PEER_PASS_CONFIGS
@@ -36,12 +37,31 @@ from .reference import ReceivePlan, RouteRegions
 
 THREADS = 256
 MAX_TOPK = 16  # put_routes stages THREADS tokens' 2K words in shared memory: 32 KB at 16
+ROUTES_MESSAGE = "topk_idx_TK: expected expert ids in [0, num_experts) or -1, distinct per token"
 
 
 def goes_to(ids, w, e_local):
     """Whether any of a token's ids (a sequence of expressions) is one of rank w's experts
     ``[w * e_local, (w + 1) * e_local)``: comparisons, no division."""
     return functools.reduce(T.Or, [T.And(e >= w * e_local, e < (w + 1) * e_local) for e in ids])
+
+
+def routes_valid(ids, num_experts):
+    """Whether a token's ids (expressions, as the router gave them) are each -1 or an expert of
+    ``[0, num_experts)``, the experts distinct: :func:`kernels.validate.check_routes` on the device."""
+    bound = [T.Cast(e.dtype, num_experts) for e in ids]
+    in_range = [T.And(e >= -1, e < n) for e, n in zip(ids, bound)]
+    distinct = [T.Or(ids[i] < 0, ids[i] != ids[j]) for i in range(len(ids)) for j in range(i)]
+    return functools.reduce(T.And, in_range + distinct)
+
+
+def assert_routes(ids, num_experts):
+    """A device-side assert of :func:`routes_valid`. Bad routes would otherwise go nowhere (an id
+    past the experts) or overflow a receiver's buffer (a repeated expert); the assert stops the
+    process at its next sync instead ("device-side assert triggered", :data:`ROUTES_MESSAGE`
+    printed by the GPU), as PyTorch's own index checks do. No host sync."""
+    return T.call_intrin("void", tirx.op.Op.get("tl.device_assert_with_msg"), routes_valid(ids, num_experts),
+                         ROUTES_MESSAGE)
 
 
 @tilelang.jit(pass_configs={**HAND_SYNC_CONFIGS, **PEER_PASS_CONFIGS})
@@ -86,6 +106,7 @@ def get_put_routes_kernel(world: int, topk: int, index_dtype: str = "int32"):
                 for k in T.unroll(topk):
                     meta_M[k] = T.Cast(T.int32, idx_TK[token, k])
                     meta_M[topk + k] = weight_bits_TK[token, k]
+                assert_routes([idx_TK[token, k] for k in range(topk)], world * e_local)
                 for m in T.unroll(words):
                     meta_S[tid * words + m] = meta_M[m]
                 for w in T.unroll(world):

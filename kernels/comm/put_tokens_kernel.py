@@ -14,8 +14,9 @@ allow, a thread's own (rank 0's copy viewed ``[C, vec]``, so the peer offset fal
 stores took 95.2 us against 8-byte ones' 96.4 with the barrier at 4096 tokens per rank on two
 H100s, ``bench/scripts/dispatch_parts.py``); scales as 4-byte words. Those stores lie outside the
 buffers the kernel is given, so TileLang's out-of-bounds guards are off and every access is
-guarded by hand. Values are not checked (no host sync): an expert id outside ``[0, W * E_local)``
-goes nowhere, as -1 does.
+guarded by hand. Values are not checked on the host (no host sync): with ``routes`` the kernel
+checks each token's routes on the device, as ``put_routes`` does (otherwise ``put_routes``, which
+runs beside it, has).
 
 Shape suffixes: T tokens, D hidden, K routes, W ranks, G scale groups, C vectors of a region, V
 vectors of a tile row, E elements of a vector.
@@ -42,7 +43,7 @@ from kernels.quant.tiles import (
 )
 from kernels.validate import check_tensor
 
-from .plan_kernel import goes_to, put_routes
+from .plan_kernel import assert_routes, goes_to, put_routes
 from .put_rows_kernel import peer_copy
 from .reference import RouteRegions, TokenRegions
 
@@ -107,6 +108,11 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
                 for i, k in T.Parallel(tile_m, topk):
                     token = pm * tile_m + i
                     bits_MK[i, k] = T.if_then_else(token < num_tokens, weight_bits_TK[token, k], 0)
+                if pn == 0:  # put_routes' check, a thread a token
+                    for r in T.unroll(-(-tile_m // threads)):
+                        i = r * threads + T.get_thread_binding()
+                        if T.And(i < tile_m, pm * tile_m + i < num_tokens):
+                            assert_routes([idx_TK[pm * tile_m + i, k] for k in range(topk)], world * e_local)
             deltas = T.alloc_local((world,), "int64")
             for w in T.unroll(world):
                 deltas[w] = delta_W[w]

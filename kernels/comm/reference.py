@@ -17,7 +17,7 @@ import torch
 from kernels.permute.reference import ExpertLayout, expert_layout, max_rows
 from kernels.quant.reference import expand_cast_back, per_token_cast
 from kernels.reduce.reference import weighted_reduce
-from kernels.validate import check_tensor
+from kernels.validate import check_routes, check_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,8 +229,9 @@ def plan_send(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *, num_l
     prefix sum, so a sender needs no pass over its batch before it stores).
 
     Args:
-        topk_idx_TK: [T, K] int32 or int64 expert ids, -1 for none (values are not checked; they
-            travel, and are routed, as int32: an int64 id past int32 wraps as the receiver reads it).
+        topk_idx_TK: [T, K] int32 or int64 expert ids in ``[0, W * E_local)``, -1 for none, a
+            token's experts distinct (checked: :func:`kernels.validate.check_routes`; they travel
+            as int32).
         topk_weights_TK: [T, K] float32.
         num_local_experts, world, rank, max_tokens: E_local, W, this rank, T_max (>= T).
     """
@@ -250,6 +251,7 @@ def token_rows(topk_idx_TK: torch.Tensor, *, num_local_experts: int, world: int,
         raise ValueError(f"topk_idx_TK: expected at most max_tokens={max_tokens} tokens, got {topk_idx_TK.shape[0]}")
     if not 0 <= rank < world:
         raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
+    check_routes(topk_idx_TK, world * num_local_experts)
     device, idx_TK = topk_idx_TK.device, topk_idx_TK.to(torch.int32)  # ids as they travel (receivers read these)
     ranks_W = torch.arange(world, dtype=torch.int32, device=device)
     token_T = torch.arange(idx_TK.shape[0], dtype=torch.int32, device=device)

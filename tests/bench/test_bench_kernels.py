@@ -105,8 +105,8 @@ def test_engram_hash_peer_gets_our_hash_in_its_conventions():
 
 
 class GpuTimeStandIn(bench.Timer):
-    """A CPU timer whose ``kernel_us`` reads a set GPU time per thunk, 3 us for any other (CUPTI
-    needs a GPU)."""
+    """A CPU timer whose ``kernel_us`` reads a set GPU time per thunk, 3 us for any other, and whose
+    copies take 1 us + 1 us per 100 bytes (CUPTI needs a GPU)."""
 
     def __init__(self, gpu_us: dict):
         super().__init__(torch.device("cpu"), iters=3, warmup=0, budget_s=0.01, flush_bytes=0, kernel_calls=1)
@@ -114,6 +114,9 @@ class GpuTimeStandIn(bench.Timer):
 
     def kernel_us(self, fn, calls=50):
         return self.gpu_us.get(fn, 3.0)
+
+    def copy_kernel_us(self, nbytes):
+        return 1.0 + nbytes / 100
 
 
 def test_kernel_time_judges_the_ratio_and_fusion_bars_beside_the_timer():
@@ -132,6 +135,9 @@ def test_kernel_time_judges_the_ratio_and_fusion_bars_beside_the_timer():
     gpu = result["fusion"]["kernel_time"]
     assert gpu["unfused_kernel_us"] == 4.0 and gpu["speedup"] == 2.0
     assert abs(gpu["gain_over_bytes_gain"] - 1.0 / 0.8) < 1e-12 and gpu["bar_ok"]
+    # copies of the 100 and 180 bytes: 2.0 and 2.8 us, a gain of 0.4 for the bytes' 0.8 (reported, not a bar)
+    assert gpu["copy"]["fused_us"] == 2.0 and gpu["copy"]["unfused_us"] == 2.8
+    assert abs(gpu["copy"]["gain_over_bytes_gain"] - 0.5) < 1e-12 and not gpu["copy"]["bar_ok"]
     bars = bench.summarize_bars([{"shape": "small", **result}])
     assert bars["ratio_vs_fastest_peer_ge_1_by_kernel_time"] == {"small/swiglu_per_token_cast": True}
     assert bars["fusion_by_kernel_time"] == {"small/swiglu_per_token_cast": True}

@@ -2,12 +2,17 @@
 rows (put_routes: every byte of every heap), and the TileLang kernels against the references (same
 values, same bytes) on fresh random routes; sm_90a compile."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kernels import lowering
 from kernels.comm import RouteRegions, reference
-from kernels.comm.plan_kernel import get_plan_receive_kernel, get_put_routes_kernel, plan_receive, put_routes
+from kernels.comm.plan_kernel import (ROUTES_MESSAGE, get_plan_receive_kernel, get_put_routes_kernel, plan_receive,
+                                      put_routes)
 from kernels.testing import peer_heaps, send_routes
 
 
@@ -106,11 +111,58 @@ def test_receive_plan_matches_a_loop(seed):
 def test_send_plan_takes_the_routers_int64_ids(seed):
     idx, w = send_routes(40, 4, 3, 5, seed=seed)
     args = dict(num_local_experts=5, world=3, rank=2, max_tokens=50)
-    wide = idx.long()
-    wide[wide >= 0] += 2**32  # past int32: routed as the int32 the receivers read (the same ids)
-    want, got = reference.plan_send(idx, w, **args), reference.plan_send(wide, w, **args)
+    want, got = reference.plan_send(idx, w, **args), reference.plan_send(idx.long(), w, **args)
     for name in ("dest_TW", "home_TW", "meta_TM"):
         assert getattr(got, name).dtype == torch.int32 and torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("bad,match", [(15, r"entries in -1 or \[0, 15\), got values in \[-1, 15\]"),
+                                       (-2, r"entries in -1 or \[0, 15\), got values in \[-2, "),
+                                       (2**32 + 3, r"entries in -1 or \[0, 15\), got values in \[-1, 4294967299\]"),
+                                       ("repeat", r"distinct experts per token, token 3 has")])
+def test_send_plan_rejects_bad_routes(bad, match):
+    """An expert past the last (in int32 or past it), below -1, or twice for one token: an error
+    naming the routes, where the ids would otherwise go nowhere or overflow a receiver's buffer."""
+    idx, w = send_routes(6, 4, 3, 5)
+    idx = idx.long()
+    idx[3] = torch.tensor([2, 7, 2, -1]) if bad == "repeat" else torch.tensor([bad, 1, 2, -1])
+    with pytest.raises(ValueError, match="^topk_idx_TK: expected " + match):
+        reference.plan_send(idx, w, num_local_experts=5, world=3, rank=0, max_tokens=6)
+
+
+BAD_ROUTES_SCRIPT = """
+import sys, torch
+from kernels.comm import RouteRegions, TokenRegions, put_routes, put_tokens_and_routes
+from kernels.testing import peer_heaps, send_routes
+kernel, bad, token = sys.argv[1], sys.argv[2], int(sys.argv[3])
+idx, w = send_routes(300, 4, 2, 5, device="cuda")
+idx[token] = torch.tensor([1, 3, 1, -1] if bad == "repeat" else [int(bad), 0, -1, 2])
+_, (q, sf, meta, counts) = peer_heaps(2, [((600, 256), torch.uint8), ((600, 2), torch.float32),
+                                          ((600, 8), torch.int32), ((2, 1), torch.int32)], device="cuda")
+routes = RouteRegions(meta=meta, counts=counts)
+if kernel == "put_routes":
+    put_routes(idx, w, routes, num_local_experts=5, rank=0)
+else:
+    x = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")
+    put_tokens_and_routes(x, idx, w, TokenRegions(q=q, sf=sf), routes, num_local_experts=5, rank=0)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["put_routes", "put_tokens_and_routes"])
+@pytest.mark.parametrize("bad,token", [("10", 0), ("-2", 299), ("repeat", 257), ("9", 5)])
+def test_kernels_stop_on_bad_routes(kernel, bad, token):
+    """The kernels' device-side check of the routes: the process stops at its next sync with the
+    routes' message (a fresh process each: a device-side assert leaves the CUDA context unusable).
+    "9" is a valid id (the last expert): that run must succeed."""
+    run = subprocess.run([sys.executable, "-c", BAD_ROUTES_SCRIPT, kernel, bad, str(token)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "EP_KERNELS": "tilelang"})
+    if bad == "9":
+        assert run.returncode == 0, run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr[-2000:]
+        assert ROUTES_MESSAGE in run.stdout + run.stderr
 
 
 @pytest.mark.gpu
@@ -167,6 +219,7 @@ def test_compiles_for_sm90a():
     vectors); the router's int32 and int64 ids."""
     with lowering.compile_only():
         for world, k in ((2, 8), (8, 8), (2, 2), (3, 3)):
-            assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int32"))
-            assert _chained("put_routes_kernel", get_put_routes_kernel(world, k, "int64"))
+            for index_dtype in ("int32", "int64"):
+                source = lowering.kernel_source(get_put_routes_kernel(world, k, index_dtype))
+                assert lowering.waits_first(source) and "device_assert_with_msg" in source, (world, k)
             assert _chained("plan_receive_kernel", get_plan_receive_kernel(world, k))

@@ -137,3 +137,4 @@ def test_compiles_for_sm90a():
         for spec in [(7168, "bfloat16", 128, 2, 8, "int64"), (64, "float32", 128, 2, 2, "int32")]:  # with routes
             source = lowering.kernel_source(get_put_tokens_kernel(*spec, routes=True))
             assert "meta_F" in source and "counts_F" in source and lowering.waits_first(source), spec
+            assert "device_assert_with_msg" in source, spec  # put_routes' check of the routes
