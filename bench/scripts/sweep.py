@@ -41,6 +41,8 @@ NORM_FN_OPTIONS = [dict(stages=6), dict(block_k=256, stages=3)]  # shipped: 64 x
 NORM_FN_PARTS_OPTIONS = [{}, dict(stages=3)]  # float32 / float16 streams (64-column chunks, 4 stages)
 # shipped: 2 stages (kernels/mhc/NOTES.md has session 21's sweeps of stages, chunks, columns and stores)
 NORM_FN_BACKWARD_OPTIONS = [dict(stages=1), dict(stages=3)]
+# session 24: bytes of y a thread (shipped: 16); at 128 tokens the 16-byte grid fills a fifth of an H100
+REDUCE_VECTOR_BYTES = [8, 4]
 
 
 def _cast_variant(x, block, tile):
@@ -99,6 +101,24 @@ def _expand_cast_variant(x, layout, tile):
         sf = torch.empty((layout.num_rows, -(-d // 128)), dtype=torch.float32, device=x.device)
         kernel(x, pos, src, q, sf)
         return q, sf
+
+    return call
+
+
+def _weighted_reduce_variant(case, vector_bytes):
+    """The shipped op's call with ``vector_bytes`` of ``y`` a thread."""
+    from kernels.quant.tiles import tl_dtype
+    from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel
+
+    y, pos, weights, *sf = case.args
+    sf = sf[0] if sf else torch.empty((y.shape[0], -(-y.shape[1] // 128)), dtype=torch.float32, device=y.device)
+    kernel = get_weighted_reduce_kernel(y.shape[1], pos.shape[1], tl_dtype(y.dtype), tl_dtype(pos.dtype), "bfloat16",
+                                        128, False, vector_bytes=vector_bytes)
+
+    def call():
+        out = torch.empty((pos.shape[0], y.shape[1]), dtype=torch.bfloat16, device=y.device)
+        kernel(y, sf, pos, weights, out)
+        return out
 
     return call
 
@@ -179,8 +199,10 @@ def _norm_fn_backward_variants(x, fn, g) -> dict[str, object]:
     return {"cuda cores": cuda_cores, **{f"mma {o}": functools.partial(run, o) for o in NORM_FN_BACKWARD_OPTIONS}}
 
 
-def variants(op: str, inp) -> dict[str, object]:
-    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape."""
+def variants(op: str, inp, case) -> dict[str, object]:
+    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape (``case``: the op as shipped)."""
+    if op in ("weighted_reduce", "weighted_reduce_fp8"):
+        return {f"vector_bytes={b}": _weighted_reduce_variant(case, b) for b in REDUCE_VECTOR_BYTES}
     if op == "mhc_norm_fn":
         return _norm_fn_variants(inp.x_TND, inp.fn_MK)
     if op == "mhc_norm_fn_backward":
@@ -247,8 +269,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--compile-budget", type=float, default=60, help="seconds of torch.compile for the peers")
     p.add_argument("--shape", default="large", help="shape of the non-mHC ops (bench kernels' SHAPES: large, small)")
+    p.add_argument("--kernel-time", action="store_true", help="also each variant's CUPTI GPU time (bench kernels')")
     a = p.parse_args()
     device, seed, timer = bench.tuning_setup(a.iters)
+    timer.kernel_calls = 50 if a.kernel_time else 0
     copy = bench.copy_bandwidth(timer, 1 << 30)
     print(f"{bench.device_name(device)}  copy {copy['gbps']:.0f} GB/s  seed {seed}", flush=True)
     rows = []
@@ -262,11 +286,12 @@ def main() -> None:
             shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=budget, impl="tilelang")
             peer_us = {name: r.get("time_us", r.get("error")) for name, r in shipped.pop("peers", {}).items()}
             found = {"shipped": shipped}
-            for label, thunk in variants(op, inp).items():
+            for label, thunk in variants(op, inp, case).items():
                 found[label] = bench.run_case(dataclasses.replace(case, ours=thunk), timer, copy["gbps"],
                                               with_peers=False, compile_budget=None, impl="tilelang")
             for label, r in found.items():
-                line = (f"{shape_name:9s} {op:18s} {label:24s} " + (f"{r['time_us']:8.1f} us {r['pct_of_copy']:5.1f}% "
+                gpu = f"GPU {r['kernel_us']:8.2f} us " if "kernel_us" in r else ""
+                line = (f"{shape_name:9s} {op:18s} {label:24s} " + (f"{r['time_us']:8.1f} us {gpu}{r['pct_of_copy']:5.1f}% "
                         f"{r['check']}" if "time_us" in r else f"ERROR {r.get('error', '')[:150]}"))
                 print(line, flush=True)
                 rows.append({"shape": shape_name, "op": op, "variant": label, **r})

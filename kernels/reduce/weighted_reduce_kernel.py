@@ -53,11 +53,12 @@ MAX_THREADS = 256
 PUT_THREADS = 1024
 
 
-def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS) -> tuple[int, int, int]:
-    """``(vec, threads, tiles)``: elements per thread (one 16-byte vector of ``y``, narrower where
-    ``num_cols`` needs it), threads per CTA (a multiple of 32, at most ``max_threads``) and CTAs per
-    token row."""
-    vec = math.gcd(VECTOR_BYTES // y_bytes, num_cols)
+def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
+                vector_bytes: int = VECTOR_BYTES) -> tuple[int, int, int]:
+    """``(vec, threads, tiles)``: elements per thread (one ``vector_bytes`` vector of ``y``, narrower
+    where ``num_cols`` needs it), threads per CTA (a multiple of 32, at most ``max_threads``) and
+    CTAs per token row."""
+    vec = math.gcd(max(vector_bytes // y_bytes, 1), num_cols)
     num_vectors = num_cols // vec
     tiles = -(-num_vectors // max_threads)
     threads = -(-(-(-num_vectors // tiles)) // 32) * 32
@@ -65,11 +66,11 @@ def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS) -> 
 
 
 def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
-                 unit: bool = False, max_threads: int = MAX_THREADS):
+                 unit: bool = False, max_threads: int = MAX_THREADS, vector_bytes: int = VECTOR_BYTES):
     """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
     row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
     every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits)."""
-    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes, max_threads)
+    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes, max_threads, vector_bytes)
     dequantize = y_dtype == "float8_e4m3fn"
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
 
@@ -113,13 +114,14 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_weighted_reduce_kernel(
     num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool,
-    unit: bool = False,
+    unit: bool = False, vector_bytes: int = VECTOR_BYTES,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
     (pass any ``[P, G]`` tensor of the scale dtype otherwise), ``weights_TK`` only without ``unit``
-    (weights of 1)."""
+    (weights of 1); ``vector_bytes`` of ``y`` a thread (for tuning sweeps)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit)
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit,
+                                                   vector_bytes=vector_bytes)
     sf_dtype = "uint8" if packed else "float32"
 
     @T.prim_func
