@@ -2,7 +2,8 @@
 :mod:`kernels.reduce.reference` for the function).
 
 A CTA covers one token's columns ``[pn * threads * vec, (pn + 1) * threads * vec)``; each thread
-owns one 16-byte vector of ``y`` (``vec`` elements: 8 bf16, 16 e4m3, 4 float32). A thread first
+owns one 16-byte vector of ``y`` (``vec`` elements: 8 bf16, 16 e4m3, 4 float32; 8 bytes of e4m3 rows
+for a batch too small to fill the GPU, :func:`reduce_vector_bytes`). A thread first
 reads the token's K routes (rows and weights), then issues all K row loads (each predicated on its
 row being >= 0; with e4m3 rows, the row's scale too) before the first add, so K x 16 bytes per
 thread are in flight instead of one vector at a time. Then it adds ``w[t, k] * y[pos[t, k]]``
@@ -40,12 +41,14 @@ from kernels.quant.tiles import (
     check_cuda,
     row_major,
     scale_and_inverse,
+    sm_count,
     tl_dtype,
     to_e4m3,
     unpack_scale,
 )
 
 MAX_THREADS = 256
+MAX_THREADS_PER_SM = 2048  # Hopper's
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
 # reduce_sum_home), 1024 threads (one CTA of 896 per row of 7168 bf16) took 188.2 us against 128's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
@@ -342,6 +345,18 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     return reduce_sum_home
 
 
+def reduce_vector_bytes(num_tokens: int, num_cols: int, y_bytes: int, device: torch.device) -> int:
+    """Bytes of ``y`` a thread: 16, or 8 for e4m3 rows whose 16-byte grid would not fill the GPU's
+    threads once (a small batch: each thread's 16 routes x 16 values are a long serial chain there,
+    and twice the threads hide it). H100, hidden 7168, top-8 (``bench/scripts/sweep.py``, session
+    24): 128 tokens 5.74 against 6.33 us of GPU time; 16384 tokens 467.5 against 435.1 us. bf16
+    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens)."""
+    if y_bytes != 1:
+        return VECTOR_BYTES
+    _, threads, tiles = reduce_tile(num_cols, y_bytes)
+    return 8 if num_tokens * tiles * threads < sm_count(device) * MAX_THREADS_PER_SM else VECTOR_BYTES
+
+
 def weighted_reduce(
     y_PD: torch.Tensor,
     pos_TK: torch.Tensor,
@@ -369,7 +384,7 @@ def weighted_reduce(
         weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
     kernel = get_weighted_reduce_kernel(
         d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
-        unit,
+        unit, reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
     )
     kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD

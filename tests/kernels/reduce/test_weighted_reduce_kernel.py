@@ -4,12 +4,14 @@ Tolerance: none. The kernel rounds every product and every sum to float32 in the
 k = 0 .. K-1 (explicit IEEE operations, no FMA), so outputs are compared bit for bit; every
 output element is checked, and outputs start as poison."""
 
+import sys
+
 import pytest
 import torch
 
 from kernels import lowering
 from kernels.reduce import reference
-from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel, weighted_reduce
+from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel, reduce_vector_bytes, weighted_reduce
 from kernels.testing import fp8_rows, poison_allocator, reduce_routes
 
 CASES = [  # (T, K, P, D, y dtype, index dtype, out dtype)
@@ -94,6 +96,7 @@ SPECIALIZATIONS = [  # (num_cols, topk, y, index, out, group, packed): combine a
     (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, False),
     (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, True),
     (300, 6, "float32", "int64", "float32", 128, False),
+    (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, False, False, 8),  # a small batch's e4m3 rows
 ]
 HOME_SUMS = [  # combine's home sum (weights of 1, int32 rows): two ranks at hidden 7168, the tiny model's 64
     (7168, 2, "bfloat16", "int32", "bfloat16", 128, False, True),
@@ -108,6 +111,15 @@ def test_compiles_for_sm90a():
             assert "__fmul_rn" in source and lowering.waits_first(source), spec
         for spec in HOME_SUMS:  # no product left: the rows are added as they are
             assert "__fmul_rn" not in lowering.kernel_source(get_weighted_reduce_kernel(*spec)), spec
+
+
+def test_small_batches_of_e4m3_rows_take_8_bytes_a_thread(monkeypatch):
+    """16 bytes a thread, but 8 for e4m3 rows while the 16-byte grid would not fill an H100's
+    threads once (132 SMs x 2048: hidden 7168 gives 448 threads a token, so up to 603 tokens)."""
+    monkeypatch.setattr(sys.modules[reduce_vector_bytes.__module__], "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert [reduce_vector_bytes(t, 7168, 1, cpu) for t in (1, 128, 603, 604, 16384)] == [8, 8, 8, 16, 16]
+    assert reduce_vector_bytes(128, 7168, 2, cpu) == 16  # bf16 rows: 16 at every size
 
 
 @pytest.mark.gpu
