@@ -50,9 +50,8 @@ class MoELayer(nn.Module):
         self.hidden = hidden
         self.router = Router(hidden, cfg.num_experts, cfg.router)
         n_local = dispatcher.num_local_experts
-        ep_size = dispatcher.num_experts // n_local
-        if not (isinstance(ep_rank, int) and 0 <= ep_rank < ep_size):
-            raise ValueError(f"ep_rank: expected 0..{ep_size - 1} (the dispatcher's EP size {ep_size}), "
+        if not (isinstance(ep_rank, int) and 0 <= ep_rank < self.ep_size):
+            raise ValueError(f"ep_rank: expected 0..{self.ep_size - 1} (the dispatcher's EP size {self.ep_size}), "
                              f"got {ep_rank!r}")
         if placement is None and dispatcher.num_experts != cfg.num_experts:
             raise ValueError(f"dispatcher.num_experts: expected model.moe.num_experts={cfg.num_experts} (or a "
@@ -70,22 +69,25 @@ class MoELayer(nn.Module):
         self.load_E = torch.zeros(cfg.num_experts, dtype=torch.int32)
         self.aux_loss = torch.zeros(())
 
+    @property
+    def ep_size(self) -> int:
+        """Ranks of this layer's EP group (the dispatcher's)."""
+        return self.dispatcher.num_experts // self.dispatcher.num_local_experts
+
     def check_placement(self, placement: ExpertPlacement, *, name: str) -> None:
         """Raises ValueError unless ``placement`` fits this layer's experts and dispatcher."""
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(f"{name}: expected an ExpertPlacement, got {type(placement).__name__}")
         d = self.dispatcher
-        ep_size = d.num_experts // d.num_local_experts
         if placement.num_experts != self.cfg.num_experts:
             raise ValueError(f"{name}.num_experts: expected model.moe.num_experts={self.cfg.num_experts}, got "
                              f"{placement.num_experts}")
-        if placement.ep_size != ep_size:
-            raise ValueError(f"{name}.ep_size: expected the dispatcher's EP size {ep_size}, got {placement.ep_size}")
+        if placement.ep_size != self.ep_size:
+            raise ValueError(f"{name}.ep_size: expected the dispatcher's EP size {self.ep_size}, got "
+                             f"{placement.ep_size}")
         if placement.num_physical_experts != d.num_experts:
             raise ValueError(f"{name}.phy2log_P: expected the dispatcher's {d.num_experts} physical experts, got "
                              f"{placement.num_physical_experts}")
-        if not 0 <= self.ep_rank < ep_size:
-            raise ValueError(f"ep_rank: expected 0..{ep_size - 1}, got {self.ep_rank}")
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Routes by ``placement`` from now on and records its slots' experts. Moves no weights:
