@@ -21,6 +21,8 @@
 #   profile-mhc  the mHC sublayer's GPU time by kernel, T = 8192, N = 4, D = 4096 (GPU 0).
 #   moe-layer    the DeepSeek-V3 MoE layer forward+backward on one GPU (EP 1), TileLang kernels vs the
 #                references (EP_KERNELS), issue #3's end-to-end number.
+#   reduce-vectors  weighted_reduce of e4m3 rows from 128 to 4096 tokens: the shipped 8/16-byte choice
+#                against both forced (bench/scripts/reduce_vectors.py, GPU 0; session 24's open question).
 #   dispatch-profile  bench dispatch on two GPUs with --profile: where nvlink dispatch + combine
 #                spend their GPU time (issue #9's bandwidth bars), 4096 and 128 tokens per rank.
 set -u
@@ -81,6 +83,9 @@ for step in "$@"; do
           --shape deepseek-v3 --modes weak --max-ep 1 --warmup 2 --iters 5 --out "$out/moe-$k" --commit "$commit"
         grep "EP " "$out/moe-layer-$k.log" | tail -2 | cut -c1-200
       done ;;
+    reduce-vectors)
+      LIMIT=150 run reduce-vectors python3 bench/scripts/reduce_vectors.py
+      grep "^T=" "$out/reduce-vectors.log" ;;
     paired)
       LIMIT=240 run paired python3 bench/scripts/paired.py --out "$out/paired.json" ${PAIRED_OPS:+--ops $PAIRED_OPS}
       grep -v INFO "$out/paired.log" | tail -12 ;;
