@@ -104,6 +104,55 @@ def test_engram_hash_peer_gets_our_hash_in_its_conventions():
     assert bench.agreement(got, want) == 1.0
 
 
+def test_check_rules_reject_what_they_must():
+    """``normwise``: within two ulps of the reference's largest magnitude (1e-5 for float32);
+    ``within_largest(rel)``: within rel of it, or of 1 where it is smaller. Each passes at its
+    bound and fails past it."""
+    want = torch.tensor([1000.0, 1.0], dtype=torch.float32)
+    assert bench.normwise(want + torch.tensor([0.0, 0.009]), want)  # 1000 * 1e-5 = 0.01
+    assert not bench.normwise(want + torch.tensor([0.0, 0.011]), want)
+    half = torch.tensor([4.0, 0.5], dtype=torch.bfloat16)  # 2 ulps of bf16 at 4: 4 * 2**-7 = 0.03125
+    assert bench.normwise(half + torch.tensor([0.0, 0.03125], dtype=torch.bfloat16), half)
+    assert not bench.normwise(half + torch.tensor([0.0, 0.0625], dtype=torch.bfloat16), half)
+    rule = bench.within_largest(1e-3)
+    small = torch.tensor([0.1, -0.2])  # largest 0.2 < 1: the bound is 1e-3
+    assert rule(small + 0.0009, small) and not rule(small + 0.0011, small)
+    assert rule(want + 0.99, want) and not rule(want + 1.01, want)  # largest 1000: 1.0
+    assert not bench.check(small + 0.0011, small, exact=False, within=rule)["ok"]
+    assert bench.check(small + 0.0009, small, exact=False, within=rule)["ok"]
+
+
+def _row(op: str, shape: str = "large", **fields) -> dict:
+    return {"op": op, "shape": shape, "time_us": 10.0, "memory_bound": True, "pct_of_copy": 95.0, **fields}
+
+
+def test_bars_pass_and_miss_at_their_thresholds():
+    """Each bar of ``summarize_bars`` at and past its threshold: copy >= 90% (large shape only),
+    ratio vs the fastest peer >= 1, the fusion gain's verdict, the router against tile-kernels'
+    topk_gate; an op that failed to run judges nothing."""
+    rows = [
+        _row("expand", pct_of_copy=90.0, ratio_vs_fastest_peer=1.0),
+        _row("unexpand", pct_of_copy=89.9, ratio_vs_fastest_peer=0.999),
+        _row("expand", shape="small", pct_of_copy=10.0),  # small shapes: no copy bar
+        _row("swiglu_per_token_cast", memory_bound=False, fusion=fusion_gain_row(1.6, 1.8)),
+        _row("expand_per_token_cast", memory_bound=False, fusion=fusion_gain_row(1.5, 1.8)),
+        {"op": "cast_back", "shape": "large", "memory_bound": True, "error": "RuntimeError: boom"},
+        _row("topk_route", memory_bound=False, time_us=19.5, peers={"tile_kernels.topk_gate": {"time_us": 22.4}}),
+    ]
+    bars = bench.summarize_bars(rows)
+    assert bars["memory_bound_ge_90pct_of_copy"] == {"large/expand": True, "large/unexpand": False}
+    assert bars["ratio_vs_fastest_peer_ge_1"] == {"large/expand": True, "large/unexpand": False}
+    # gains 0.6 / 0.8 = 0.75 (met) and 0.5 / 0.8 = 0.625 (missed)
+    assert bars["fusion"] == {"large/swiglu_per_token_cast": True, "large/expand_per_token_cast": False}
+    assert bars["router_faster_than_tile_kernels_topk_gate"] is True
+    rows[-1]["time_us"] = 22.5
+    assert bench.summarize_bars(rows)["router_faster_than_tile_kernels_topk_gate"] is False
+
+
+def fusion_gain_row(speedup: float, bytes_ratio: float) -> dict:
+    return {"bytes_ratio": bytes_ratio, **bench.fusion_gain(10.0, 10.0 * speedup, bytes_ratio)}
+
+
 class GpuTimeStandIn(bench.Timer):
     """A CPU timer whose ``kernel_us`` reads a set GPU time per thunk, 3 us for any other, and whose
     copies take 1 us + 1 us per 100 bytes (CUPTI needs a GPU)."""

@@ -34,7 +34,7 @@ def make_inputs(t, k, e, d, alignment, dtype, capacity, seed, device):
 
 @pytest.mark.parametrize("t,k,e,d,alignment,dtype,capacity", [c for c in CASES if c[3] <= 300])
 def test_reference_is_the_gradient_of_the_forward(t, k, e, d, alignment, dtype, capacity, seed):
-    grad_TD, y_PD, weights_TK, layout = make_inputs(t, k, e, d, alignment, torch.float32, capacity, seed, "cpu")
+    grad_TD, y_PD, weights_TK, layout = make_inputs(t, k, e, d, alignment, dtype, capacity, seed, "cpu")
     y = y_PD.clone().requires_grad_()
     w = weights_TK.clone().requires_grad_()
     reference.weighted_reduce(y, layout.pos_TK, w).backward(grad_TD)
