@@ -53,6 +53,9 @@ class MoELayer(nn.Module):
         if not (isinstance(ep_rank, int) and 0 <= ep_rank < self.ep_size):
             raise ValueError(f"ep_rank: expected 0..{self.ep_size - 1} (the dispatcher's EP size {self.ep_size}), "
                              f"got {ep_rank!r}")
+        if getattr(dispatcher, "ep_rank", ep_rank) != ep_rank:  # a Dispatcher written before ep_rank has none
+            raise ValueError(f"ep_rank: expected the dispatcher's rank in its EP group, {dispatcher.ep_rank} (it "
+                             f"receives that rank's experts' tokens), got {ep_rank}")
         if placement is None and dispatcher.num_experts != cfg.num_experts:
             raise ValueError(f"dispatcher.num_experts: expected model.moe.num_experts={cfg.num_experts} (or a "
                              f"placement's physical experts), got {dispatcher.num_experts}")
@@ -117,8 +120,9 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
         self.load_E = expert_counts(routing.topk_idx_TK, self.cfg.num_experts)
-        if self.cfg.router.aux_loss_coef > 0 and x_TD.shape[0]:
-            self.aux_loss = self.router.balance_loss(routing, batch=x_BSD.shape[0])
+        if self.cfg.router.aux_loss_coef > 0:  # none for a batch without tokens (not the last batch's)
+            self.aux_loss = (self.router.balance_loss(routing, batch=x_BSD.shape[0]) if x_TD.shape[0]
+                             else torch.zeros((), device=x_TD.device))
         return out_TD.view_as(x_BSD)
 
     @torch.no_grad()

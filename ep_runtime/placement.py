@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.validate import check_index_range, check_tensor
 from topology.planner import invert_phy2log, migration_sources
 from topology.routing import choose_replicas, replica_fractions
 
@@ -136,6 +137,8 @@ class ExpertPlacement:
     def physical_route(self, topk_idx_TK: torch.Tensor, *, ep_rank: int) -> torch.Tensor:
         """[T, K] logical routes of ``ep_rank``'s tokens (-1 = none) -> [T, K] int64 physical slots
         (-1 kept). Token ``t`` is the ``t``-th row of the rank's batch."""
+        check_tensor("topk_idx_TK", topk_idx_TK, ndim=2, dtype=(torch.int64, torch.int32))
+        check_index_range("topk_idx_TK", topk_idx_TK, self.num_experts)
         fraction_ER, log2phy_ER = self.route_tables(ep_rank)
         return route_to_replicas(topk_idx_TK, fraction_ER.to(topk_idx_TK.device), log2phy_ER.to(topk_idx_TK.device),
                                  ep_rank=ep_rank)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.routing import score, sequence_balance_stats, topk_route, topk_weights
-from kernels.validate import check_finite
+from kernels.validate import check_finite, check_tensor
 
 from .config import RouterConfig
 
@@ -54,6 +54,7 @@ class Router(nn.Module):
     def update_bias(self, load_E: torch.Tensor) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the over-loaded.
         ``load_E``: the routes per expert of the whole EP group (``MoELayer.update_bias`` sums them)."""
+        check_tensor("load_E", load_E, shape=tuple(self.bias_E.shape))
         load_E = load_E.float()
         self.bias_E += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
 

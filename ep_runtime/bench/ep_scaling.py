@@ -28,8 +28,8 @@ torchrun job; the default when ``WORLD_SIZE`` is set):
     ep-runtime bench ep-scaling                       # small shape, 2 CPU workers
     torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.ep_scaling --shape deepseek-v3
 
-Writes ``ep_scaling_<shape>.json`` and ``.png`` (throughput and efficiency against EP size) under
-``--out``.
+Writes ``ep_scaling_<shape>.json`` and ``.png`` (throughput and efficiency against EP size;
+``ep_scaling_<shape>_nvlink.*`` with ``--dispatcher nvlink``) under ``--out``.
 
 Shape letters: T tokens, D hidden, K routes per token, E experts, P layout rows.
 """

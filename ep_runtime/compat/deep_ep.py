@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernels.validate import check_index_range, check_tensor
+from kernels.validate import check_index_range, check_positive, check_routes, check_tensor
 
 from ..dispatch.all_to_all import home_rows, sum_home
 
@@ -212,8 +212,12 @@ class Buffer:
                     raise ValueError(f"{name}: expected the tensor from get_dispatch_layout (or a handle), got None")
             check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool,
                          shape=(data.shape[0], self.group_size))
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, ndim=1)
+            check_positive("expert_alignment", expert_alignment)
             if (topk_idx is None) != (topk_weights is None):
                 raise ValueError("topk_idx, topk_weights: expected both or neither")
+            if topk_idx is not None:
+                self._check_routes(topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert.numel())
             handle = self._plan(is_token_in_rank, num_tokens_per_rank)
         elif topk_idx is not None or topk_weights is not None:
             raise ValueError("topk_idx, topk_weights: expected None with a handle (a cached dispatch)")
@@ -264,8 +268,27 @@ class Buffer:
         weights = None
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+            if topk_weights.shape[0] not in (received, padded):
+                raise ValueError(f"topk_weights: expected the dispatch's {received} received rows (or {padded} with "
+                                 f"its num_worst_tokens), got {topk_weights.shape[0]}")
             weights = self._sum_home(topk_weights[:received], handle)
         return combined, weights, _event(async_finish)
+
+    def _check_routes(self, topk_idx, topk_weights, is_token_in_rank, num_experts: int) -> None:
+        """Routes that would be lost otherwise: ids outside the experts that ``num_tokens_per_expert``
+        counts, or to a rank ``is_token_in_rank`` does not send the token to (the host syncs are
+        paid anyway: the counts go to the host next)."""
+        check_tensor("topk_idx", topk_idx, dtype=(torch.int64, torch.int32), shape=(is_token_in_rank.shape[0], None),
+                     device=is_token_in_rank.device)
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
+                     device=topk_idx.device)
+        check_routes(topk_idx, num_experts, name="topk_idx")
+        rank_TK = topk_idx.clamp(min=0) // self._num_local_experts(num_experts)
+        lost_TK = (topk_idx >= 0) & ~is_token_in_rank.gather(1, rank_TK)
+        if bool(lost_TK.any()):
+            t, k = (int(i) for i in lost_TK.nonzero()[0])
+            raise ValueError(f"is_token_in_rank: token {t} routes to expert {int(topk_idx[t, k])} on rank "
+                             f"{int(rank_TK[t, k])}, which is_token_in_rank does not send it to")
 
     # The transport.
     def _num_local_experts(self, num_experts: int) -> int:

@@ -78,6 +78,7 @@ class AllToAllDispatcher:
                  fp8: bool = False, fp8_combine: bool = False):
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
+        self.ep_rank = dist.get_rank(group) if group is not None else 0
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.alignment = alignment
         self.fp8, self.fp8_combine = fp8, fp8_combine
@@ -96,8 +97,7 @@ class AllToAllDispatcher:
         back = route.splits.recv, route.splits.send
         q_SD = self._exchange(q_RX.view(torch.uint8), *back).view(torch.float8_e4m3fn)
         rows_SD = cast_back(q_SD, self._exchange(sf_RG, *back), block=(1, FP8_GROUP), out_dtype=torch.float32)
-        me = 0 if self.group is None else dist.get_rank(self.group)
-        own_R, own_S = (slice(sum(splits[:me]), sum(splits[:me + 1])) for splits in back)
+        own_R, own_S = (slice(sum(splits[:self.ep_rank]), sum(splits[:self.ep_rank + 1])) for splits in back)
         rows_SD[own_S] = rows_RX[own_R].float()
         return sum_home(rows_SD, route.home_TW).to(rows_RX.dtype)
 

@@ -51,7 +51,7 @@ class DeepEPDispatcher:
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, alignment: int = 128, fp8: bool = False,
                  buffer_api: types.ModuleType | None = None, num_nvl_bytes: int = 1 << 30):
-        world = dist.get_world_size(group)
+        world, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, world)
         self.alignment, self.fp8 = alignment, fp8
         self.bf16_only = buffer_api is None  # DeepEP's own kernels combine bf16 rows only

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout
-from kernels.validate import check_routes
+from kernels.validate import check_positive, check_routes
 
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
@@ -51,7 +51,9 @@ class HierarchicalDispatcher:
     def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
                  device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,
                  fp8_combine: bool = False):
+        check_positive("max_tokens_per_rank", max_tokens_per_rank)  # before the node's multiple of it
         nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
+        self.ep_rank = dist.get_rank(rail_group) * per_node + dist.get_rank(node_group)  # node-major, as the experts
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, nodes * per_node)
         self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment, fp8=fp8)
         # A rank forwards at most one row per token of each node's rail peer.

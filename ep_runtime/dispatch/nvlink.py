@@ -146,6 +146,7 @@ class NVLinkDispatcher:
                  alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):
         self.group, self.device = group, device
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ep_rank = self.rank
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.max_tokens = check_positive("max_tokens_per_rank", max_tokens_per_rank)
         self.alignment = check_positive("alignment", alignment)
@@ -244,6 +245,9 @@ class NVLinkDispatcher:
         dtype), and their weights to local experts ([R, K]). Not differentiable."""
         world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
         num_tokens, topk = topk_idx_TK.shape
+        if not topk:
+            raise ValueError(f"topk_idx_TK: expected at least one route a token (the receive buffers hold rows by "
+                             f"routes), got shape {tuple(topk_idx_TK.shape)}")
         fp8 = self.fp8 or isinstance(x_TD, Fp8Rows)
         hidden = (x_TD.q_RD if isinstance(x_TD, Fp8Rows) else x_TD).shape[1]
         widths = [(hidden, torch.uint8), (-(-hidden // FP8_GROUP), torch.float32)] if fp8 else [(hidden, x_TD.dtype)]

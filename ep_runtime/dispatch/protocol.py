@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from kernels.permute import ExpertLayout
-from kernels.validate import check_tensor
+from kernels.validate import check_positive, check_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -54,6 +54,7 @@ class Dispatcher(Protocol):
 
     num_experts: int  # global (physical) experts over the EP group
     num_local_experts: int
+    ep_rank: int  # this process's rank in the EP group: it holds experts [ep_rank * E_local, (ep_rank + 1) * E_local)
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
@@ -94,6 +95,7 @@ def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weig
 
 def local_experts(num_experts: int, ep_size: int) -> int:
     """Experts per rank of an EP group of ``ep_size``; every backend's constructor checks this."""
+    check_positive("num_experts", num_experts)
     if num_experts % ep_size:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ep_size}, got {num_experts}")
     return num_experts // ep_size

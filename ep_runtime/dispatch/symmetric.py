@@ -73,6 +73,16 @@ class FileHeap:
         paths = [f"/dev/shm/ep_runtime_{name[0]}_{r}" for r in range(self.world)]
         mine = torch.from_file(paths[self.rank], shared=True, size=nbytes, dtype=torch.uint8)
         dist.barrier(group=group)
+        # A peer on another host: from_file would make an empty file of its name, and the rows stored
+        # there would never reach it. Every rank learns whether any rank misses a peer, so all raise.
+        missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+        anyone = torch.tensor([len(missing)])
+        dist.all_reduce(anyone, group=group)
+        if int(anyone):
+            os.unlink(paths[self.rank])
+            who = f"rank {self.rank} does not see the files of ranks {missing}" if missing else "another rank does not"
+            raise RuntimeError(f"group: the CPU nvlink backend maps its peers' /dev/shm files, so every rank of its "
+                               f"group must run on one host; {who} (a wrong --ranks-per-node?)")
         self.heaps = [mine if r == self.rank else torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8)
                       for r, p in enumerate(paths)]
         dist.barrier(group=group)

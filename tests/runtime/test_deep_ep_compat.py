@@ -2,7 +2,8 @@
 DeepEP's own test_intranode.py, written out here): layout dtypes and values, rows grouped by
 source rank, local top-k indices with zero weights elsewhere, per-expert counts, worst-case
 padding (combined and cached as DeepEP does), cached dispatch, FP8 (data, scales) inputs, combine as a
-per-rank sum with biases added in float32 before the one cast."""
+per-rank sum with biases added in float32 before the one cast; and routes that would be lost (an id
+past the experts, a rank the layout leaves out) or bad arguments named, not dropped."""
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ def test_facade_matches_deepep_semantics(world):
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     results = launch_local(facade_checks, 96, 256, 8 * world, 4, nproc=world)
-    want = {"layout"}
+    want = {"layout", "error: id past the experts", "error: route the layout drops",
+            "error: counts of half the experts", "error: alignment", "error: weights' shape",
+            "error: combine weights' rows"}
     for name in ("rand", "rank", "fp8"):
         for suffix, checks in CHECKS_PER_CASE.items():
             want |= {f"{name}{suffix}: {c}" for c in checks}

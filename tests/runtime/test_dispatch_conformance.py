@@ -5,14 +5,15 @@ payloads (and FP8 rows home too, where a backend has that); ``nvlink`` and ``dee
 it) give ``all_to_all``'s bits and hand each expert the same rows in the same order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
 dispatches more tokens than the receive buffers hold gets an error naming the limit; routes naming
 an expert out of range, or one expert twice for a token, get an error naming ``topk_idx_TK``
-(except ``nvlink`` on GPUs, which checks no values: that would cost a host sync).
+(``nvlink`` on GPUs checks them on the device instead, where a failed check ends the process:
+``tests/kernels/comm/test_plan.py``).
 
 CPU: gloo processes (``nvlink`` over shared-memory files); GPU: one process per GPU (``nvlink``
 over NVLink symmetric memory with the TileLang kernels)."""
 
 import pytest
 import torch
-from dispatch_workers import FP8_COMBINE, case_name, conformance
+from dispatch_workers import FP8_COMBINE, case_name, conformance, file_heap_across_hosts, nvlink_without_routes
 
 from launch.local import launch_local
 
@@ -64,6 +65,22 @@ def test_backends_conform(world, ranks_per_node, backends):
                 assert errs.pop("padding_zero"), (rank, case, backend)
                 for name, err in errs.items():
                     assert err <= tol[name], f"rank {rank} {case} {backend} {name}: error {err:.3g} > {tol[name]}"
+
+
+def test_nvlink_on_cpu_refuses_ranks_on_other_hosts():
+    """The CPU heap maps peers' /dev/shm files; a peer it cannot see (another host) would get
+    rows into a file nobody reads. Every rank raises, naming what it misses."""
+    messages = launch_local(file_heap_across_hosts, nproc=2)
+    assert all("every rank of its group must run on one host" in m for m in messages.values()), messages
+    assert "rank 1 does not see the files of ranks [0]" in messages[1]
+    assert "another rank does not" in messages[0]
+
+
+def test_nvlink_needs_a_route_column():
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for message in launch_local(nvlink_without_routes, nproc=2).values():
+        assert message.startswith("topk_idx_TK: expected at least one route a token"), message
 
 
 def test_deepep_without_deep_ep_says_what_is_missing():

@@ -2,6 +2,8 @@
 batch without tokens passes, ``update_bias`` balances without an auxiliary loss, and the router's
 bias stays float32 through module casts."""
 
+import types
+
 import pytest
 import torch
 
@@ -23,6 +25,11 @@ def test_bad_construction_and_input_are_named():
         MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8, alignment=1), ep_rank=3, seed=0)
     with pytest.raises(ValueError, match="^dispatcher.num_experts: expected model.moe.num_experts=8"):
         MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=16, alignment=1), ep_rank=0, seed=0)
+    rank_1 = types.SimpleNamespace(num_experts=8, num_local_experts=4, ep_rank=1)  # rank 1 of an EP group of 2
+    with pytest.raises(ValueError, match=r"^ep_rank: expected the dispatcher's rank in its EP group, 1 .* got 0"):
+        MoELayer(cfg, HIDDEN, rank_1, ep_rank=0, seed=0)
+    with pytest.raises(ValueError, match="^num_experts: expected a positive int, got 0"):
+        AllToAllDispatcher(num_experts=0)
     moe = layer()
     with pytest.raises(ValueError, match="^x_BSD: expected a 3-D tensor"):
         moe(torch.randn(10, HIDDEN))
@@ -35,11 +42,14 @@ def test_bad_construction_and_input_are_named():
 
 
 def test_a_batch_without_tokens(seed):
+    """It passes, and leaves no balance loss behind: not the last batch's (its graph long gone)."""
     moe = layer(aux_loss_coef=0.01)
+    moe(torch.randn(2, 5, HIDDEN))
+    assert float(moe.aux_loss) > 0
     x = torch.randn(0, 5, HIDDEN, requires_grad=True)
     out = moe(x)
     out.sum().backward()
-    assert out.shape == x.shape and int(moe.load_E.sum()) == 0
+    assert out.shape == x.shape and int(moe.load_E.sum()) == 0 and float(moe.aux_loss) == 0
 
 
 def test_update_bias_lowers_the_busy_experts(seed):
@@ -60,3 +70,5 @@ def test_router_bias_stays_float32_through_module_casts():
     moe.router.bias_E.fill_(0.5)
     moe.router.update_bias(torch.tensor([9, 1, 1, 1, 1, 1, 1, 1]))
     assert moe.router.bias_E[0] == torch.tensor(0.499, dtype=torch.float32)  # 0.5 - 1e-3, not rounded away
+    with pytest.raises(ValueError, match=r"^load_E: expected shape \(8,\), got \(1,\)"):  # not broadcast
+        moe.router.update_bias(torch.tensor([5]))

@@ -132,6 +132,10 @@ def test_bad_placements_are_named():
     with pytest.raises(ValueError, match="placement.num_experts: expected model.moe.num_experts=8, got 9"):
         MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=9), ep_rank=0, seed=0,
                  placement=_placement(list(range(9)), num_experts=9))
+    with pytest.raises(ValueError, match=r"^topk_idx_TK: expected entries in -1 or \[0, 8\), got values in \[-2, 1\]"):
+        _placement(PLAN_A).physical_route(torch.tensor([[-2, 1]]), ep_rank=0)
+    with pytest.raises(TypeError, match="^topk_idx_TK: expected dtype"):
+        _placement(PLAN_A).physical_route(torch.tensor([[0.0, 1.0]]), ep_rank=0)
     layer = _layer(PLAN_A)
     with pytest.raises(ValueError, match="new_placements: expected one placement per MoE layer"):
         switch_placement(layer, None, [], single_process(torch.device("cpu")))

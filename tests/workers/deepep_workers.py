@@ -100,6 +100,30 @@ def facade_checks(num_tokens: int, hidden: int, num_experts: int, topk: int) -> 
             if with_topk:
                 sent = args["topk_weights"] * (topk_idx >= 0)
                 check(f"{tag}: combined weights", torch.allclose(combined_w, sent))
+    base = dict(x=x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=weights_rand)
+    t = int((topk_idx >= 0).any(1).nonzero()[0, 0])  # a token with a route, and that route's rank
+    dropped = in_rank.clone()
+    dropped[t, int(topk_idx[t][topk_idx[t] >= 0][0]) // local] = False
+    past = topk_idx.clone()
+    past[t, 0] = num_experts
+    for name, bad, message in (  # every rank alike: the errors come before any collective
+            ("id past the experts", dict(topk_idx=past), "topk_idx: expected entries in -1 or "),
+            ("route the layout drops", dict(is_token_in_rank=dropped), f"is_token_in_rank: token {t} routes to"),
+            ("counts of half the experts", dict(num_tokens_per_expert=per_expert[:num_experts // 2]),
+             f"topk_idx: expected entries in -1 or [0, {num_experts // 2})"),
+            ("alignment", dict(expert_alignment=0), "expert_alignment: expected a positive int"),
+            ("weights' shape", dict(topk_weights=weights_rand[:, :1]), "topk_weights: expected shape")):
+        try:
+            buffer.dispatch(**(base | bad))
+        except ValueError as error:
+            check(f"error: {name}", str(error).startswith(message))
+    _, _, _, _, handle, _ = buffer.dispatch(**base)
+    try:
+        buffer.combine(x=torch.zeros(sum(handle.recv_splits), hidden, dtype=torch.bfloat16, device=device),
+                       handle=handle, topk_weights=torch.zeros(sum(handle.recv_splits) + 1, topk, device=device))
+    except ValueError as error:
+        check("error: combine weights' rows", str(error).startswith("topk_weights: expected the dispatch's"))
     buffer.destroy()
     dist.destroy_process_group()
     return passed

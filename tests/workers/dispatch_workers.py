@@ -20,6 +20,41 @@ TOPK = 4
 FP8_COMBINE = ("all_to_all", "nvlink", "hierarchical")  # the backends with an FP8 combine
 
 
+def file_heap_across_hosts() -> str:
+    """A ``FileHeap`` whose rank 1 cannot see rank 0's shared-memory file (as on another host):
+    the error each rank raises."""
+    from unittest import mock
+
+    from ep_runtime.dispatch import symmetric
+
+    dist.init_process_group("gloo")
+    exists = symmetric.os.path.exists
+    hidden = (lambda path: exists(path) and not path.endswith("_0")) if dist.get_rank() == 1 else exists
+    try:
+        with mock.patch.object(symmetric.os.path, "exists", hidden):
+            symmetric.FileHeap(1024, dist.group.WORLD)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+def nvlink_without_routes() -> str:
+    """The error of an ``nvlink`` dispatch of tokens with no route columns (K = 0)."""
+    ctx = init_parallel(ParallelConfig())
+    dispatcher = make_dispatcher("nvlink", ctx, 4 * ctx.world_size, False, 8)
+    try:
+        dispatcher.dispatch(torch.randn(3, HIDDEN, device=ctx.device),
+                            torch.empty(3, 0, dtype=torch.int64, device=ctx.device),
+                            torch.empty(3, 0, device=ctx.device))
+    except ValueError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):
     """``fp8``: False, True (FP8 dispatch) or "combine" (FP8 dispatch and combine)."""
     fp8, fp8_combine = bool(fp8), fp8 == "combine"
@@ -96,7 +131,7 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
     EP group declared ``ranks_per_node`` ranks per node) the same rows per expert in some order;
     the overflow error's message; the errors for an expert out of range and for one named twice by
     a token (every rank's routes bad alike, so that no rank waits in a collective; ``nvlink`` on
-    GPUs does not check values)."""
+    GPUs checks them on the device, where a failed check ends the process)."""
     assert backends[0] == "all_to_all", backends
     ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
     world = ctx.world_size
