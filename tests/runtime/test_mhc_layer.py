@@ -128,7 +128,8 @@ def test_head_and_expand_gradcheck(seed):
 
 def test_initial_mixing_is_a_plain_residual():
     """At initialisation the per-token part is small: y is about the mean of the streams, each
-    stream gets F(y) once and mostly keeps itself, and identical streams stay identical."""
+    stream gets F(y) once and mostly keeps itself, and identical streams stay identical (each
+    stream's mix of them has weights summing to 1: comb's columns)."""
     hc = mhc.HyperConnection(MHCConfig(n=4), 16)
     x = mhc.expand(torch.randn(2, 5, 16), 4)
     y_TD, post_TN, comb_TNN = hc.coefficients(x.reshape(10, 4, 16))

@@ -94,11 +94,22 @@ def test_topk_route_public_op_uses_the_kernel_result(seed):
     assert int(counts_E.sum()) == 300 * 6
 
 
-def test_options_beyond_the_kernel_send_the_public_op_to_the_reference():
+def test_options_beyond_the_kernel_send_the_public_op_to_the_reference(monkeypatch):
     """Valid options the kernel cannot take (more than 1024 experts, top-k above a warp, more than
-    a warp of groups to choose from) are not the kernel's: the public op runs the reference."""
+    a warp of groups to choose from) are not the kernel's: the public op runs the reference. On the
+    CPU, with the kernels switched on and the kernel replaced by a marker: which one each call ran."""
     assert not supports(2048, 8, 1, None) and not supports(256, 40, 1, None) and not supports(512, 8, 64, 8)
     assert supports(256, 8, 8, 4) and supports(512, 8, 64, 64) and supports(1024, 32, 1, None)
+    import kernels.routing as public
+    from kernels.routing import topk_route_kernel
+
+    monkeypatch.setattr(public, "use_tilelang", lambda device: True)
+    monkeypatch.setattr(topk_route_kernel, "topk_route", lambda logits, **options: "kernel")
+    logits = torch.randn(4, 2048)
+    assert public.topk_route(logits[:, :256], topk=8, num_groups=8, topk_groups=4) == "kernel"
+    assert public.topk_route(logits, topk=8)[0].shape == (4, 8)  # 2048 experts: the reference
+    assert public.topk_route(logits[:, :256], topk=40)[0].shape == (4, 40)
+    assert public.topk_route(logits[:, :512], topk=8, num_groups=64, topk_groups=8)[0].shape == (4, 8)
 
 
 @pytest.mark.gpu
