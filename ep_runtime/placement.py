@@ -323,6 +323,21 @@ def _slot_tensors(layer, optimizer: torch.optim.Optimizer | None) -> list[torch.
     return tensors
 
 
+def _check_same_slot_tensors(layers, optimizer: torch.optim.Optimizer | None, ctx: ParallelContext) -> None:
+    """Every rank must send the same tensors a slot (the weights, and optimizer state on all ranks or
+    on none): otherwise the rows exchanged would not line up. One small collective, raised on every
+    rank alike."""
+    if ctx.ep_group is None or ctx.ep_size == 1:
+        return
+    mine = torch.tensor([len(_slot_tensors(layer, optimizer)) for layer in layers], device=ctx.device)
+    every = [torch.empty_like(mine) for _ in range(ctx.ep_size)]
+    dist.all_gather(every, mine, group=ctx.ep_group)
+    per_rank = [t.tolist() for t in every]
+    if any(counts != per_rank[0] for counts in per_rank):
+        raise ValueError(f"optimizer: expected optimizer state for the experts on every rank of the EP group or on "
+                         f"none; tensors a slot per layer, by rank: {per_rank}")
+
+
 @torch.no_grad()
 def switch_placement(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      new_placements: Sequence[ExpertPlacement], ctx: ParallelContext) -> list[int]:
@@ -343,8 +358,8 @@ def switch_placement(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     Memory: a second copy of one layer's local slot tensors while it is rebuilt.
 
     The physical size ``P`` must stay the dispatcher's. Every rank must hold optimizer state for
-    its experts, or none (``train.average_gradients`` gives every expert a gradient, so after the
-    first step all do); a per-parameter ``step`` is shared by all slots and stays. Gradients left
+    its experts, or none (checked; ``train.average_gradients`` gives every expert a gradient, so
+    after the first step all do); a per-parameter ``step`` is shared by all slots and stays. Gradients left
     on the experts (of the old slots) are dropped. Collective over the EP group. Returns the
     experts moved per layer.
     """
@@ -352,9 +367,11 @@ def switch_placement(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if len(new_placements) != len(layers):
         raise ValueError(f"new_placements: expected one placement per MoE layer ({len(layers)}), "
                          f"got {len(new_placements)}")
-    moved = []
     for i, (layer, new) in enumerate(zip(layers, new_placements)):
         layer.check_placement(new, name=f"new_placements[{i}]")
+    _check_same_slot_tensors(layers, optimizer, ctx)
+    moved = []
+    for layer, new in zip(layers, new_placements):
         old = layer.placement or ExpertPlacement.identity(layer.cfg.num_experts, new.ep_size)
         sources, transfers = _transfers(old, new)
         moved.append(len(transfers))

@@ -129,6 +129,11 @@ def check_switch(ctx) -> dict:
     optimizer.zero_grad(set_to_none=True)
     layer.zero_grad(set_to_none=True)
 
+    try:  # optimizer state on rank 0 only: refused on both ranks before anything moves
+        switch_placement(layer, optimizer if ctx.rank == 0 else None, [placed_layer_placement(cfg, ctx, PLAN_B)], ctx)
+        one_sided = "no error"
+    except ValueError as error:
+        one_sided = str(error)
     before = _layer_pass(layer, x, g, ctx)
     state_before, same_before = _expert_state(layer, optimizer, PLAN_A)
     layer.zero_grad(set_to_none=True)
@@ -138,7 +143,7 @@ def check_switch(ctx) -> dict:
     before.update(state_before)
     after.update(state_after)
     return {"max_abs_diff": {k: float((after[k] - before[k]).abs().max()) for k in before},
-            "replicas_equal": same_before and same_after, "moved": moved,
+            "replicas_equal": same_before and same_after, "moved": moved, "one_sided": one_sided,
             "logical_after": list(layer.experts.logical_ids)}
 
 
