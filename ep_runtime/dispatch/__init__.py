@@ -35,6 +35,10 @@ def make_dispatcher(cfg: MoEConfig, ctx: ParallelContext, *, lanes: int = 1) -> 
         return NVLinkDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, device=ctx.device,
                                 max_tokens_per_rank=cfg.max_tokens_per_rank, alignment=cfg.alignment,
                                 fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
+    if cfg.dispatcher == "deepep" and ctx.ep_rail_group is not None:
+        raise ValueError("model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode, and this EP group spans "
+                         "nodes; use 'nvlink' (two stages: NVLink inside nodes, all_to_all between them) or "
+                         "'all_to_all'")
     if cfg.dispatcher == "deepep" and ctx.ep_group is not None:
         return DeepEPDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
                                 fp8=cfg.fp8_dispatch)

@@ -83,6 +83,20 @@ def test_nvlink_needs_a_route_column():
         assert message.startswith("topk_idx_TK: expected at least one route a token"), message
 
 
+def test_deepep_across_nodes_is_refused():
+    """The adapter makes DeepEP's intranode Buffer: an EP group over several nodes is named at
+    construction, not left to DeepEP (the groups are never used: the check comes first)."""
+    import dataclasses
+
+    from ep_runtime.config import MoEConfig
+    from ep_runtime.dispatch import make_dispatcher
+    from ep_runtime.parallel import single_process
+
+    ctx = dataclasses.replace(single_process(torch.device("cpu")), ep_group=object(), ep_rail_group=object())
+    with pytest.raises(ValueError, match="^model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode"):
+        make_dispatcher(MoEConfig(dispatcher="deepep"), ctx)
+
+
 def test_deepep_without_deep_ep_says_what_is_missing():
     from ep_runtime.dispatch.deepep import import_deep_ep
 
