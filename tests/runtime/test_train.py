@@ -41,8 +41,16 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
 
 @needs_two_workers
 def test_fp8_dispatch_trains(tmp_path):
-    losses = launch_local(worker, config(tmp_path, "fp8", "--fp8-dispatch", "--ep", "2"), nproc=2)[0]["losses"]
+    """Loss falls, and the first step's loss is not the one without FP8 (the flag reaches the
+    dispatch: the tokens' rounding to e4m3 changes the forward)."""
+    cfg = config(tmp_path, "fp8", "--fp8-dispatch", "--ep", "2")
+    assert cfg.model.moe.fp8_dispatch
+    losses = launch_local(worker, cfg, nproc=2)[0]["losses"]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+    plain = launch_local(worker, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
+                                                     model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
+                                                         cfg.model.moe, fp8_dispatch=False))), nproc=2)
+    assert plain[0]["losses"][0] != losses[0]
 
 
 def test_bad_config_names_the_field(tmp_path):
