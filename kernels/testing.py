@@ -1,4 +1,4 @@
-"""Input generators shared by the kernel tests and the kernel benchmarks.
+"""Input generators shared by the kernel tests and the kernel benchmarks, and the tests' call spy.
 
 Every generator draws from its own seeded CPU generator, then moves the result to ``device``, so a
 test and a benchmark given the same arguments see the same inputs on any device.
@@ -212,6 +212,20 @@ def engram_ids(
         compress_V[-1] = vocab_size - 1
         compress_V = compress_V.to(map_dtype).to(device)
     return ids_BS.to(dtype).to(device), compress_V
+
+
+def spy(monkeypatch, module: object, name: str) -> list[tuple]:
+    """Records the positional arguments of every call of ``module.name`` (which still runs) for the
+    rest of a test: a public op's result can equal its kernel's through the reference too, so a
+    test that it took the kernel checks the calls."""
+    calls, original = [], getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
 
 
 def random_bits(

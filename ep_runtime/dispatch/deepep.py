@@ -72,11 +72,15 @@ class DeepEPDispatcher:
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: BufferRoute) -> torch.Tensor:
         return self.gather_home(weighted_reduce(y_PD, route.layout.pos_TK, weights_RK, out_dtype=y_PD.dtype), route)
 
+    def check_bf16(self, name: str, rows: torch.Tensor) -> None:
+        """Named here, before DeepEP's kernels meet rows they do not take."""
+        if self.bf16_only and rows.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: expected torch.bfloat16 with dispatcher 'deepep' (DeepEP combines bf16 rows "
+                            f"only), got {rows.dtype}")
+
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
-        if self.bf16_only and x_TD.dtype != torch.bfloat16:
-            raise TypeError(f"x_TD: expected torch.bfloat16 with dispatcher 'deepep' (DeepEP combines bf16 rows "
-                            f"only), got {x_TD.dtype}")
+        self.check_bf16("x_TD", x_TD)
         check_routes(topk_idx_TK, self.num_experts)  # DeepEP's dispatch syncs anyway
         idx_TK = topk_idx_TK.to(torch.int64)
         with torch.no_grad():
@@ -95,4 +99,5 @@ class DeepEPDispatcher:
 
     def combine(self, y_PD, handle: DispatchHandle):
         check_combine_args(y_PD, handle)
+        self.check_bf16("y_PD", y_PD)
         return CombineFn.apply(y_PD, handle.recv_weights_RK, handle.route, self, False)

@@ -145,8 +145,7 @@ class NVLinkDispatcher:
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, device: torch.device, max_tokens_per_rank: int,
                  alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):
         self.group, self.device = group, device
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.ep_rank = self.rank
+        self.world, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.max_tokens = check_positive("max_tokens_per_rank", max_tokens_per_rank)
         self.alignment = check_positive("alignment", alignment)
@@ -187,13 +186,13 @@ class NVLinkDispatcher:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))
         put_rows(rows_TX.contiguous(), route.dest_TW, region)
         self.heap.barrier(ROWS)
-        return region.views[self.rank]
+        return region.views[self.ep_rank]
 
     def gather_home(self, rows_RX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_RX.shape[1], rows_RX.dtype))
         put_rows(rows_RX.contiguous(), route.back_RW, region)
         self.heap.barrier(ROWS)
-        return sum_home(region.views[self.rank], route.home_TW)
+        return sum_home(region.views[self.ep_rank], route.home_TW)
 
     def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: PeerRoute, *,
                     fp8: bool = False) -> torch.Tensor:
@@ -207,27 +206,27 @@ class NVLinkDispatcher:
         if fp8:
             q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
             region = TokenRegions(q=q, sf=sf)
-            returned, scales = q.views[self.rank].view(torch.float8_e4m3fn), sf.views[self.rank]
+            returned, scales = q.views[self.ep_rank].view(torch.float8_e4m3fn), sf.views[self.ep_rank]
         else:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
-            returned, scales = region.views[self.rank], None
+            returned, scales = region.views[self.ep_rank], None
         pos_RK = route.layout.pos_TK
         # With small buffers reduce_sum_home passes the barrier itself where the kernels take one: it
         # signals as it starts and waits for the peers only after reducing its own rows (with large
         # ones it would load the returned rows only after its own, and lose more than the barrier).
         signal = self.heap.signal() if self.small_buffers(pos_RK.shape[1]) else None
-        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.rank, group=FP8_GROUP)
+        reduce_put(y_PD, pos_RK, weights_RK, route.back_RW, region, skip_rank=self.ep_rank, group=FP8_GROUP)
         if signal is None:
             self.heap.barrier(ROWS)
-        own = slice(self.rank * self.max_tokens, self.rank * self.max_tokens + route.num_tokens)
-        return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], returned, route.home_TW, rank=self.rank,
+        own = slice(self.ep_rank * self.max_tokens, self.ep_rank * self.max_tokens + route.num_tokens)
+        return reduce_sum_home(y_PD, pos_RK[own], weights_RK[own], returned, route.home_TW, rank=self.ep_rank,
                                sf_SG=scales, group=FP8_GROUP, signal=signal)
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)  # the routes' values: put_routes checks them
         num_tokens, topk = topk_idx_TK.shape
         if num_tokens > self.max_tokens:
-            raise ValueError(f"x_TD: rank {self.rank} of the EP group dispatches {num_tokens} tokens, more than the "
+            raise ValueError(f"x_TD: rank {self.ep_rank} of the EP group dispatches {num_tokens} tokens, more than the "
                              f"{self.max_tokens} its peers' receive buffers hold (model.moe.max_tokens_per_rank)")
         with torch.no_grad():
             route, x_PD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK, expand=True)
@@ -243,7 +242,7 @@ class NVLinkDispatcher:
         ``Fp8Rows`` when they travelled as FP8; views of the heap, valid until the next transport
         call), or with ``expand`` the rows in the local experts' layout ([P, D] in the tokens'
         dtype), and their weights to local experts ([R, K]). Not differentiable."""
-        world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.rank
+        world, t_max, e_local, me = self.world, self.max_tokens, self.num_local_experts, self.ep_rank
         num_tokens, topk = topk_idx_TK.shape
         if not topk:
             raise ValueError(f"topk_idx_TK: expected at least one route a token (the receive buffers hold rows by "

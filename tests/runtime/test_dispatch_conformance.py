@@ -13,7 +13,8 @@ over NVLink symmetric memory with the TileLang kernels)."""
 
 import pytest
 import torch
-from dispatch_workers import FP8_COMBINE, case_name, conformance, file_heap_across_hosts, nvlink_without_routes
+from dispatch_workers import (FP8_COMBINE, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
+                              nvlink_without_routes)
 
 from launch.local import launch_local
 
@@ -95,6 +96,13 @@ def test_deepep_across_nodes_is_refused():
     ctx = dataclasses.replace(single_process(torch.device("cpu")), ep_group=object(), ep_rail_group=object())
     with pytest.raises(ValueError, match="^model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode"):
         make_dispatcher(MoEConfig(dispatcher="deepep"), ctx)
+
+
+def test_deepep_refuses_rows_deep_ep_cannot_combine():
+    """Over DeepEP's own Buffer, float32 expert rows are named at combine, not left to its kernels."""
+    (message,) = launch_local(deepep_combine_of_float32_rows, nproc=1).values()
+    assert message == ("y_PD: expected torch.bfloat16 with dispatcher 'deepep' (DeepEP combines bf16 rows only), "
+                       "got torch.float32"), message
 
 
 def test_deepep_without_deep_ep_says_what_is_missing():

@@ -55,6 +55,24 @@ def nvlink_without_routes() -> str:
     return "no error"
 
 
+def deepep_combine_of_float32_rows() -> str:
+    """The error of a ``deepep`` combine of float32 expert rows where the Buffer is DeepEP's own
+    (bf16 rows only; the facade stands in for it)."""
+    ctx = init_parallel(ParallelConfig())
+    dispatcher = make_dispatcher("deepep", ctx, 4 * ctx.world_size, False, 8)
+    dispatcher.bf16_only = True  # as over deep_ep itself
+    x_TD = torch.randn(3, HIDDEN, device=ctx.device, dtype=torch.bfloat16)
+    topk_idx_TK = torch.tensor([[0, 1], [2, -1], [3, 0]], device=ctx.device)
+    try:
+        y_PD, _, handle = dispatcher.dispatch(x_TD, topk_idx_TK, torch.rand(3, 2, device=ctx.device))
+        dispatcher.combine(y_PD.float(), handle)
+    except TypeError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):
     """``fp8``: False, True (FP8 dispatch) or "combine" (FP8 dispatch and combine)."""
     fp8, fp8_combine = bool(fp8), fp8 == "combine"

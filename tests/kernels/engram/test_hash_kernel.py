@@ -11,7 +11,7 @@ import torch
 from kernels import engram, lowering
 from kernels.engram import hash_kernel, reference
 from kernels.engram.hash_kernel import get_hash_indices_kernel, hash_indices, tile_tokens
-from kernels.testing import engram_ids, poison_allocator
+from kernels.testing import engram_ids, poison_allocator, spy
 
 FULL = os.environ.get("EP_KERNEL_TESTS") == "full"
 VOCAB = 129280  # DeepSeek-V3's: the multipliers reach 2**63 / VOCAB, the products almost 2**63
@@ -88,13 +88,7 @@ def test_strided_ids(seed):
 def test_public_op_runs_the_kernel_after_checking_values(monkeypatch, seed):
     config = layer_config(*CONFIGS["N3K8"])
     ids_BS, compress_V = engram_ids(2, 130, VOCAB, num_ids=5000, device="cuda", seed=seed)
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return hash_indices(*args, **kwargs)
-
-    monkeypatch.setattr(hash_kernel, "hash_indices", spy)
+    calls = spy(monkeypatch, hash_kernel, "hash_indices")
     got = engram.ngram_hash(ids_BS, config, compress_V=compress_V, pad_id=9)
     assert len(calls) == 1
     assert torch.equal(got, reference.ngram_hash(ids_BS, config, compress_V=compress_V, pad_id=9))

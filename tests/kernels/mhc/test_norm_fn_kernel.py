@@ -28,7 +28,7 @@ from kernels.mhc.norm_fn_kernel import (
     norm_fn_backward,
 )
 from kernels.quant.tiles import tl_dtype
-from kernels.testing import poison_allocator
+from kernels.testing import poison_allocator, spy
 
 CASES = [  # (T, N, D, M, dtype, tf32)
     (0, 4, 64, 24, torch.bfloat16, False),
@@ -112,8 +112,11 @@ def test_backward_matches_reference(t, n, d, m, dtype, tf32, seed):
 
 
 @pytest.mark.gpu
-def test_public_op_forward_and_backward(seed):
+def test_public_op_forward_and_backward(monkeypatch, seed):
     """``kernels.mhc.norm_fn`` runs the kernel; its gradients are the reference's formula."""
+    from kernels.mhc import norm_fn_kernel
+
+    forwards, backwards = spy(monkeypatch, norm_fn_kernel, "norm_fn"), spy(monkeypatch, norm_fn_kernel, "norm_fn_backward")
     x_TND, fn_MK = inputs(37, 4, 256, 24, torch.float32, seed)
     x, fn = x_TND.clone().requires_grad_(), fn_MK.clone().requires_grad_()
     xr, fnr = x_TND.clone().requires_grad_(), fn_MK.clone().requires_grad_()
@@ -125,6 +128,7 @@ def test_public_op_forward_and_backward(seed):
     want.backward(g)
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(fn.grad, fnr.grad, rtol=1e-4, atol=1e-4)
+    assert len(forwards) == len(backwards) == 1
 
 
 def test_backward_chunks():

@@ -11,7 +11,7 @@ import torch
 from kernels import lowering, mhc
 from kernels.mhc import pre_fused_kernel, reference
 from kernels.mhc.pre_fused_kernel import get_pre_fused_kernel, pre_fused, within_tolerance
-from kernels.testing import poison_allocator
+from kernels.testing import poison_allocator, spy
 
 CASES = [  # (T, N, D, dtype, tf32)
     (0, 4, 64, torch.bfloat16, False),
@@ -46,6 +46,14 @@ def test_matches_reference(t, n, d, dtype, tf32, seed):
 
 
 @pytest.mark.gpu
+def test_public_op_runs_the_fused_kernel_for_float32(monkeypatch, seed):
+    calls = spy(monkeypatch, pre_fused_kernel, "pre_fused")
+    args = inputs(67, 4, 7168, torch.float32, seed)
+    assert within_tolerance(args[0], mhc.pre_fused(*args), reference.pre_fused(*args))
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
 def test_public_op_is_inference_only(seed):
     x, fn, scale, base = inputs(5, 4, 64, torch.bfloat16, seed)
     with torch.no_grad():
@@ -58,9 +66,14 @@ def test_public_op_is_inference_only(seed):
 @pytest.mark.gpu
 def test_public_op_takes_the_tensor_cores_for_bfloat16(monkeypatch, seed):
     """bfloat16 streams run pre()'s kernels (norm_fn on the tensor cores), not the fused walk."""
+    from kernels.mhc import norm_fn_kernel, pre_apply_kernel, split_sinkhorn_kernel
+
     monkeypatch.setattr(pre_fused_kernel, "pre_fused", lambda *a, **k: pytest.fail("the fused walk ran"))
+    calls = [spy(monkeypatch, norm_fn_kernel, "norm_fn"), spy(monkeypatch, split_sinkhorn_kernel, "split_sinkhorn"),
+             spy(monkeypatch, pre_apply_kernel, "pre_apply")]
     args = inputs(130, 4, 4096, torch.bfloat16, seed)
     assert within_tolerance(args[0], mhc.pre_fused(*args), reference.pre_fused(*args))
+    assert [len(c) for c in calls] == [1, 1, 1]
 
 
 def test_compiles_for_sm90a():

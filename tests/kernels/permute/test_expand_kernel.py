@@ -8,7 +8,7 @@ import torch
 from kernels import lowering
 from kernels.permute import expert_layout, max_rows, reference
 from kernels.permute.expand_kernel import expand, get_expand_kernel, get_kernel_args, get_unexpand_kernel, unexpand
-from kernels.testing import poison_allocator, random_bits, routes
+from kernels.testing import poison_allocator, random_bits, routes, spy
 
 E4M3 = torch.float8_e4m3fn
 CASES = [  # (T, K, E, D, alignment, dtype, static capacity)
@@ -69,14 +69,17 @@ def test_unaligned_and_strided_inputs_are_copied_first(seed):
 
 
 @pytest.mark.gpu
-def test_public_ops_take_the_kernels_on_hopper(seed):
+def test_public_ops_take_the_kernels_on_hopper(monkeypatch, seed):
     from kernels import permute
+    from kernels.permute import expand_kernel
 
+    expands, unexpands = spy(monkeypatch, expand_kernel, "expand"), spy(monkeypatch, expand_kernel, "unexpand")
     layout = make_layout(300, 8, 32, 128, False, seed)
     x_TD = random_bits(300, 7168, device="cuda", seed=seed)
-    assert_same_bits(permute.expand(x_TD, layout), reference.expand(x_TD, layout))
     y_PD = permute.expand(x_TD, layout)
+    assert_same_bits(y_PD, reference.expand(x_TD, layout))
     assert_same_bits(permute.unexpand(y_PD, layout), reference.unexpand(y_PD, layout))
+    assert len(expands) == len(unexpands) == 1
 
 
 def test_bad_input_names_the_argument():

@@ -12,7 +12,7 @@ from kernels.quant.blockwise_cast_kernel import (
     get_blockwise_cast_kernel,
     narrow_channel_tile,
 )
-from kernels.testing import cast_input, poison_allocator
+from kernels.testing import cast_input, poison_allocator, spy
 
 LAYOUTS = {  # name: (reference op, its size argument, block shape of a size)
     "per_token": (reference.per_token_cast, "group", lambda size: (1, size)),
@@ -54,13 +54,16 @@ def test_matches_reference_bit_for_bit(layout, m, n, size, dtype, sf_mode, seed)
 
 
 @pytest.mark.gpu
-def test_public_ops_pick_the_kernel_and_accept_strided_input(seed):
-    from kernels.quant import per_token_cast
+def test_public_ops_pick_the_kernel_and_accept_strided_input(monkeypatch, seed):
+    from kernels import quant
 
-    x = cast_input(64, 2 * 7168, dtype=torch.bfloat16, device="cuda", seed=seed)[:, ::2]
-    q, sf = per_token_cast(x, round_sf=True)
-    q_ref, sf_ref = reference.per_token_cast(x.cpu(), round_sf=True)
-    assert torch.equal(bytes_of(q).cpu(), bytes_of(q_ref)) and torch.equal(sf.cpu(), sf_ref)
+    calls = spy(monkeypatch, quant, "blockwise_cast")
+    x = cast_input(256, 2 * 7168, dtype=torch.bfloat16, device="cuda", seed=seed)[:, ::2]
+    for op in ("per_token_cast", "per_block_cast", "per_channel_cast"):
+        q, sf = getattr(quant, op)(x, round_sf=True)
+        q_ref, sf_ref = getattr(reference, op)(x.cpu(), round_sf=True)
+        assert torch.equal(bytes_of(q).cpu(), bytes_of(q_ref)) and torch.equal(sf.cpu(), sf_ref), op
+    assert [block for _, block in calls] == [(1, 128), (128, 128), (128, 1)]
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from kernels.routing.topk_route_kernel import (
     supports,
     topk_route,
 )
-from kernels.testing import poison_allocator, router_inputs
+from kernels.testing import poison_allocator, router_inputs, spy
 
 FULL = os.environ.get("EP_KERNEL_TESTS") == "full"
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -85,13 +85,14 @@ def test_topk_route_half_logits(seed, scoring, dtype):
 
 
 @pytest.mark.gpu
-def test_topk_route_public_op_uses_the_kernel_result(seed):
-    from kernels.routing import topk_route_with_counts
+def test_topk_route_public_op_uses_the_kernel_result(monkeypatch, seed):
+    from kernels.routing import topk_route_kernel, topk_route_with_counts
 
+    calls = spy(monkeypatch, topk_route_kernel, "topk_route")
     logits_TE, bias_E = router_inputs(300, 64, device="cuda", seed=seed)
     idx_TK, _weights_TK, counts_E = topk_route_with_counts(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)
     assert torch.equal(idx_TK, reference.topk_route(logits_TE, topk=6, scoring="sigmoid", bias_E=bias_E)[0])
-    assert int(counts_E.sum()) == 300 * 6
+    assert int(counts_E.sum()) == 300 * 6 and len(calls) == 1
 
 
 def test_options_beyond_the_kernel_send_the_public_op_to_the_reference(monkeypatch):
