@@ -81,8 +81,11 @@ def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, 
 def poison_allocator(device: torch.device | str, *, byte: int = 0x5A, large_bytes: int = 256 << 20) -> None:
     """Fills freed blocks of torch's CUDA caching allocator with ``byte``, so outputs a kernel wrapper
     allocates with ``torch.empty`` start as garbage (0x5A5A5A5A as int32; about 1.5e16 as float32)
-    and an element the kernel fails to write shows up. Best effort: it fills one large block and
-    a few small-pool segments."""
+    and an element the kernel fails to write shows up. It first returns the cached blocks to the
+    driver, so the filled ones (one large block, a few small-pool segments) are what the next
+    allocations take (a test's output of some MB once landed in an unfilled cached block)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
     blocks = [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
     blocks += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(16)]
     for block in blocks:

@@ -23,6 +23,8 @@ from ep_runtime.bench import kernels as bench
 # out). Session 8 tried tiles 2048-7168 columns wide: slower than the shipped ones everywhere.
 TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
 CHANNEL_TILES = [(128, 64, 256), (128, 32, 256), (128, 32, 128), (128, 16, 128)]  # for few rows (small)
+# session 25 at 128 rows: 512 threads, and clusters of 2 CTAs sharing a block's rows, both slower
+# (kernels/quant/NOTES.md)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
 # backward_plan options of the Engram gate backward (session 10's kernel: streams' warps, a ring of
 # cp.async slots; shipped: 8 warps, tile 2, 2 stages, w resident, one g buffer where they fit);
@@ -31,7 +33,10 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 # session 9: per-token scales read from global memory (shipped, with the cast's tile) or staged in
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
-SWIGLU_TILES = [(1, 512, 64), (1, 256, 32), (1, 2048, 256)]
+# (tile_m, tile_n, threads[, vec]); session 25: fewer values a thread with the cast at 128 tokens (vec 4:
+# a warp a scale group; vec 2: two warps), as session 20's FEW_TOKENS_VEC did without it
+SWIGLU_TILES = [(1, 512, 64), (1, 1024, 256, 4), (1, 512, 128, 4), (1, 256, 64, 4), (1, 1024, 512, 2),
+                (1, 256, 128, 2)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
@@ -77,7 +82,8 @@ def _swiglu_variant(x, cast, tile):
     from kernels.quant.swiglu_kernel import get_swiglu_forward_kernel
 
     t, inter = x.shape[0], x.shape[1] // 2
-    kernel = get_swiglu_forward_kernel(inter, "bfloat16", 128, cast, False, False, False, False, tile=tile)
+    kernel = get_swiglu_forward_kernel(inter, "bfloat16", 128, cast, False, False, False, False, tile=tile[:3],
+                                       vec=tile[3] if len(tile) > 3 else None)
     rows = torch.empty((1,), dtype=torch.int32, device=x.device)  # not read (no row limit)
 
     def call():
@@ -284,13 +290,17 @@ def main() -> None:
             inp = (bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs)(shape, device, seed)
             (case,) = bench.build_cases(inp, [op], with_peers=True)
             shipped = bench.run_case(case, timer, copy["gbps"], with_peers=True, compile_budget=budget, impl="tilelang")
-            peer_us = {name: r.get("time_us", r.get("error")) for name, r in shipped.pop("peers", {}).items()}
+            peer_us = {name: r.get("time_us", r.get("error")) if "kernel_us" not in r else
+                       f"{r['time_us']:.2f} us, GPU {r['kernel_us']:.2f} us" for name, r in shipped.pop("peers", {}).items()}
             found = {"shipped": shipped}
             for label, thunk in variants(op, inp, case).items():
                 found[label] = bench.run_case(dataclasses.replace(case, ours=thunk), timer, copy["gbps"],
                                               with_peers=False, compile_budget=None, impl="tilelang")
             for label, r in found.items():
                 gpu = f"GPU {r['kernel_us']:8.2f} us " if "kernel_us" in r else ""
+                fused = r.get("fusion", {}).get("kernel_time", {})
+                if "speedup" in fused:
+                    gpu += f"(fused {fused['speedup']:.2f}x, gain/bytes gain {fused['gain_over_bytes_gain']:.2f}) "
                 line = (f"{shape_name:9s} {op:18s} {label:24s} " + (f"{r['time_us']:8.1f} us {gpu}{r['pct_of_copy']:5.1f}% "
                         f"{r['check']}" if "time_us" in r else f"ERROR {r.get('error', '')[:150]}"))
                 print(line, flush=True)
