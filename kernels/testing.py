@@ -79,14 +79,21 @@ def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, 
 
 
 def poison_allocator(device: torch.device | str, *, byte: int = 0x5A, large_bytes: int = 256 << 20) -> None:
-    """Fills freed blocks of torch's CUDA caching allocator with ``byte``, so outputs a kernel wrapper
-    allocates with ``torch.empty`` start as garbage (0x5A5A5A5A as int32; about 1.5e16 as float32)
-    and an element the kernel fails to write shows up. It first returns the cached blocks to the
-    driver, so the filled ones (one large block, a few small-pool segments) are what the next
-    allocations take (a test's output of some MB once landed in an unfilled cached block)."""
+    """Fills the free blocks of torch's CUDA caching allocator with ``byte``, so outputs a kernel
+    wrapper allocates with ``torch.empty`` start as garbage (0x5A5A5A5A as int32; about 1.5e16 as
+    float32) and an element the kernel fails to write shows up. Every block the allocator holds free
+    is taken and filled (largest first, so each request gets a block of its own size: a new
+    allocation takes the smallest free block that fits, which a fresh block alone would not be),
+    then a fresh large block and a few small-pool segments for allocations past them."""
+    device = torch.device(device)
     with torch.cuda.device(device):
-        torch.cuda.empty_cache()
-    blocks = [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
+        torch.cuda.empty_cache()  # whole free segments go back: fewer blocks to fill
+        index = torch.cuda.current_device()
+        free = sorted((block["size"] for segment in torch.cuda.memory_snapshot()
+                       if segment["device"] == index for block in segment["blocks"] if block["state"] == "inactive"),
+                      reverse=True)
+    blocks = [torch.empty(size, dtype=torch.uint8, device=device) for size in free]
+    blocks += [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
     blocks += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(16)]
     for block in blocks:
         block.fill_(byte)

@@ -33,12 +33,12 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 # session 9: per-token scales read from global memory (shipped, with the cast's tile) or staged in
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
-# (tile_m, tile_n, threads[, vec]); session 25: fewer values a thread with the cast at 128 tokens (vec 4:
-# a warp a scale group; vec 2: two warps), as session 20's FEW_TOKENS_VEC did without it
-SWIGLU_TILES = [(1, 512, 64), (1, 1024, 256, 4), (1, 512, 128, 4), (1, 256, 64, 4), (1, 1024, 512, 2),
-                (1, 256, 128, 2)]
+# (tile_m, tile_n, threads[, vec]); session 25 at 128 tokens with the cast: (1, 1024, 256, 4), now shipped
+# there, 2.21 us of GPU time against 8 values a thread's 2.43; (1, 512, 64) 2.40, (1, 1024, 512, 2) 2.24
+SWIGLU_TILES = [(1, 512, 128, 4), (1, 256, 64, 4), (1, 256, 128, 2)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
+TRANSPOSE_BLOCKS = [(8, 4), (8, 2), (4, 8), (16, 2)]  # its (bm, bn) elements a thread (shipped: (8, 8))
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
@@ -239,8 +239,10 @@ def variants(op: str, inp, case) -> dict[str, object]:
             kernel(x, out)
             return out.view(torch.bfloat16)
 
-        return {f"threads={k}": functools.partial(transpose, get_batched_transpose_kernel(x.shape[1], x.shape[2], "uint16", k))
-                for k in TRANSPOSE_THREADS}
+        found = {f"threads={k}": functools.partial(transpose, get_batched_transpose_kernel(x.shape[1], x.shape[2], "uint16", k))
+                 for k in TRANSPOSE_THREADS}
+        return found | {f"block={b}": functools.partial(transpose, get_batched_transpose_kernel(
+            x.shape[1], x.shape[2], "uint16", register_block=b)) for b in TRANSPOSE_BLOCKS}
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):

@@ -32,7 +32,7 @@ from kernels.quant.tiles import (
 from kernels.validate import check_positive, check_tensor
 
 FEW_TOKENS = 256  # up to this many tokens, the forward uses one-row tiles (see get_swiglu_forward_kernel)
-FEW_TOKENS_VEC = 2  # values a thread of a one-row tile without the cast (see get_swiglu_forward_kernel)
+FEW_TOKENS_VEC = 2  # values a thread of a one-row tile, at least (see get_swiglu_forward_kernel)
 
 
 @T.macro
@@ -53,11 +53,13 @@ def get_swiglu_forward_kernel(
     at least a warp with vectors (``tile_n / vec >= 32``); a narrower row (I = 64 in bfloat16: 16
     vectors) keeps the default tile, since a one-row tile there would leave threads without data,
     which TileLang's ``reduce_absmax`` rejects ("Inconsistent layouts between src and dst in
-    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway. Without
-    the cast (and without ``tile`` or ``vec`` given), a thread of a one-row tile then takes
-    ``FEW_TOKENS_VEC`` values: the IEEE ``expf`` and divisions of 8 values a thread made the kernel
-    2.27 us on the GPU at 128 x 2048, against 1.95 with 2 (torch.compile's: 1.95; session 20,
-    ``bench/scripts/launch_gap.py``).
+    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway. Unless
+    ``tile`` or ``vec`` is given, a thread of a one-row tile then takes few values, since the IEEE
+    ``expf`` and divisions of each are a chain nothing hides in a small grid: ``FEW_TOKENS_VEC``
+    without the cast (8 values a thread took 2.27 us on the GPU at 128 x 2048, 2 took 1.95;
+    session 20, ``bench/scripts/launch_gap.py``), and with it as many as put a scale group on one
+    warp, the amax then a warp's shuffles (4 for groups of 128: 2.21 against 8's 2.43 us; 2, two
+    warps a group, 2.24; session 25, ``bench/scripts/sweep.py``).
 
     ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
     is never read, so a call without a row limit passes an uninitialized tensor instead of making
@@ -67,13 +69,14 @@ def get_swiglu_forward_kernel(
     ``tile`` and ``vec`` override the tile and the elements a thread loads as one vector (for
     tuning sweeps)."""
     num_tokens = T.dynamic("num_tokens")
-    few_values = one_row and not cast and tile is None and vec is None
+    few_values = one_row and tile is None and vec is None
     vec = vec or vector_width(inter, T.dtype(dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(inter, (1, group), vec)
     if one_row and tile_n // vec >= 32:
         tile_m, threads = 1, min(threads, tile_n // vec)
-        if few_values and vec > FEW_TOKENS_VEC:
-            vec, threads = FEW_TOKENS_VEC, tile_n // FEW_TOKENS_VEC
+        few = max(FEW_TOKENS_VEC, group // 32) if cast else FEW_TOKENS_VEC
+        if few_values and vec > few:
+            vec, threads = few, tile_n // few
     tile_g = tile_n // group
     layout = vector_layout(tile_m, tile_n, threads, vec)
     sf_dtype = "uint8" if pack_sf else "float32"

@@ -31,21 +31,23 @@ REGISTER_THREADS = 64  # the register kernel's CTA: [8, 16, 7168] bf16 makes 224
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS):
+def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS,
+                                 register_block: tuple[int, int] | None = None):
     """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64);
-    ``register_threads`` the register kernel's CTA (for tuning sweeps)."""
+    ``register_threads`` the register kernel's CTA and ``register_block`` its ``(bm, bn)`` (for
+    tuning sweeps; each must divide ``rows`` and ``cols``, default a whole vector of each)."""
     if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
-        return _register_blocks(rows, cols, bits_dtype, register_threads)
+        return _register_blocks(rows, cols, bits_dtype, register_threads, register_block)
     return _shared_tiles(rows, cols, bits_dtype)
 
 
-def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int):
+def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block: tuple[int, int] | None):
     """Each thread a ``[bm, bn]`` block: ``bm`` input vectors in, ``bn`` output vectors out. The
     blocks of one column band go to adjacent threads, so a store instruction writes whole output
     rows and a load instruction runs along the input rows."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
-    bm, bn = vector_width(rows, elem_bytes), vector_width(cols, elem_bytes)  # they divide rows, cols
+    bm, bn = block or (vector_width(rows, elem_bytes), vector_width(cols, elem_bytes))  # they divide rows, cols
     blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
 
     @T.prim_func

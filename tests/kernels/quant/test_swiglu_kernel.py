@@ -21,7 +21,7 @@ from kernels.quant.swiglu_kernel import (
 )
 from kernels.testing import poison_allocator, swiglu_input
 
-SHAPES = [(0, 2048), (1, 64), (37, 100), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
+SHAPES = [(0, 2048), (1, 64), (37, 100), (128, 2048), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -147,11 +147,11 @@ def test_compiles_for_sm90a():
         ]:
             check(lowering.kernel_source(get_swiglu_forward_kernel(*spec, limited)), limited, spec)
         # few tokens: FEW_TOKENS_VEC values a thread without the cast (512 threads for 1024 columns),
-        # whole 16-byte vectors with it (its amax reduce keeps the tile)
-        for cast, threads in [(False, 512), (True, 128)]:
-            source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", 128, cast, False, False, True,
+        # with it a scale group a warp (groups of 128: 4 values a thread, 256 threads; of 64: 2, 512)
+        for cast, group, threads in [(False, 128, 512), (True, 128, 256), (True, 64, 512)]:
+            source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", group, cast, False, False, True,
                                                                       False))
-            assert f"__launch_bounds__({threads}, 1)" in source, cast
+            assert f"__launch_bounds__({threads}, 1)" in source, (cast, group)
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)
