@@ -3,7 +3,7 @@
 Elements are moved as raw bits (an unsigned integer of the element's width, so float8 and every
 other dtype share one kernel per width). Matrices whose output rows are at most 32 bytes (a small
 batch's ``[B, 16, 7168]`` bf16) are transposed in registers: each thread loads a block of ``bm``
-rows of ``bn`` elements as ``bm`` vectors and stores it as ``bn`` output vectors of ``bm``, with
+rows of ``bn`` elements (4 bytes) as ``bm`` vectors and stores it as ``bn`` output vectors of ``bm``, with
 no shared memory and no barrier, every load in flight at once (session 20: the shared-memory
 kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where torch.compile's Triton kernel spent 2.2,
 ``bench/scripts/launch_gap.py``). Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
@@ -27,7 +27,10 @@ from kernels.validate import check_tensor
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 MAX_THREADS = 256
 REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
-REGISTER_THREADS = 64  # the register kernel's CTA: [8, 16, 7168] bf16 makes 224 CTAs for 132 SMs
+REGISTER_THREADS = 64  # the register kernel's CTA
+# the register kernel's loads: 4 bytes of a row, not 16 (four times the threads, each a shorter chain):
+# 2.21 against 2.27 us of GPU time at [8, 16, 7168] bf16 on an H100, torch.compile 2.14 (session 25)
+REGISTER_LOAD_BYTES = 4
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -35,7 +38,8 @@ def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register
                                  register_block: tuple[int, int] | None = None):
     """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64);
     ``register_threads`` the register kernel's CTA and ``register_block`` its ``(bm, bn)`` (for
-    tuning sweeps; each must divide ``rows`` and ``cols``, default a whole vector of each)."""
+    tuning sweeps; each must divide ``rows`` and ``cols``; default a whole output vector of ``bm``
+    and loads of ``REGISTER_LOAD_BYTES``)."""
     if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
         return _register_blocks(rows, cols, bits_dtype, register_threads, register_block)
     return _shared_tiles(rows, cols, bits_dtype)
@@ -47,7 +51,9 @@ def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block:
     rows and a load instruction runs along the input rows."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
-    bm, bn = block or (vector_width(rows, elem_bytes), vector_width(cols, elem_bytes))  # they divide rows, cols
+    # powers of two dividing rows and cols
+    bm, bn = block or (vector_width(rows, elem_bytes), min(vector_width(cols, elem_bytes),
+                                                           max(1, REGISTER_LOAD_BYTES // elem_bytes)))
     blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
 
     @T.prim_func
