@@ -34,8 +34,9 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 # shared memory (the earlier default, with 16-row tiles from 4096 rows)
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # (tile_m, tile_n, threads[, vec]); session 25 at 128 tokens with the cast: (1, 1024, 256, 4), now shipped
-# there, 2.21 us of GPU time against 8 values a thread's 2.43; (1, 512, 64) 2.40, (1, 1024, 512, 2) 2.24
-SWIGLU_TILES = [(1, 512, 128, 4), (1, 256, 64, 4), (1, 256, 128, 2)]
+# there, 2.21 us of GPU time against 8 values a thread's 2.43 ((1, 512, 64) 2.40, (1, 1024, 512, 2)
+# 2.24), then 2.14 with the amax by one redux.sync a warp; untried: one CTA a row, (1, 2048, 512, 4)
+SWIGLU_TILES = [(1, 2048, 512, 4), (1, 512, 128, 4)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
