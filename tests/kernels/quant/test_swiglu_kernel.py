@@ -147,11 +147,12 @@ def test_compiles_for_sm90a():
         ]:
             check(lowering.kernel_source(get_swiglu_forward_kernel(*spec, limited)), limited, spec)
         # few tokens: FEW_TOKENS_VEC values a thread without the cast (512 threads for 1024 columns),
-        # with it a scale group a warp (groups of 128: 4 values a thread, 256 threads; of 64: 2, 512)
+        # with it a scale group a warp (groups of 128: 4 values a thread, 256 threads; of 64: 2, 512),
+        # its amax one redux.sync
         for cast, group, threads in [(False, 128, 512), (True, 128, 256), (True, 64, 512)]:
             source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", group, cast, False, False, True,
                                                                       False))
-            assert f"__launch_bounds__({threads}, 1)" in source, (cast, group)
+            assert f"__launch_bounds__({threads}, 1)" in source and ("__reduce_max_sync" in source) == cast, (cast, group)
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)
