@@ -108,28 +108,14 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                     T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
                     T.reduce_max(band_amax, block_amax, dim=0)
                 else:
-                    # per-channel: a column's band rows within a warp meet by one redux.sync on the
-                    # float32 bits (the lanes holding that column: every lanes_per_row-th), the
-                    # warps' in shared memory, one column a thread
-                    lanes_per_row = tile_n // vec
-                    if 32 % lanes_per_row:
-                        raise ValueError(f"tile: expected at most 32 vectors a row, their count dividing 32, got "
-                                         f"{lanes_per_row} for tile {(tile_m, tile_n, threads)}")
-                    rows_per_warp = 32 // lanes_per_row
-                    same_columns = sum(1 << (k * lanes_per_row) for k in range(rows_per_warp))
-                    warps_S = T.alloc_shared((threads // 32, tile_n), "uint32")
-                    for r, j in T.Parallel(rows_pp, tile_n):
-                        bits = T.call_extern("uint32", "__reduce_max_sync",
-                                             T.shift_left(T.uint32(same_columns), j // vec),
-                                             T.reinterpret(T.cast(partial[r, j], "float32"), "uint32"))
-                        if r % rows_per_warp == 0:
-                            warps_S[r // rows_per_warp, j] = bits
+                    # per-channel: the bands' column maxima meet in shared memory, one column a
+                    # thread (two barriers, not one cross-warp reduction per column a thread holds).
+                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
+                    T.copy(partial, partial_S)
                     for g in T.Parallel(tile_gn):
-                        top = T.alloc_var("uint32")
-                        top = warps_S[0, g]
-                        for w in T.serial(1, threads // 32):
-                            top = T.max(top, warps_S[w, g])
-                        block_amax[g] = T.cast(T.reinterpret(top, "float32"), in_dtype)
+                        block_amax[g] = partial_S[0, g]
+                        for r in T.serial(1, rows_pp):
+                            block_amax[g] = T.max(block_amax[g], partial_S[r, g])
                 if block_n > 1:
                     for g in T.Parallel(tile_gn):
                         sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
