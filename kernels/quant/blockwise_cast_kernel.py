@@ -4,7 +4,8 @@
 
 A CTA loads a ``[tile_m, tile_n]`` tile of whole scale blocks into registers with 16-byte vectors
 (:func:`kernels.quant.tiles.vector_layout`), reduces each block's amax (across threads by warp
-shuffles, across warps through shared memory), writes the scales, and stores the e4m3 bytes
+shuffles, or one ``redux.sync`` a warp for a per-block tile; across warps through shared memory),
+writes the scales, and stores the e4m3 bytes
 straight from the registers. Every input byte is read once and every output byte written once.
 
 Shape suffixes: M rows (tokens), N columns (hidden), G scale groups (``ceil(N / block_n)``),
@@ -30,6 +31,7 @@ from kernels.quant.tiles import (
     to_e4m3,
     vector_layout,
     vector_width,
+    warp_amax,
 )
 from kernels.validate import check_tensor
 
@@ -76,24 +78,22 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                     inv_frag[i, g] = inv
             elif passes > 1 and block_n > 1 and tile_gn == 1:
                 # per-block, the tile one block: each thread's amax over its bands and vectors, a
-                # warp's by one redux.sync on the float32 bits (non-negative, so ordered as the
-                # values), then the warps' through shared memory
+                # warp's by one redux.sync, then the warps' through shared memory
                 lanes_per_row = tile_n // vec
                 partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
                 T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
                 thread_amax = T.alloc_fragment((rows_pp, lanes_per_row), in_dtype)
                 T.reduce_max(T.reshape(partial, [rows_pp, lanes_per_row, vec]), thread_amax, dim=2)
-                warps_S = T.alloc_shared((threads // 32,), "uint32")
+                warps_S = T.alloc_shared((threads // 32,), "float32")
                 for r, c in T.Parallel(rows_pp, lanes_per_row):
-                    bits = T.call_extern("uint32", "__reduce_max_sync", T.uint32(0xFFFFFFFF),
-                                         T.reinterpret(T.cast(thread_amax[r, c], "float32"), "uint32"))
+                    amax = warp_amax(T.cast(thread_amax[r, c], "float32"))
                     if (r * lanes_per_row + c) % 32 == 0:
-                        warps_S[(r * lanes_per_row + c) // 32] = bits
-                top = T.alloc_local((1,), "uint32")
+                        warps_S[(r * lanes_per_row + c) // 32] = amax
+                top = T.alloc_local((1,), "float32")
                 top[0] = warps_S[0]
                 for w in T.unroll(1, threads // 32):
                     top[0] = T.max(top[0], warps_S[w])
-                sf, inv = scale_and_inverse(T.reinterpret(top[0], "float32"), round_sf, pack_sf)
+                sf, inv = scale_and_inverse(top[0], round_sf, pack_sf)
                 if T.get_thread_binding() == 0:
                     sf_BG[pm, pn] = sf
                 inv_frag[0, 0] = inv

@@ -168,6 +168,16 @@ def abs_of(x_frag, abs_frag):
 
 
 @T.macro
+def warp_amax(v):
+    """The largest of a warp's float32 magnitudes ``v`` (every lane of the warp calls this): one
+    ``redux.sync`` on their bits, sign cleared so that they order as the values (a -0.0 would
+    otherwise outrank every positive value), in place of TileLang's five shuffle rounds (per-block
+    cast at 128 x 7168: 2.53 against 2.75 us on an H100, session 25)."""
+    bits = T.reinterpret(v, "uint32") & T.uint32(0x7FFFFFFF)
+    return T.reinterpret(T.call_extern("uint32", "__reduce_max_sync", T.uint32(0xFFFFFFFF), bits), "float32")
+
+
+@T.macro
 def to_e4m3(v):
     """float32 to e4m3, saturated at +-448 and rounded to nearest even, by the conversion itself
     (``cvt.rn.satfinite.e4m3x2.f32``): for every finite or infinite value that is the reference's
