@@ -9,6 +9,8 @@ D hidden, G scale groups, I SwiGLU intermediate, B sequences, S positions, V tok
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from kernels.comm.reference import PeerRegion
@@ -84,7 +86,10 @@ def poison_allocator(device: torch.device | str, *, byte: int = 0x5A, large_byte
     float32) and an element the kernel fails to write shows up. Every block the allocator holds free
     is taken and filled (largest first, so each request gets a block of its own size: a new
     allocation takes the smallest free block that fits, which a fresh block alone would not be),
-    then a fresh large block and a few small-pool segments for allocations past them."""
+    then a fresh large block and a few small-pool segments for allocations past them. Garbage is
+    collected first: a tensor of an earlier test freed later by the collector would hand an unfilled
+    block to this test's outputs (a SwiGLU output once held zeros that way)."""
+    gc.collect()
     device = torch.device(device)
     with torch.cuda.device(device):
         torch.cuda.empty_cache()  # whole free segments go back: fewer blocks to fill
