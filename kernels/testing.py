@@ -80,7 +80,10 @@ def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, 
     return idx_TK.to(device), torch.randn(num_tokens, topk, generator=gen).to(device)
 
 
-def poison_allocator(device: torch.device | str, *, byte: int = 0x5A, large_bytes: int = 256 << 20) -> None:
+POISON_BYTE = 0x5A  # what poison_allocator fills with by default
+
+
+def poison_allocator(device: torch.device | str, *, byte: int = POISON_BYTE, large_bytes: int = 256 << 20) -> None:
     """Fills the free blocks of torch's CUDA caching allocator with ``byte``, so outputs a kernel
     wrapper allocates with ``torch.empty`` start as garbage (0x5A5A5A5A as int32; about 1.5e16 as
     float32) and an element the kernel fails to write shows up. Every block the allocator holds free

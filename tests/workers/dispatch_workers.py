@@ -20,6 +20,18 @@ TOPK = 4
 FP8_COMBINE = ("all_to_all", "nvlink", "hierarchical")  # the backends with an FP8 combine
 
 
+def _error_of(error_type: type[Exception], call) -> str:
+    """The message of the ``error_type`` that ``call()`` raises, or "no error"; the process group is
+    torn down either way."""
+    try:
+        call()
+    except error_type as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
 def file_heap_across_hosts() -> str:
     """A ``FileHeap`` whose rank 1 cannot see rank 0's shared-memory file (as on another host):
     the error each rank raises."""
@@ -30,29 +42,21 @@ def file_heap_across_hosts() -> str:
     dist.init_process_group("gloo")
     exists = symmetric.os.path.exists
     hidden = (lambda path: exists(path) and not path.endswith("_0")) if dist.get_rank() == 1 else exists
-    try:
+
+    def map_heap():
         with mock.patch.object(symmetric.os.path, "exists", hidden):
             symmetric.FileHeap(1024, dist.group.WORLD)
-    except RuntimeError as error:
-        return str(error)
-    finally:
-        dist.destroy_process_group()
-    return "no error"
+
+    return _error_of(RuntimeError, map_heap)
 
 
 def nvlink_without_routes() -> str:
     """The error of an ``nvlink`` dispatch of tokens with no route columns (K = 0)."""
     ctx = init_parallel(ParallelConfig())
     dispatcher = make_dispatcher("nvlink", ctx, 4 * ctx.world_size, False, 8)
-    try:
-        dispatcher.dispatch(torch.randn(3, HIDDEN, device=ctx.device),
-                            torch.empty(3, 0, dtype=torch.int64, device=ctx.device),
-                            torch.empty(3, 0, device=ctx.device))
-    except ValueError as error:
-        return str(error)
-    finally:
-        dist.destroy_process_group()
-    return "no error"
+    return _error_of(ValueError, lambda: dispatcher.dispatch(
+        torch.randn(3, HIDDEN, device=ctx.device), torch.empty(3, 0, dtype=torch.int64, device=ctx.device),
+        torch.empty(3, 0, device=ctx.device)))
 
 
 def deepep_combine_of_float32_rows() -> str:
@@ -63,14 +67,12 @@ def deepep_combine_of_float32_rows() -> str:
     dispatcher.bf16_only = True  # as over deep_ep itself
     x_TD = torch.randn(3, HIDDEN, device=ctx.device, dtype=torch.bfloat16)
     topk_idx_TK = torch.tensor([[0, 1], [2, -1], [3, 0]], device=ctx.device)
-    try:
+
+    def dispatch_and_combine_float32():
         y_PD, _, handle = dispatcher.dispatch(x_TD, topk_idx_TK, torch.rand(3, 2, device=ctx.device))
         dispatcher.combine(y_PD.float(), handle)
-    except TypeError as error:
-        return str(error)
-    finally:
-        dist.destroy_process_group()
-    return "no error"
+
+    return _error_of(TypeError, dispatch_and_combine_float32)
 
 
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):

@@ -19,7 +19,7 @@ from kernels.quant.swiglu_kernel import (
     swiglu_backward,
     swiglu_per_token_cast,
 )
-from kernels.testing import poison_allocator, swiglu_input
+from kernels.testing import POISON_BYTE, poison_allocator, swiglu_input
 
 SHAPES = [(0, 2048), (1, 64), (37, 100), (128, 2048), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
@@ -64,7 +64,7 @@ def test_rows_past_the_wanted_ones_are_skipped(t, inter, wanted, seed):
     assert_within_one_ulp(grad_TI2[:wanted], reference.swiglu_backward(x_TI2, grad_TI)[:wanted])
     untouched = -(-wanted // 8) * 8
     for skipped in (y_TI[untouched:], grad_TI2[untouched:]):
-        assert torch.all(skipped.view(torch.uint8) == 0x5A)
+        assert torch.all(skipped.view(torch.uint8) == POISON_BYTE)
 
 
 def test_rows_must_be_one_int32_on_the_device():
