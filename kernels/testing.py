@@ -86,26 +86,64 @@ POISON_BYTE = 0x5A  # what poison_allocator fills with by default
 def poison_allocator(device: torch.device | str, *, byte: int = POISON_BYTE, large_bytes: int = 256 << 20) -> None:
     """Fills the free blocks of torch's CUDA caching allocator with ``byte``, so outputs a kernel
     wrapper allocates with ``torch.empty`` start as garbage (0x5A5A5A5A as int32; about 1.5e16 as
-    float32) and an element the kernel fails to write shows up. Every block the allocator holds free
-    is taken and filled (largest first, so each request gets a block of its own size: a new
-    allocation takes the smallest free block that fits, which a fresh block alone would not be),
-    then a fresh large block and a few small-pool segments for allocations past them. Garbage is
-    collected first: a tensor of an earlier test freed later by the collector would hand an unfilled
-    block to this test's outputs (a SwiGLU output once held zeros that way)."""
+    float32) and an element the kernel fails to write shows up. A fresh large block and a few
+    small-pool segments are cached first (room for the test's outputs without new segments), then
+    every free block is filled where it lies, by its address in ``torch.cuda.memory_snapshot()``.
+    Not by allocating each block's size: a large-pool remainder under 1 MB cannot be asked for (such
+    a request goes to the small pool), stayed clean, and merged with a filled neighbour into a block
+    a SwiGLU gradient took, its last rows zeros. Garbage is collected first, so no tensor of an
+    earlier test is freed onto a filled block later."""
     gc.collect()
     device = torch.device(device)
     with torch.cuda.device(device):
         torch.cuda.empty_cache()  # whole free segments go back: fewer blocks to fill
+        room = [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
+        room += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(16)]
+        del room
         index = torch.cuda.current_device()
-        free = sorted((block["size"] for segment in torch.cuda.memory_snapshot()
-                       if segment["device"] == index for block in segment["blocks"] if block["state"] == "inactive"),
-                      reverse=True)
-    blocks = [torch.empty(size, dtype=torch.uint8, device=device) for size in free]
-    blocks += [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
-    blocks += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(16)]
-    for block in blocks:
-        block.fill_(byte)
-    del blocks
+        for segment in torch.cuda.memory_snapshot():
+            if segment["device"] != index:
+                continue
+            address = segment["address"]
+            for block in segment["blocks"]:  # in address order, covering the segment
+                if block["state"] == "inactive":
+                    _bytes_at(address, block["size"], device).fill_(byte)
+                address += block["size"]
+
+
+class _DeviceBytes:
+    """``size`` bytes of device memory at ``address``, for ``torch.as_tensor`` (CUDA array interface)."""
+
+    def __init__(self, address: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over memory the caching allocator holds free (it does not own the memory)."""
+    return torch.as_tensor(_DeviceBytes(address, size), device=device)
+
+
+def assert_poisoned(name: str, t: torch.Tensor, *, byte: int = POISON_BYTE) -> None:
+    """Asserts every byte of ``t`` still holds :func:`poison_allocator`'s ``byte`` (memory a kernel
+    must not write); otherwise names the first byte that does not, and the allocator block that
+    holds ``t`` with its neighbours, so a clean block can be told from a stray store. Allocate every
+    output before checking any: the check's temporaries, once freed, leave clean free blocks."""
+    flat = t.contiguous().view(torch.uint8).view(-1)
+    clean = (flat != byte).nonzero()
+    if clean.numel() == 0:
+        return
+    start, end = t.data_ptr(), t.data_ptr() + flat.numel()
+    around = []
+    for segment in torch.cuda.memory_snapshot():
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if address < end and address + block["size"] > start - (4 << 20):
+                around.append(f"{block['state']} [{address:#x}, +{block['size']})")
+            address += block["size"]
+    raise AssertionError(f"{name}: {clean.numel()} of {flat.numel()} bytes lost the poison, the first at byte "
+                         f"{int(clean[0])} (value {int(flat[clean[0]])}), the last at {int(clean[-1])}; {name} lies at "
+                         f"[{start:#x}, +{flat.numel()}); allocator blocks there: {'; '.join(around)}")
 
 
 def cast_input(

@@ -10,6 +10,7 @@ first or right after another: a fixed order would put the same bias into every r
     python3 bench/scripts/paired.py --ops mhc_pre_apply,engram_gate_backward --out $OUT/paired.json
     python3 bench/scripts/paired.py --ops per_block_cast,per_channel_cast --shapes large,small --out ...
     python3 bench/scripts/paired.py --ops batched_transpose --shapes small --variants --control --out ...
+    python3 bench/scripts/paired.py --ops per_channel_cast --shapes small --variants --kernel-time --out ...
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _peer(case: bench.Case):
     return "torch_compile", lambda: compiled(*case.args)
 
 
-def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dict) -> dict:
-    """Ours, each of ``others`` ({label: thunk}, variants of ours) and the peer, timed in turn each round."""
+def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dict, kernel_time: bool = False) -> dict:
+    """Ours, each of ``others`` ({label: thunk}, variants of ours) and the peer, timed in turn each round
+    (by the timer, or with ``kernel_time`` by the GPU time of the work each launches)."""
     want = case.reference(*case.args)
     peer_name, peer = _peer(case)
     contenders = {"ours": case.ours, **others}
@@ -45,7 +47,7 @@ def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dic
     times = {label: [] for label, _ in order}
     for r in range(rounds):
         for label, thunk in order[r % len(order):] + order[:r % len(order)]:
-            times[label].append(timer.median_us(thunk)[0])
+            times[label].append(timer.kernel_us(thunk) if kernel_time else timer.median_us(thunk)[0])
     result = {"peer": peer_name, "checks": checks, "times_us": times, "by_contender": {}}
     for label in contenders:
         ratios = [p / o for o, p in zip(times[label], times[peer_name])]
@@ -63,6 +65,8 @@ def main() -> None:
     p.add_argument("--variants", action="store_true", help="also time sweep.py's variants of each op every round")
     p.add_argument("--control", action="store_true",
                    help="also time ours a second time as its own contender: the spread of a true tie")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="compare the kernels' own GPU time (CUPTI, bench kernels' --kernel-time) instead of the timer's")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device, seed, timer = bench.tuning_setup(a.iters)
@@ -73,15 +77,16 @@ def main() -> None:
             inputs = bench.StreamInputs if op in bench.MHC_OPS else bench.Inputs
             inp = inputs(bench.SHAPES[shape_name], device, seed)
             (case,) = bench.build_cases(inp, [op], with_peers=True)
-            others = {**({"ours again": case.ours} if a.control else {}), **(variants(op, inp) if a.variants else {})}
-            r = paired_rounds(case, timer, a.rounds, others)
+            others = {**({"ours again": case.ours} if a.control else {}), **(variants(op, inp, case) if a.variants else {})}
+            r = paired_rounds(case, timer, a.rounds, others, a.kernel_time)
             peer_us = statistics.median(r["times_us"][r["peer"]])
             for label, c in r["by_contender"].items():
                 print(f"{shape_name:9s} {op:22s} {label:34s} median ratio {c['median_ratio']:.4f}  won {c['won']}/{a.rounds}  "
                       f"{c['median_us']:.2f} us  {r['peer']} {peer_us:.2f} us  {r['checks'][label]}", flush=True)
             rows.append({"shape": shape_name, "op": op, **r})
     with open(a.out, "w") as f:
-        json.dump({"device": bench.device_name(device), "seed": seed, "rounds": a.rounds, "rows": rows}, f, indent=1)
+        json.dump({"device": bench.device_name(device), "seed": seed, "rounds": a.rounds, "kernel_time": a.kernel_time,
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

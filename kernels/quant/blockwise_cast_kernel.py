@@ -97,38 +97,50 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                 if T.get_thread_binding() == 0:
                     sf_BG[pm, pn] = sf
                 inv_frag[0, 0] = inv
-            elif passes > 1:
+            elif passes > 1 and block_n > 1:
                 # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
                 # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
                 partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
                 T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
                 block_amax = T.alloc_fragment((tile_gn,), in_dtype)
-                if block_n > 1:
-                    band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
-                    T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
-                    T.reduce_max(band_amax, block_amax, dim=0)
-                else:
-                    # per-channel: the bands' column maxima meet in shared memory, one column a
-                    # thread (two barriers, not one cross-warp reduction per column a thread holds).
-                    partial_S = T.alloc_shared((rows_pp, tile_n), in_dtype)
-                    T.copy(partial, partial_S)
-                    for g in T.Parallel(tile_gn):
-                        block_amax[g] = partial_S[0, g]
-                        for r in T.serial(1, rows_pp):
-                            block_amax[g] = T.max(block_amax[g], partial_S[r, g])
-                if block_n > 1:
-                    for g in T.Parallel(tile_gn):
-                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                        sf_BG[pm, pn * tile_gn + g] = sf
-                        inv_frag[0, g] = inv
-                else:
-                    inv_S = T.alloc_shared((tile_gn,), "float32")
-                    for g in T.Parallel(tile_gn):
-                        sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                        sf_BG[pm, pn * tile_gn + g] = sf
-                        inv_S[g] = inv
-                    for i, g in T.Parallel(tile_gm, tile_gn):
-                        inv_frag[i, g] = inv_S[g]
+                band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
+                T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
+                T.reduce_max(band_amax, block_amax, dim=0)
+                for g in T.Parallel(tile_gn):
+                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                    sf_BG[pm, pn * tile_gn + g] = sf
+                    inv_frag[0, g] = inv
+            elif passes > 1 and tile_n // vec <= 32:
+                # per-channel, the amax over the bands thread-local as above; then the rows of a warp
+                # meet by shuffles (lanes ``lanes_per_row`` apart hold the same columns) and the
+                # warps' in shared memory, one column a thread. Not one cross-warp reduction per
+                # column a thread holds (TileLang's reduce), nor every band row through shared
+                # memory (a 31-step chain at 128 x 32 tiles).
+                lanes_per_row = tile_n // vec
+                warp_rows = 32 // lanes_per_row
+                warps = rows_pp // warp_rows
+                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
+                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+                col_max = T.alloc_fragment((rows_pp, tile_n), "float32")
+                # rows 0..warps-1: each warp's column maxima; row ``warps``: the columns' inverses
+                # (one buffer, so no barrier guards a reuse of the maxima's memory)
+                stage_S = T.alloc_shared((warps + 1, tile_n), "float32")
+                for r, j in T.Parallel(rows_pp, tile_n):
+                    col_max[r, j] = T.cast(partial[r, j], "float32")
+                    for o in T.unroll(warp_rows.bit_length() - 1):
+                        col_max[r, j] = T.max(col_max[r, j], T.shfl_xor(col_max[r, j], lanes_per_row << o))
+                    if r % warp_rows == 0:
+                        stage_S[r // warp_rows, j] = col_max[r, j]
+                block_amax = T.alloc_fragment((tile_gn,), "float32")
+                for g in T.Parallel(tile_gn):
+                    block_amax[g] = stage_S[0, g]
+                    for w in T.unroll(1, warps):
+                        block_amax[g] = T.max(block_amax[g], stage_S[w, g])
+                    sf, inv = scale_and_inverse(block_amax[g], round_sf, pack_sf)
+                    sf_BG[pm, pn * tile_gn + g] = sf
+                    stage_S[warps, g] = inv
+                for i, g in T.Parallel(tile_gm, tile_gn):
+                    inv_frag[i, g] = stage_S[warps, g]
             else:
                 block_amax = T.alloc_fragment((tile_gn,), in_dtype)
                 if block_n > 1:
@@ -150,14 +162,14 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     return blockwise_cast
 
 
-NARROW_CHANNEL_COLUMNS = 32  # per-channel tiles of few rows (see narrow_channel_tile)
+NARROW_CHANNEL_COLUMNS = 64  # per-channel tiles of few rows (see narrow_channel_tile)
 
 
 def narrow_channel_tile(m: int, n: int, block: tuple[int, int], vec: int, device: torch.device):
-    """``(tile_m, tile_n, threads)`` of 32 columns for per-channel scales when the default tile's grid
+    """``(tile_m, tile_n, threads)`` of 64 columns for per-channel scales when the default tile's grid
     leaves SMs idle, else None. At 128 x 7168 bf16 the default 128-column tiles make 56 CTAs for an
-    H100's 132 SMs; 32-column tiles of 128 threads make 224: 5.50 against 5.63 us, tile-kernels 5.56
-    (paired rounds, ``bench/results/h100/2026-11-26-s22``)."""
+    H100's 132 SMs; 64-column tiles of 128 threads make 112: 2.50 us of GPU time against 32-column
+    tiles' 2.69 and tile-kernels' 2.59 (paired rounds, session 26, ``bench/results/h100/README.md``)."""
     if block[1] != 1:
         return None
     tile_m, tile_n, _ = blockwise_tile(n, block, vec)

@@ -12,6 +12,8 @@ Shape suffixes: T tokens, I intermediate (the output width; the input ``x_TI2 = 
 ``[T, 2 * I]``), G scale groups along I.
 """
 
+import math
+
 import tilelang
 import torch
 from tilelang import language as T
@@ -34,6 +36,7 @@ from kernels.validate import check_positive, check_tensor
 
 FEW_TOKENS = 256  # up to this many tokens, the forward uses one-row tiles (see get_swiglu_forward_kernel)
 FEW_TOKENS_VEC = 2  # values a thread of a one-row tile, at least (see get_swiglu_forward_kernel)
+FEW_TOKENS_CAST_THREADS = 512  # a one-row tile with the cast, a group a warp: threads, at most
 
 
 @T.macro
@@ -63,7 +66,8 @@ def get_swiglu_forward_kernel(
     warps a group, 2.24; session 25, ``bench/scripts/sweep.py``). Where a scale group is exactly a
     warp's vectors in a one-row tile, its amax is one ``redux.sync`` over the lanes' amax
     (:func:`kernels.quant.tiles.warp_amax`) instead of five shuffles: 2.14
-    against 2.19-2.21 us.
+    against 2.19-2.21 us; such a tile then takes up to ``FEW_TOKENS_CAST_THREADS`` threads (one CTA
+    of 512 a 2048-wide row: 2.11 against 1024 columns' 2.16-2.18 us, paired rounds, session 26).
 
     ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
     is never read, so a call without a row limit passes an uninitialized tensor instead of making
@@ -80,7 +84,11 @@ def get_swiglu_forward_kernel(
         tile_m, threads = 1, min(threads, tile_n // vec)
         few = max(FEW_TOKENS_VEC, group // 32) if cast else FEW_TOKENS_VEC
         if few_values and vec > few:
-            vec, threads = few, tile_n // few
+            vec = few
+            if cast and few * 32 == group:  # a group a warp: wider rows a CTA (see the doc)
+                row_groups = 1 << math.ceil(math.log2(-(-inter // group)))  # the row's groups, to a power of two
+                tile_n = max(tile_n, min(FEW_TOKENS_CAST_THREADS * few, group * row_groups))
+            threads = tile_n // few
     tile_g = tile_n // group
     warp_groups = cast and tile_m == 1 and vec * 32 == group  # lane l of a warp holds vector l of a group
     layout = vector_layout(tile_m, tile_n, threads, vec)

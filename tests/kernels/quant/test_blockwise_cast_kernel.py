@@ -102,7 +102,7 @@ def test_compiles_for_sm90a():
     with lowering.compile_only():
         for spec in SPECIALIZATIONS:
             assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(*spec)), spec
-        # per-channel scales over few rows: 32-column tiles (narrow_channel_tile)
+        # per-channel scales over few rows: narrow tiles (narrow_channel_tile)
         tile = (128, NARROW_CHANNEL_COLUMNS, 128)
         for dtype in ("bfloat16", "float32"):
             assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(7168, 128, 1, dtype, False, False, tile)), dtype

@@ -19,7 +19,7 @@ from kernels.quant.swiglu_kernel import (
     swiglu_backward,
     swiglu_per_token_cast,
 )
-from kernels.testing import POISON_BYTE, poison_allocator, swiglu_input
+from kernels.testing import assert_poisoned, poison_allocator, swiglu_input
 
 SHAPES = [(0, 2048), (1, 64), (37, 100), (128, 2048), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
@@ -63,8 +63,8 @@ def test_rows_past_the_wanted_ones_are_skipped(t, inter, wanted, seed):
     assert_within_one_ulp(y_TI[:wanted], reference.swiglu(x_TI2)[:wanted])
     assert_within_one_ulp(grad_TI2[:wanted], reference.swiglu_backward(x_TI2, grad_TI)[:wanted])
     untouched = -(-wanted // 8) * 8
-    for skipped in (y_TI[untouched:], grad_TI2[untouched:]):
-        assert torch.all(skipped.view(torch.uint8) == POISON_BYTE)
+    assert_poisoned("y_TI's skipped rows", y_TI[untouched:])
+    assert_poisoned("grad_TI2's skipped rows", grad_TI2[untouched:])
 
 
 def test_rows_must_be_one_int32_on_the_device():
@@ -147,9 +147,9 @@ def test_compiles_for_sm90a():
         ]:
             check(lowering.kernel_source(get_swiglu_forward_kernel(*spec, limited)), limited, spec)
         # few tokens: FEW_TOKENS_VEC values a thread without the cast (512 threads for 1024 columns),
-        # with it a scale group a warp (groups of 128: 4 values a thread, 256 threads; of 64: 2, 512),
-        # its amax one redux.sync
-        for cast, group, threads in [(False, 128, 512), (True, 128, 256), (True, 64, 512)]:
+        # with it a scale group a warp (groups of 128: 4 values a thread, 512 threads a 2048-wide row;
+        # of 64: 2, 512), its amax one redux.sync
+        for cast, group, threads in [(False, 128, 512), (True, 128, 512), (True, 64, 512)]:
             source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", group, cast, False, False, True,
                                                                       False))
             assert f"__launch_bounds__({threads}, 1)" in source and ("__reduce_max_sync" in source) == cast, (cast, group)
