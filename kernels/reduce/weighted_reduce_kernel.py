@@ -83,6 +83,7 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
         weights = T.alloc_local((topk,), "float32")
         scales = T.alloc_local((topk,), "float32")
         y_buf = T.alloc_local((topk * vec,), y_dtype)
+        y_f32 = T.alloc_local((vec,), "float32")
         acc = T.alloc_local((vec,), "float32")
         for k in T.unroll(topk):
             rows[k] = T.Cast("int64", pos_TK[t, k])
@@ -100,8 +101,10 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
             acc[j] = T.float32(0)
         for k in T.unroll(topk):
             if rows[k] >= 0:
+                for j in T.vectorized(vec):  # converted as vectors (e4m3 in pairs), not value by value
+                    y_f32[j] = T.cast(y_buf[k * vec + j], "float32")
                 for j in T.unroll(vec):
-                    y = T.cast(y_buf[k * vec + j], "float32")
+                    y = y_f32[j]
                     if dequantize:
                         if one_scale:
                             y = T.ieee_mul(y, scales[k])
