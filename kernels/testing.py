@@ -10,6 +10,7 @@ D hidden, G scale groups, I SwiGLU intermediate, B sequences, S positions, V tok
 from __future__ import annotations
 
 import gc
+import types
 
 import torch
 
@@ -100,28 +101,28 @@ def poison_allocator(device: torch.device | str, *, byte: int = POISON_BYTE, lar
         room = [torch.empty(large_bytes, dtype=torch.uint8, device=device)]
         room += [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(16)]
         del room
-        index = torch.cuda.current_device()
-        for segment in torch.cuda.memory_snapshot():
-            if segment["device"] != index:
-                continue
+        for address, size, state in _allocator_blocks(torch.cuda.current_device()):
+            if state == "inactive":
+                _bytes_at(address, size, device).fill_(byte)
+
+
+def _allocator_blocks(device_index: int):
+    """``(address, size, state)`` of every block of torch's CUDA caching allocator on a device, from
+    ``torch.cuda.memory_snapshot()`` (a segment's blocks lie in address order and cover it)."""
+    for segment in torch.cuda.memory_snapshot():
+        if segment["device"] == device_index:
             address = segment["address"]
-            for block in segment["blocks"]:  # in address order, covering the segment
-                if block["state"] == "inactive":
-                    _bytes_at(address, block["size"], device).fill_(byte)
+            for block in segment["blocks"]:
+                yield address, block["size"], block["state"]
                 address += block["size"]
 
 
-class _DeviceBytes:
-    """``size`` bytes of device memory at ``address``, for ``torch.as_tensor`` (CUDA array interface)."""
-
-    def __init__(self, address: int, size: int):
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3,
-                                         "strides": None, "stream": None}
-
-
 def _bytes_at(address: int, size: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over memory the caching allocator holds free (it does not own the memory)."""
-    return torch.as_tensor(_DeviceBytes(address, size), device=device)
+    """A uint8 tensor over memory the caching allocator holds free (it does not own the memory),
+    through the CUDA array interface."""
+    memory = types.SimpleNamespace(__cuda_array_interface__={
+        "shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3, "strides": None, "stream": None})
+    return torch.as_tensor(memory, device=device)
 
 
 def assert_poisoned(name: str, t: torch.Tensor, *, byte: int = POISON_BYTE) -> None:
@@ -134,13 +135,8 @@ def assert_poisoned(name: str, t: torch.Tensor, *, byte: int = POISON_BYTE) -> N
     if clean.numel() == 0:
         return
     start, end = t.data_ptr(), t.data_ptr() + flat.numel()
-    around = []
-    for segment in torch.cuda.memory_snapshot():
-        address = segment["address"]
-        for block in segment["blocks"]:
-            if address < end and address + block["size"] > start - (4 << 20):
-                around.append(f"{block['state']} [{address:#x}, +{block['size']})")
-            address += block["size"]
+    around = [f"{state} [{address:#x}, +{size})" for address, size, state in _allocator_blocks(t.device.index)
+              if address < end and address + size > start - (4 << 20)]
     raise AssertionError(f"{name}: {clean.numel()} of {flat.numel()} bytes lost the poison, the first at byte "
                          f"{int(clean[0])} (value {int(flat[clean[0]])}), the last at {int(clean[-1])}; {name} lies at "
                          f"[{start:#x}, +{flat.numel()}); allocator blocks there: {'; '.join(around)}")

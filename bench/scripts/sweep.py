@@ -22,9 +22,10 @@ from ep_runtime.bench import kernels as bench
 # sweep): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte e4m3 store out (8: 16 in, 8
 # out). Session 8 tried tiles 2048-7168 columns wide: slower than the shipped ones everywhere.
 TOKEN_TILES = [(1, 2048, 256), (1, 3584, 448), (1, 7168, 896), (2, 2048, 512)]
-# for few rows (small); session 26 (the warps' rows met by shuffles), one run: 64 x 256 2.53 us of GPU
-# time, shipped 32 x 128 2.66, 32 x 256 2.72, 16 x 128 3.15, tile-kernels 2.56
-CHANNEL_TILES = [(128, 64, 256), (128, 64, 128), (128, 128, 256), (128, 32, 256)]
+# for few rows (small; shipped since session 26: 64 x 128); session 26 (the warps' rows met by shuffles),
+# paired rounds of GPU time: 64 x 128 2.50 us, 64 x 256 2.56, 128 x 256 2.66, 32 x 128 (then shipped)
+# 2.69, 32 x 256 2.75, tile-kernels 2.59
+CHANNEL_TILES = [(128, 64, 256), (128, 128, 256), (128, 32, 128), (128, 32, 256)]
 # session 25 at 128 rows: 512 threads, and clusters of 2 CTAs sharing a block's rows, both slower
 # (kernels/quant/NOTES.md)
 BLOCK_TILES = [(128, 128, 512), (128, 128, 1024)]
@@ -37,9 +38,9 @@ GATE_BACKWARD_PLANS = [dict(tile=1, stages=3), dict(g_buffers=2, tile=3), dict(g
 BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # (tile_m, tile_n, threads[, vec]); session 25 at 128 tokens with the cast: (1, 1024, 256, 4), now shipped
 # there, 2.21 us of GPU time against 8 values a thread's 2.43 ((1, 512, 64) 2.40, (1, 1024, 512, 2)
-# 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, one run: one CTA a row, (1, 2048,
-# 512, 4), 2.11 (fusion gain 0.71 of the bytes', shipped 0.68), (1, 512, 128, 4) 2.14
-SWIGLU_TILES = [(1, 2048, 512, 4), (1, 2048, 1024, 2)]
+# 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, paired: one CTA a 2048-wide row,
+# (1, 2048, 512, 4), 2.11 against 2.16-2.18 (now shipped there), (1, 2048, 1024, 2) 2.25
+SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
 PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)

@@ -32,3 +32,16 @@ def test_a_written_byte_is_named():
     out[MB + 7] = POISON_BYTE ^ 1
     with pytest.raises(AssertionError, match=rf"out: 1 of {3 * MB} bytes lost the poison, the first at byte {MB + 7}"):
         assert_poisoned("out", out)
+
+
+def test_allocator_blocks_lie_in_address_order(monkeypatch):
+    """Block addresses come from their segment's start and the sizes before them; other devices' left out."""
+    from kernels import testing
+
+    snapshot = [{"device": 0, "address": 0x1000, "blocks": [{"size": 512, "state": "active_allocated"},
+                                                            {"size": 2048, "state": "inactive"}]},
+                {"device": 1, "address": 0x9000, "blocks": [{"size": 512, "state": "inactive"}]},
+                {"device": 0, "address": 0x8000, "blocks": [{"size": 4096, "state": "inactive"}]}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+    assert list(testing._allocator_blocks(0)) == [(0x1000, 512, "active_allocated"), (0x1200, 2048, "inactive"),
+                                                  (0x8000, 4096, "inactive")]
