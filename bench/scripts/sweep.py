@@ -263,7 +263,7 @@ def variants(op: str, inp, case) -> dict[str, object]:
         args = (*args, inp.g_TND, gate(*args, return_stats=True)[1])
         found = {}
         for options in GATE_BACKWARD_PLANS:
-            plan = backward_plan(*args[:3], **options)
+            plan = backward_plan(*args[:3], w_dtype=inp.wh_ND.dtype, **options)
             label = (f"warps={plan.threads // 32} tile={plan.tile} stages={plan.stages} w_resident={plan.w_resident} "
                      f"g_buffers={plan.g_buffers}")
             found[label] = functools.partial(gate_backward, *args, **options)

@@ -15,7 +15,8 @@ The float32 math mirrors the reference's operations (``(x * (wh * we)) * k``; ``
 divisions IEEE, no FMA contraction) but sums over ``D`` in another order than PyTorch's reduction,
 so results match within the tolerance the GPU tests state, not bit for bit. The forward also
 writes each row's ``(rstd_x, rstd_k, raw)`` (12 bytes), from which the backward
-(:func:`get_gate_backward_kernel`, one persistent kernel for all five gradients) starts.
+(:func:`get_gate_backward_kernel`, one persistent kernel for all five gradients, then
+:func:`get_weight_grad_kernel` summing its CTAs' weight-gradient partials) starts.
 
 Shape suffixes (as in :mod:`kernels.engram.reference`): T tokens, N mHC streams, D hidden size.
 """
@@ -176,8 +177,9 @@ class BackwardPlan(NamedTuple):
     """How the backward spreads over a CTA: each of the ``n`` streams gets ``warps_per_stream``
     warps, whose threads own ``per_thread`` vectors of that stream (``vec`` elements, 16 bytes of
     ``x``'s dtype or fewer; thread ``l`` of a stream vectors ``l, l + lanes, ...``), ``tile`` of them
-    a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w`` in shared memory
-    for the whole kernel instead of streaming it through the ring with ``x`` and ``k``; with
+    a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w = wh * we`` in
+    shared memory (float32, multiplied once a CTA) for the whole kernel instead of streaming ``wh``
+    and ``we`` through the ring with ``x`` and ``k``; with
     ``g_buffers = 2`` the next token's ``g`` loads while this one's is read."""
 
     n: int
@@ -202,11 +204,12 @@ class BackwardPlan(NamedTuple):
     def tiles(self) -> int:
         return -(-self.per_thread // self.tile)
 
-    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
-        """``g_buffers`` tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident, the ring,
-        the partials."""
+    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype,
+                     w_dtype: torch.dtype = torch.float32) -> int:
+        """``g_buffers`` tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident (float32),
+        the ring (``wh`` and ``we`` in ``w_dtype`` unless ``w`` is resident), the partials."""
         n, d = self.n, self.nv * self.vec
-        per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
+        per_column = dtype.itemsize + k_dtype.itemsize + 2 * w_dtype.itemsize * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
         rows = d * (self.g_buffers * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
         return rows + ring + 4 * n * (self.warps_per_stream + 2)
@@ -230,11 +233,13 @@ def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
     w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, shared_memory: int | None = None,
+    w_dtype: torch.dtype = torch.float32,
 ) -> BackwardPlan | None:
     """The backward's :class:`BackwardPlan` for these inputs, or None where the kernel cannot take
     them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an even D), more
     weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or more shared memory than
-    a CTA gets (``shared_memory`` bytes; by default what their device gives one). The options are
+    a CTA gets (``shared_memory`` bytes; by default what their device gives one; ``w_dtype``: the
+    weights'; float32, the largest, where not given). The options are
     preferences, given up until the CTA fits: fewer stages first, then a smaller tile, then ``w``
     resident or not, then the number of ``g`` buffers."""
     _, n, d = x_TND.shape
@@ -251,22 +256,23 @@ def backward_plan(
         for t in range(min(tile, per_thread), 0, -1):
             for s in range(min(stages, -(-per_thread // t) + 1), 1, -1):
                 plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, t, s, resident, buffers)
-                if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
+                if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype, w_dtype) <= limit:
                     return plan
     return None
 
 
 @tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
 def get_gate_backward_kernel(
-    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, clamp: float, add_residual: bool,
+    n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, add_residual: bool,
     warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
     w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ):
-    """``(x_TND, k_TND, v_TD, w_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
-    grad_w_CND)`` kernel (``w = wh * we`` in float32, ``stats_TN3`` the forward's ``(rstd_x, rstd_k,
-    raw)``): the gradients of the gate (:func:`kernels.engram.reference._gate_bwd`'s formulas), the
-    weights' as ``grad_w_CND[c] = sum over CTA c's tokens of dL/draw * x * k`` (float32; the caller
-    sums over ``C`` and multiplies by ``we`` and ``wh``). The layout is :class:`BackwardPlan`'s.
+    """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
+    grad_w_CND)`` kernel (``wh``, ``we`` of ``w_dtype``, multiplied here into the reference's float32
+    ``w``; ``stats_TN3`` the forward's ``(rstd_x, rstd_k, raw)``): the gradients of the gate
+    (:func:`kernels.engram.reference._gate_bwd`'s formulas), the weights' as ``grad_w_CND[c] = sum
+    over CTA c's tokens of dL/draw * x * k`` (float32; :func:`get_weight_grad_kernel` sums over
+    ``C`` and multiplies by ``we`` and ``wh``). The layout is :class:`BackwardPlan`'s.
 
     A persistent grid of ``C`` CTAs (``C`` <= tokens), CTA ``c`` taking tokens ``c, c + C, ...``;
     each thread keeps the weight gradients of its columns in registers, so ``x`` and ``k`` are read
@@ -282,7 +288,7 @@ def get_gate_backward_kernel(
        residual below still reads this one; ``g`` read again from L2 instead came from memory:
        1076 vs 964 us at D = 7168); with one, its ``g`` loads after a third barrier at the token's
        end;
-    3. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
+    3. the stream's ``x`` and ``k`` (and ``wh``, ``we`` unless ``w`` is resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
        the next token; each thread stages only what it reads back, so the ring needs
        ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers,
@@ -314,7 +320,7 @@ def get_gate_backward_kernel(
 
         return copy
 
-    fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, T.float32))
+    fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, w_dtype))
 
     @T.macro
     def stage_g(g_TND, g_tok, row, buf, tid):
@@ -335,9 +341,9 @@ def get_gate_backward_kernel(
     @T.macro
     def stage_tile(sources, ring, row, j, slot, h, lane):
         """Step j's vectors of this thread's stream into ring slot ``slot`` (no commit):
-        ``sources = (x_TND, k_TND, w_ND)``, ``ring`` their slots."""
-        x_TND, k_TND, w_ND = sources
-        x_ring, k_ring, w_ring = ring
+        ``sources = (x_TND, k_TND, wh_ND, we_ND)``, ``ring`` their slots."""
+        x_TND, k_TND, wh_ND, we_ND = sources
+        x_ring, k_ring, wh_ring, we_ring = ring
         for q in T.unroll(tile):
             c = (j * tile + q) * lanes + lane
             if j * tile + q < per_thread and c < nv:
@@ -345,7 +351,8 @@ def get_gate_backward_kernel(
                 fetch_x(x_ring[slot, h, s], x_TND[row, h, c * vec])
                 fetch_k(k_ring[slot, h, s], k_TND[row, h, c * vec])
                 if not w_resident:
-                    fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
+                    fetch_w(wh_ring[slot, h, s], wh_ND[h, c * vec])
+                    fetch_w(we_ring[slot, h, s], we_ND[h, c * vec])
 
     @T.macro
     def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid, wait):
@@ -354,7 +361,7 @@ def get_gate_backward_kernel(
         gates_N)``), which needs no slot; wait for step j's slot, then its gradients into
         ``outputs = (grad_x_TND, grad_k_TND, grad_v_TD)`` and ``grad_w`` (``locals_``: scratch
         vectors; ``g`` for the residual from ``g_tok``)."""
-        x_ring, k_ring, w_ring = ring
+        x_ring, k_ring, wh_ring, we_ring = ring
         w_all, g_tok, gates_N = token
         grad_x_TND, grad_k_TND, grad_v_TD = outputs
         xf, kf, wf, out_x, out_k, out_v = locals_
@@ -391,7 +398,8 @@ def get_gate_backward_kernel(
                         wf[e] = w_all[h, c * vec + e]
                 else:
                     for e in T.vectorized(vec):
-                        wf[e] = w_ring[slot, h, s + e]
+                        wf[e] = T.ieee_mul(T.cast(wh_ring[slot, h, s + e], T.float32),
+                                           T.cast(we_ring[slot, h, s + e], T.float32))
                 for e in T.serial(vec):
                     dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
                     residual = T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32)
@@ -408,7 +416,8 @@ def get_gate_backward_kernel(
         x_TND: T.Tensor[(num_tokens, n, d), dtype],
         k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
         v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        w_ND: T.Tensor[(n, d), T.float32],
+        wh_ND: T.Tensor[(n, d), w_dtype],
+        we_ND: T.Tensor[(n, d), w_dtype],
         g_TND: T.Tensor[(num_tokens, n, d), dtype],
         stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
         grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
@@ -425,7 +434,10 @@ def get_gate_backward_kernel(
             w_all = T.alloc_shared((n, d) if w_resident else (1, 1), T.float32)
             x_ring = T.alloc_shared((stages, n, block), dtype)
             k_ring = T.alloc_shared((stages, n, block), k_dtype)
-            w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
+            wh_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
+            we_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
+            wh_local = T.alloc_local((vec,), w_dtype)
+            we_local = T.alloc_local((vec,), w_dtype)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
             grad_w = T.alloc_local((per_thread * vec,), T.float32)
             gates_N = T.alloc_shared((2, n), T.float32)  # the token's gates for grad_v, by token parity
@@ -439,26 +451,30 @@ def get_gate_backward_kernel(
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
 
-            sources, ring = (x_TND, k_TND, w_ND), (x_ring, k_ring, w_ring)
+            sources, ring = (x_TND, k_TND, wh_ND, we_ND), (x_ring, k_ring, wh_ring, we_ring)
             token, outputs = (w_all, g_tok, gates_N), (grad_x_TND, grad_k_TND, grad_v_TD)
             locals_ = (xf, kf, wf, out_x, out_k, out_v)
-            # Prologue: the first token's g and v (and w, each thread its own columns) as one group,
-            # its first steps one group each, then empty groups: the count a token start waits past
-            # is always ``tiles``.
+            # Prologue: the first token's g and v as one group, its first steps one group each,
+            # then empty groups: the count a token start waits past is always ``tiles``.
             first = T.Cast(T.int64, cta)
             stage_g(g_TND, g_tok, first, 0, tid)
             stage_v(v_TD, v_tok, first, tid)
-            if w_resident:
-                for p in T.unroll(per_thread):
-                    c = p * lanes + lane
-                    if c < nv:
-                        fetch_w(w_all[h, c * vec], w_ND[h, c * vec])
             T.ptx_commit_group()
             for j in T.unroll(stages - 1):
                 stage_tile(sources, ring, first, j, j, h, lane)
                 T.ptx_commit_group()
             for _ in T.unroll(tiles - (stages - 1)):
                 T.ptx_commit_group()
+            if w_resident:  # w = wh * we, each thread its own columns (it alone reads them), while those land
+                for p in T.unroll(per_thread):
+                    c = p * lanes + lane
+                    if c < nv:
+                        for e in T.vectorized(vec):
+                            wh_local[e] = wh_ND[h, c * vec + e]
+                        for e in T.vectorized(vec):
+                            we_local[e] = we_ND[h, c * vec + e]
+                        for e in T.serial(vec):
+                            w_all[h, c * vec + e] = T.ieee_mul(T.cast(wh_local[e], T.float32), T.cast(we_local[e], T.float32))
             for e in T.unroll(per_thread * vec):
                 grad_w[e] = T.float32(0)
             for q in T.unroll(3):
@@ -609,6 +625,74 @@ def gate(
     return (out_TND, stats_TN3) if return_stats else out_TND
 
 
+WEIGHT_GRAD_WARPS = 8  # a CTA's warps, which share out the partials' rows
+WEIGHT_GRAD_UNROLL = 4  # rows a warp loads before adding them
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_weight_grad_kernel(m: int, w_dtype: str):
+    """``(grad_w_CM, wh_M, we_M, grad_wh_M, grad_we_M)`` kernel over ``M = N * D`` flattened weights:
+    ``grad_w = sum_c grad_w_CM[c]`` (float32; warp ``u`` of a CTA sums rows ``u, u + warps, ...`` in
+    order, then the warps' sums are added in warp order), ``grad_wh = grad_w * we`` and ``grad_we =
+    grad_w * wh``, float32 products rounded to ``w_dtype`` (the backward's epilogue in one launch,
+    not a sum and two products)."""
+    num_ctas = T.dynamic("num_ctas")
+    vec = vector_width(m, 4)
+    nv, warps, unroll = m // vec, WEIGHT_GRAD_WARPS, WEIGHT_GRAD_UNROLL
+
+    @T.prim_func
+    def weight_grad_kernel(
+        grad_w_CM: T.Tensor[(num_ctas, m), T.float32],
+        wh_M: T.Tensor[(m,), w_dtype],
+        we_M: T.Tensor[(m,), w_dtype],
+        grad_wh_M: T.Tensor[(m,), w_dtype],
+        grad_we_M: T.Tensor[(m,), w_dtype],
+    ):
+        with T.Kernel(T.ceildiv(nv, WARP), threads=warps * WARP) as b:
+            tid = T.get_thread_binding()
+            warp, lane = tid // WARP, tid % WARP
+            c = b * WARP + lane
+            rows = T.alloc_local((unroll, vec), T.float32)
+            acc = T.alloc_local((vec,), T.float32)
+            sums = T.alloc_shared((warps, WARP * vec), T.float32)
+            wh_local = T.alloc_local((vec,), w_dtype)
+            we_local = T.alloc_local((vec,), w_dtype)
+            out_h = T.alloc_local((vec,), w_dtype)
+            out_e = T.alloc_local((vec,), w_dtype)
+            for e in T.serial(vec):
+                acc[e] = T.float32(0)
+            if c < nv:
+                for r in T.serial(T.ceildiv(num_ctas, warps * unroll)):
+                    for u in T.unroll(unroll):  # the loads first, then the adds in row order
+                        if (r * unroll + u) * warps + warp < num_ctas:
+                            for e in T.vectorized(vec):
+                                rows[u, e] = grad_w_CM[(r * unroll + u) * warps + warp, c * vec + e]
+                    for u in T.unroll(unroll):
+                        if (r * unroll + u) * warps + warp < num_ctas:
+                            for e in T.serial(vec):
+                                acc[e] = T.ieee_add(acc[e], rows[u, e])
+            for e in T.vectorized(vec):
+                sums[warp, lane * vec + e] = acc[e]
+            T.sync_threads()
+            if warp == 0 and c < nv:
+                for u in T.unroll(1, warps):
+                    for e in T.serial(vec):
+                        acc[e] = T.ieee_add(acc[e], sums[u, lane * vec + e])
+                for e in T.vectorized(vec):
+                    wh_local[e] = wh_M[c * vec + e]
+                for e in T.vectorized(vec):
+                    we_local[e] = we_M[c * vec + e]
+                for e in T.serial(vec):
+                    out_h[e] = T.cast(T.ieee_mul(acc[e], T.cast(we_local[e], T.float32)), w_dtype)
+                    out_e[e] = T.cast(T.ieee_mul(acc[e], T.cast(wh_local[e], T.float32)), w_dtype)
+                for e in T.vectorized(vec):
+                    grad_wh_M[c * vec + e] = out_h[e]
+                for e in T.vectorized(vec):
+                    grad_we_M[c * vec + e] = out_e[e]
+
+    return weight_grad_kernel
+
+
 def gate_backward(
     x_TND: torch.Tensor,
     k_TND: torch.Tensor,
@@ -634,29 +718,29 @@ def gate_backward(
     check_tensor("stats_TN3", stats_TN3, dtype=torch.float32, shape=(*x_TND.shape[:2], 3), device=x_TND.device)
     check_supported(x_TND, k_TND, v_TD, wh_ND, we_ND)
     t, n, d = x_TND.shape
-    grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
-    grad_k = torch.empty_like(k_TND, memory_format=torch.contiguous_format)
-    grad_v = torch.empty_like(v_TD, memory_format=torch.contiguous_format)
     if t * n * d == 0:
-        grad_v.zero_()
-        zeros = torch.zeros_like(wh_ND, memory_format=torch.contiguous_format)
-        return grad_x, grad_k, grad_v, zeros, zeros.clone()
-    plan = backward_plan(x_TND, k_TND, v_TD, **plan_options)
+        contiguous = dict(memory_format=torch.contiguous_format)
+        zeros = torch.zeros_like(wh_ND, **contiguous)
+        return (torch.empty_like(x_TND, **contiguous), torch.empty_like(k_TND, **contiguous),
+                torch.zeros_like(v_TD, **contiguous), zeros, zeros.clone())
+    plan = backward_plan(x_TND, k_TND, v_TD, w_dtype=wh_ND.dtype, **plan_options)
     if plan is None:
         raise ValueError(
             f"x_TND: N = {n}, D = {d} in {x_TND.dtype} (k {k_TND.dtype}, v {v_TD.dtype}) is beyond the backward "
             "kernel: a thread's weight gradients must fit its registers, the token's rows shared memory, and "
             "every vector 4 bytes (use kernels.engram.reference.gate)"
         )
+    grad_x = torch.empty_like(x_TND, memory_format=torch.contiguous_format)
+    grad_k = torch.empty_like(k_TND, memory_format=torch.contiguous_format)
+    grad_v = torch.empty_like(v_TD, memory_format=torch.contiguous_format)
     grad_w_CND = torch.empty((min(t, sm_count(x_TND.device)), n, d), dtype=torch.float32, device=x_TND.device)
-    w_ND = torch.mul(wh_ND.float(), we_ND)  # the reference's float32 w (we promoted in the product: one launch fewer)
-    dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD)]
-    args = [aligned(a) for a in (x_TND, k_TND, v_TD, w_ND, g_TND)] + [stats_TN3.contiguous()]
+    dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
+    wh_ND, we_ND = aligned(wh_ND), aligned(we_ND)
+    args = [aligned(a) for a in (x_TND, k_TND, v_TD)] + [wh_ND, we_ND, aligned(g_TND), stats_TN3.contiguous()]
     kernel = get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), plan.warps_per_stream,
                                       plan.tile, plan.stages, plan.w_resident, plan.g_buffers)
     kernel(*args, grad_x, grad_k, grad_v, grad_w_CND)
-    grad_w_ND = grad_w_CND.sum(0)
-    # products in float32 stored straight in the weights' dtypes (out=: one launch each, not two)
-    grad_wh = torch.mul(grad_w_ND, we_ND, out=torch.empty_like(wh_ND, memory_format=torch.contiguous_format))
-    grad_we = torch.mul(grad_w_ND, wh_ND, out=torch.empty_like(we_ND, memory_format=torch.contiguous_format))
+    grad_wh, grad_we = torch.empty_like(wh_ND), torch.empty_like(we_ND)
+    get_weight_grad_kernel(n * d, dtypes[3])(grad_w_CND.view(-1, n * d), wh_ND.view(-1), we_ND.view(-1),
+                                             grad_wh.view(-1), grad_we.view(-1))
     return grad_x, grad_k, grad_v, grad_wh, grad_we

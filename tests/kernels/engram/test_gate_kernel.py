@@ -25,6 +25,7 @@ from kernels.engram.gate_kernel import (
     gate_backward,
     get_gate_backward_kernel,
     get_gate_kernel,
+    get_weight_grad_kernel,
 )
 from kernels.testing import poison_allocator
 
@@ -116,7 +117,7 @@ def test_backward_plans_agree(d, warps, tile, stages, w_resident, g_buffers, see
     layout asked for, not a fallback."""
     args = gate_inputs(1, 4, d, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
     options = dict(warps=warps, tile=tile, stages=stages, w_resident=w_resident, g_buffers=g_buffers)
-    plan = backward_plan(*args[:3], **options)
+    plan = backward_plan(*args[:3], w_dtype=args[3].dtype, **options)
     assert (plan.threads // 32, plan.tile, plan.stages, plan.w_resident, plan.g_buffers) == tuple(options.values())
     check_backward(600, d, 4, DTYPES["bf16"], True, seed, **options)
 
@@ -194,6 +195,9 @@ def test_compiles_for_sm90a():
             kernel = get_gate_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
             source = lowering.kernel_source(kernel)
             assert "uint4" in source and "__fadd_rn" in source and source.count("expf(") == 1, d
-            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", 1e-6, True)
+            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, True)
             source = lowering.kernel_source(backward)
             assert "uint4" in source and "warp_reduce_sum" in source and "grad_w_CND" in source, d
+            for w_dtype in ("float32", "bfloat16"):
+                source = lowering.kernel_source(get_weight_grad_kernel(4 * d, w_dtype))
+                assert "float4" in source and "__fadd_rn" in source, (d, w_dtype)
