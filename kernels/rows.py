@@ -1,7 +1,8 @@
 """TileLang pieces for kernels that give one CTA to one row (a token, or a token's stream): how
-many threads a row gets, and the CTA-wide sum of per-thread partials.
+many threads a row gets, the CTA-wide sum of per-thread partials, and a thread's vector staged in
+shared memory by ``cp.async``.
 
-Used by the Engram gate kernels and the mHC backward kernels.
+Used by the Engram gate kernels, the mHC backward kernels and the weighted reduce.
 """
 
 from typing import NamedTuple
@@ -57,3 +58,21 @@ def row_reduction(count: int, warps: int):
                 stats[s] = T.ieee_add(stats[s], partial[s, w])
 
     return reduce
+
+
+def shifted(load, offset):
+    """``load`` (a buffer element) ``offset`` elements further along its last axis."""
+    return T.BufferLoad(load.buffer, [*load.indices[:-1], load.indices[-1] + offset])
+
+
+def vector_cp_async(vec: int, elem_bytes: int):
+    """``copy(dst, src)`` emitting the ``cp.async`` of one vector of ``vec`` elements whose first
+    elements ``dst`` (shared) and ``src`` (global) are, 16 bytes or fewer a copy (no commit)."""
+    chunk = min(vec, 16 // elem_bytes)
+
+    def copy(dst, src):
+        for q in range(vec // chunk):
+            T.evaluate(T.ptx_cp_async(T.access_ptr(shifted(dst, q * chunk), "w", chunk),
+                                      T.access_ptr(shifted(src, q * chunk), "r", chunk), chunk))
+
+    return copy

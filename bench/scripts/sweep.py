@@ -41,7 +41,8 @@ BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, paired: one CTA a 2048-wide row,
 # (1, 2048, 512, 4), 2.11 against 2.16-2.18 (now shipped there), (1, 2048, 1024, 2) 2.25
 SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
-PRE_APPLY_THREADS = [128, 512]  # shipped: 256 (session 22's other options: kernels/mhc/NOTES.md)
+# (threads, output vectors a thread); shipped: (256, 1) (session 22's other options: kernels/mhc/NOTES.md)
+PRE_APPLY_TILES = [(128, 1), (64, 2), (128, 2), (256, 2)]
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
@@ -55,6 +56,9 @@ NORM_FN_PARTS_OPTIONS = [{}, dict(stages=3)]  # float32 / float16 streams (64-co
 NORM_FN_BACKWARD_OPTIONS = [dict(stages=1), dict(stages=3)]
 # session 24: bytes of y a thread (shipped: 16); at 128 tokens the 16-byte grid fills a fifth of an H100
 REDUCE_VECTOR_BYTES = [8, 4]
+# session 27: CTAs an SM the registers are bounded for (16 bytes a thread: 88 / 96 registers, 3 CTAs of 224)
+REDUCE_MIN_CTAS = [4]  # 5, 6: spills, slower (bench/results/h100/2026-11-26-s27/call3-*)
+REDUCE_STAGED_BYTES = [16, 8]  # rows staged in shared memory by cp.async
 
 
 def _cast_variant(x, block, tile):
@@ -118,15 +122,17 @@ def _expand_cast_variant(x, layout, tile):
     return call
 
 
-def _weighted_reduce_variant(case, vector_bytes):
-    """The shipped op's call with ``vector_bytes`` of ``y`` a thread."""
+def _weighted_reduce_variant(case, vector_bytes, min_ctas=None, staged=False):
+    """The shipped op's call with ``vector_bytes`` of ``y`` a thread, registers bounded for ``min_ctas``
+    CTAs an SM, rows ``staged`` in shared memory or not."""
     from kernels.quant.tiles import tl_dtype
     from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel
 
     y, pos, weights, *sf = case.args
     sf = sf[0] if sf else torch.empty((y.shape[0], -(-y.shape[1] // 128)), dtype=torch.float32, device=y.device)
     kernel = get_weighted_reduce_kernel(y.shape[1], pos.shape[1], tl_dtype(y.dtype), tl_dtype(pos.dtype), "bfloat16",
-                                        128, False, vector_bytes=vector_bytes)
+                                        128, False, vector_bytes=vector_bytes, min_ctas=min_ctas,
+                                        staged=staged)
 
     def call():
         out = torch.empty((pos.shape[0], y.shape[1]), dtype=torch.bfloat16, device=y.device)
@@ -215,7 +221,9 @@ def _norm_fn_backward_variants(x, fn, g) -> dict[str, object]:
 def variants(op: str, inp, case) -> dict[str, object]:
     """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape (``case``: the op as shipped)."""
     if op in ("weighted_reduce", "weighted_reduce_fp8"):
-        return {f"vector_bytes={b}": _weighted_reduce_variant(case, b) for b in REDUCE_VECTOR_BYTES}
+        found = {f"vector_bytes={b}": _weighted_reduce_variant(case, b) for b in REDUCE_VECTOR_BYTES}
+        found |= {f"min_ctas={m}": _weighted_reduce_variant(case, 16, m) for m in REDUCE_MIN_CTAS}
+        return found | {f"staged vector_bytes={b}": _weighted_reduce_variant(case, b, staged=True) for b in REDUCE_STAGED_BYTES}
     if op == "mhc_norm_fn":
         return _norm_fn_variants(inp.x_TND, inp.fn_MK)
     if op == "mhc_norm_fn_backward":
@@ -233,8 +241,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        return {f"threads={k}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k))
-                for k in PRE_APPLY_THREADS}
+        return {f"threads={k} per_thread={v}": functools.partial(pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v))
+                for k, v in PRE_APPLY_TILES}
     if op == "batched_transpose":
         from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 

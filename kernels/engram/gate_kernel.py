@@ -38,7 +38,7 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
-from kernels.rows import WARP, row_geometry, row_reduction
+from kernels.rows import WARP, row_geometry, row_reduction, vector_cp_async
 from kernels.validate import check_tensor
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # float64 stays with the reference
@@ -166,11 +166,6 @@ def get_gate_kernel(
                         out_TND[row, h, c * vec + j] = out_local[j]
 
     return gate_kernel
-
-
-def shifted(load, offset):
-    """``load`` (a buffer element) ``offset`` elements further along its last axis."""
-    return T.BufferLoad(load.buffer, [*load.indices[:-1], load.indices[-1] + offset])
 
 
 class BackwardPlan(NamedTuple):
@@ -308,19 +303,7 @@ def get_gate_backward_kernel(
     rounds = -(-nv // threads)  # grad_v's vectors a thread
     gate_of = gate_value(d, clamp)
 
-    def fetch(elem_bytes: int):
-        """``(dst, src)`` emitting the ``cp.async`` of one vector whose first elements ``dst``
-        (shared) and ``src`` (global) are, 16 bytes or fewer a copy."""
-        chunk = min(vec, 16 // elem_bytes)
-
-        def copy(dst, src):
-            for q in range(vec // chunk):
-                T.evaluate(T.ptx_cp_async(T.access_ptr(shifted(dst, q * chunk), "w", chunk),
-                                          T.access_ptr(shifted(src, q * chunk), "r", chunk), chunk))
-
-        return copy
-
-    fetch_x, fetch_k, fetch_v, fetch_w = (fetch(T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, w_dtype))
+    fetch_x, fetch_k, fetch_v, fetch_w = (vector_cp_async(vec, T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, w_dtype))
 
     @T.macro
     def stage_g(g_TND, g_tok, row, buf, tid):

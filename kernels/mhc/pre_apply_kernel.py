@@ -44,14 +44,15 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS):
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
-    (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA (sweeps)."""
+    (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
+    output vectors a thread, all their loads issued first (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    tile_m, tile_v = row_tile(nv, threads)
-    tiles_v = T.ceildiv(nv, tile_v)
+    tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
+    tiles_v = T.ceildiv(nv, tile_v * per_thread)
 
     @T.prim_func
     def pre_apply_kernel(
@@ -62,22 +63,27 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
-            x_local = T.alloc_local((n * vec,), dtype)
+            x_local = T.alloc_local((per_thread * n * vec,), dtype)
             acc = T.alloc_local((vec,), T.float32)
             token = bm * tile_m + tid // tile_v
-            c = bn * tile_v + tid % tile_v
-            if token < num_tokens and c < nv:
-                row = T.Cast(T.int64, token)
-                for i in T.unroll(n):  # all N loads issue before the first use
-                    for j in T.vectorized(vec):
-                        x_local[i * vec + j] = x_TND[row, i, c * vec + j]
-                for j in T.serial(vec):
-                    acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[j], T.float32))
-                for i in T.unroll(1, n):
+            row = T.Cast(T.int64, token)
+            for p in T.unroll(per_thread):  # all loads issue before the first use
+                c = (bn * per_thread + p) * tile_v + tid % tile_v
+                if token < num_tokens and c < nv:
+                    for i in T.unroll(n):
+                        for j in T.vectorized(vec):
+                            x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
+            for p in T.unroll(per_thread):
+                c = (bn * per_thread + p) * tile_v + tid % tile_v
+                if token < num_tokens and c < nv:
                     for j in T.serial(vec):
-                        acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x_local[i * vec + j], T.float32)))
-                for j in T.vectorized(vec):
-                    y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
+                        acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[p * n * vec + j], T.float32))
+                    for i in T.unroll(1, n):
+                        for j in T.serial(vec):
+                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i],
+                                                                   T.cast(x_local[(p * n + i) * vec + j], T.float32)))
+                    for j in T.vectorized(vec):
+                        y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 
     return pre_apply_kernel
 

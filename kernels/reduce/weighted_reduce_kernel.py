@@ -6,7 +6,11 @@ owns one 16-byte vector of ``y`` (``vec`` elements: 8 bf16, 16 e4m3, 4 float32; 
 for a batch too small to fill the GPU, :func:`reduce_vector_bytes`). A thread first
 reads the token's K routes (rows and weights), then issues all K row loads (each predicated on its
 row being >= 0; with e4m3 rows, the row's scale too) before the first add, so K x 16 bytes per
-thread are in flight instead of one vector at a time. Then it adds ``w[t, k] * y[pos[t, k]]``
+thread are in flight instead of one vector at a time. 16-byte vectors land in shared memory by
+``cp.async`` (each thread's own slots, so no barrier), not in registers: bf16 rows take 48
+registers instead of 88 and an SM holds 7 CTAs of 224 threads instead of 3, and the kernel, bound
+by the bytes in flight behind each CTA's two dependent round trips (the routes, then the rows), went
+from 54% to 100.6% of copy at 16384 tokens (``kernels/reduce/NOTES.md``, session 27). Then it adds ``w[t, k] * y[pos[t, k]]``
 (dequantized with its per-token scale for e4m3 ``y``) into float32 registers for k = 0 .. K-1.
 Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
@@ -33,6 +37,7 @@ from kernels.pdl import chained
 from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
 from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
 from kernels.validate import check_tensor
+from kernels.rows import vector_cp_async
 from kernels.quant.tiles import (
     PASS_CONFIGS,
     PEER_PASS_CONFIGS,
@@ -54,6 +59,8 @@ MAX_THREADS_PER_SM = 2048  # Hopper's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
 # 128 (bench/scripts/combine_parts.py, session 17)
 PUT_THREADS = 1024
+# The weighted reduce's staged rows are thread-private: no CTA barrier guards them.
+STAGED_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
 def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
@@ -69,11 +76,15 @@ def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
 
 
 def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
-                 unit: bool = False, max_threads: int = MAX_THREADS, vector_bytes: int = VECTOR_BYTES):
+                 unit: bool = False, max_threads: int = MAX_THREADS, vector_bytes: int = VECTOR_BYTES,
+                 staged: bool = False):
     """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
     row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
-    every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits)."""
+    every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits);
+    ``staged``: the K row vectors land in shared memory by ``cp.async`` (each thread's own slots, read
+    back by it alone: the kernel needs TileLang's automatic barriers off) instead of registers."""
     vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes, max_threads, vector_bytes)
+    fetch_y = vector_cp_async(vec, T.dtype(y_dtype).bytes)
     dequantize = y_dtype == "float8_e4m3fn"
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
 
@@ -82,7 +93,9 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
         rows = T.alloc_local((topk,), "int64")
         weights = T.alloc_local((topk,), "float32")
         scales = T.alloc_local((topk,), "float32")
-        y_buf = T.alloc_local((topk * vec,), y_dtype)
+        y_buf = T.alloc_local((1,) if staged else (topk * vec,), y_dtype)
+        stage = T.alloc_shared((topk, threads * vec) if staged else (1, 1), y_dtype)
+        slot = c % threads * vec  # the thread's columns of the stage
         y_f32 = T.alloc_local((vec,), "float32")
         acc = T.alloc_local((vec,), "float32")
         for k in T.unroll(topk):
@@ -93,16 +106,22 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
                 weights[k] = weights_TK[t, k]
         for k in T.unroll(topk):  # every load in flight before the first add
             if rows[k] >= 0:
-                for j in T.vectorized(vec):
-                    y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
+                if staged:
+                    fetch_y(stage[k, slot], y_PD[rows[k], c * vec])
+                else:
+                    for j in T.vectorized(vec):
+                        y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
                 if dequantize and one_scale:
                     scales[k] = unpack_scale(sf_PG[rows[k], c * vec // group], packed)
+        if staged:
+            T.ptx_commit_group()
+            T.ptx_wait_group(0)
         for j in T.unroll(vec):
             acc[j] = T.float32(0)
         for k in T.unroll(topk):
             if rows[k] >= 0:
                 for j in T.vectorized(vec):  # converted as vectors (e4m3 in pairs), not value by value
-                    y_f32[j] = T.cast(y_buf[k * vec + j], "float32")
+                    y_f32[j] = T.cast(stage[k, slot + j] if staged else y_buf[k * vec + j], "float32")
                 for j in T.unroll(vec):
                     y = y_f32[j]
                     if dequantize:
@@ -117,17 +136,18 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
     return vec, threads, tiles, reduce_row
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
+@tilelang.jit(pass_configs=STAGED_PASS_CONFIGS)
 def get_weighted_reduce_kernel(
     num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool,
-    unit: bool = False, vector_bytes: int = VECTOR_BYTES,
+    unit: bool = False, vector_bytes: int = VECTOR_BYTES, min_ctas: int | None = None, staged: bool = False,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
     (pass any ``[P, G]`` tensor of the scale dtype otherwise), ``weights_TK`` only without ``unit``
-    (weights of 1); ``vector_bytes`` of ``y`` a thread (for tuning sweeps)."""
+    (weights of 1); ``vector_bytes`` of ``y`` a thread, ``min_ctas`` an SM (registers bounded to
+    fit them) and ``staged`` rows (:func:`_row_reducer`), for tuning sweeps."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit,
-                                                   vector_bytes=vector_bytes)
+                                                   vector_bytes=vector_bytes, staged=staged)
     sf_dtype = "uint8" if packed else "float32"
 
     @T.prim_func
@@ -139,6 +159,8 @@ def get_weighted_reduce_kernel(
         out_TD: T.Tensor[(num_tokens, num_cols), out_dtype],
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
+            if min_ctas:
+                T.annotate_min_blocks_per_sm(min_ctas)
             chained()
             t, pn = row_major(pid, tiles)
             c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
@@ -353,7 +375,9 @@ def reduce_vector_bytes(num_tokens: int, num_cols: int, y_bytes: int, device: to
     threads once (a small batch: each thread's 16 routes x 16 values are a long serial chain there,
     and twice the threads hide it). H100, hidden 7168, top-8 (``bench/scripts/sweep.py``, session
     24): 128 tokens 5.74 against 6.33 us of GPU time; 16384 tokens 467.5 against 435.1 us. bf16
-    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens)."""
+    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens). ``weighted_reduce`` stages the
+    16-byte vectors in shared memory; session 27 at 128 tokens: e4m3 in 8-byte registers 5.18 us,
+    staged 16 bytes 5.89, staged 8 bytes 5.44."""
     if y_bytes != 1:
         return VECTOR_BYTES
     _, threads, tiles = reduce_tile(num_cols, y_bytes)
@@ -385,9 +409,10 @@ def weighted_reduce(
     unit = weights_TK is None
     if unit:
         weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
+    vector_bytes = reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device)
     kernel = get_weighted_reduce_kernel(
         d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
-        unit, reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
+        unit, vector_bytes, staged=vector_bytes == VECTOR_BYTES,
     )
     kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD
