@@ -25,7 +25,7 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
-from kernels.rows import WARP, row_geometry, row_reduction
+from kernels.rows import WARP, row_geometry, row_reduction, vector_cp_async
 from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
@@ -43,16 +43,47 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     return threads // tile_v, tile_v
 
 
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1):
+# Staged streams are thread-private: no CTA barrier guards them.
+STAGED_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+@tilelang.jit(pass_configs=STAGED_PASS_CONFIGS)
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
+                         staged: bool = False):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
-    output vectors a thread, all their loads issued first (sweeps)."""
+    output vectors a thread, all their loads issued first, into registers or ``staged`` in shared
+    memory by ``cp.async`` (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
     tiles_v = T.ceildiv(nv, tile_v * per_thread)
+    fetch_x = vector_cp_async(vec, T.dtype(dtype).bytes)
+    # one vector's loads and its sum in one guarded block where a thread has one (nvcc keeps 32
+    # registers at D = 7168 there, 48 when they are split)
+    together = per_thread == 1 and not staged
+
+    @T.macro
+    def load(x_TND, x_local, stage, row, p, c, tid):
+        for i in T.unroll(n):
+            if staged:
+                fetch_x(stage[p * n + i, tid * vec], x_TND[row, i, c * vec])
+            else:
+                for j in T.vectorized(vec):
+                    x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
+
+    @T.macro
+    def combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid):
+        for j in T.serial(vec):
+            x = stage[p * n, tid * vec + j] if staged else x_local[p * n * vec + j]
+            acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x, T.float32))
+        for i in T.unroll(1, n):
+            for j in T.serial(vec):
+                x = stage[p * n + i, tid * vec + j] if staged else x_local[(p * n + i) * vec + j]
+                acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x, T.float32)))
+        for j in T.vectorized(vec):
+            y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 
     @T.prim_func
     def pre_apply_kernel(
@@ -63,27 +94,25 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
-            x_local = T.alloc_local((per_thread * n * vec,), dtype)
+            x_local = T.alloc_local((1,) if staged else (per_thread * n * vec,), dtype)
+            stage = T.alloc_shared((per_thread * n, threads * vec) if staged else (1, 1), dtype)
             acc = T.alloc_local((vec,), T.float32)
             token = bm * tile_m + tid // tile_v
             row = T.Cast(T.int64, token)
             for p in T.unroll(per_thread):  # all loads issue before the first use
                 c = (bn * per_thread + p) * tile_v + tid % tile_v
                 if token < num_tokens and c < nv:
-                    for i in T.unroll(n):
-                        for j in T.vectorized(vec):
-                            x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
-            for p in T.unroll(per_thread):
-                c = (bn * per_thread + p) * tile_v + tid % tile_v
-                if token < num_tokens and c < nv:
-                    for j in T.serial(vec):
-                        acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[p * n * vec + j], T.float32))
-                    for i in T.unroll(1, n):
-                        for j in T.serial(vec):
-                            acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i],
-                                                                   T.cast(x_local[(p * n + i) * vec + j], T.float32)))
-                    for j in T.vectorized(vec):
-                        y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
+                    load(x_TND, x_local, stage, row, p, c, tid)
+                    if together:
+                        combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
+            if staged:
+                T.ptx_commit_group()
+                T.ptx_wait_group(0)
+            if not together:
+                for p in T.unroll(per_thread):
+                    c = (bn * per_thread + p) * tile_v + tid % tile_v
+                    if token < num_tokens and c < nv:
+                        combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
 
     return pre_apply_kernel
 
