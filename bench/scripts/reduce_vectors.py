@@ -61,7 +61,8 @@ def main() -> None:
                 y = y.to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
                 extra = dict(sf_PG=sf) if fp8 else {}
                 want = reference.weighted_reduce(y, pos, w, **extra)
-                moved = int((pos >= 0).sum()) * d * y.itemsize + t * d * 2 + (int((pos >= 0).sum()) * sf.shape[1] * 4 if fp8 else 0)
+                routed = int((pos >= 0).sum())
+                moved = routed * d * y.itemsize + t * d * 2 + (routed * sf.shape[1] * 4 if fp8 else 0)
                 line = f"T={t:5d} {name:4s} {order:10s} picks {reduce_vector_bytes(t, d, y.itemsize, device):2d} B:"
                 for label, vector_bytes in (("shipped", None), ("16 B", 16), ("8 B", 8)):
                     if vector_bytes is None:

@@ -303,7 +303,8 @@ def get_gate_backward_kernel(
     rounds = -(-nv // threads)  # grad_v's vectors a thread
     gate_of = gate_value(d, clamp)
 
-    fetch_x, fetch_k, fetch_v, fetch_w = (vector_cp_async(vec, T.dtype(t).bytes) for t in (dtype, k_dtype, v_dtype, w_dtype))
+    fetch_x, fetch_k, fetch_v, fetch_w = (vector_cp_async(vec, T.dtype(t).bytes)
+                                          for t in (dtype, k_dtype, v_dtype, w_dtype))
 
     @T.macro
     def stage_g(g_TND, g_tok, row, buf, tid):
@@ -457,7 +458,8 @@ def get_gate_backward_kernel(
                         for e in T.vectorized(vec):
                             we_local[e] = we_ND[h, c * vec + e]
                         for e in T.serial(vec):
-                            w_all[h, c * vec + e] = T.ieee_mul(T.cast(wh_local[e], T.float32), T.cast(we_local[e], T.float32))
+                            w_all[h, c * vec + e] = T.ieee_mul(T.cast(wh_local[e], T.float32),
+                                                               T.cast(we_local[e], T.float32))
             for e in T.unroll(per_thread * vec):
                 grad_w[e] = T.float32(0)
             for q in T.unroll(3):

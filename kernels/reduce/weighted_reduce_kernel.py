@@ -8,10 +8,11 @@ reads the token's K routes (rows and weights), then issues all K row loads (each
 row being >= 0; with e4m3 rows, the row's scale too) before the first add, so K x 16 bytes per
 thread are in flight instead of one vector at a time. 16-byte vectors land in shared memory by
 ``cp.async`` (each thread's own slots, so no barrier), not in registers: bf16 rows take 48
-registers instead of 88 and an SM holds 7 CTAs of 224 threads instead of 3, and the kernel, bound
-by the bytes in flight behind each CTA's two dependent round trips (the routes, then the rows), went
-from 54% to 100.6% of copy at 16384 tokens (``kernels/reduce/NOTES.md``, session 27). Then it adds ``w[t, k] * y[pos[t, k]]``
-(dequantized with its per-token scale for e4m3 ``y``) into float32 registers for k = 0 .. K-1.
+registers instead of 88 and an SM holds 6 CTAs of 224 threads instead of 3 (by registers), and the
+kernel, bound by the bytes in flight behind each CTA's two dependent round trips (the routes, then
+the rows), went from 54% to 100.6% of copy at 16384 tokens (``kernels/reduce/NOTES.md``, session
+27). Then it adds ``w[t, k] * y[pos[t, k]]`` (dequantized with its per-token scale for e4m3 ``y``)
+into float32 registers for k = 0 .. K-1.
 Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
 result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
