@@ -31,6 +31,7 @@ from tilelang import language as T
 
 from kernels.engram.reference import check_gate_args
 from kernels.quant.tiles import (
+    HAND_SYNC_PASS_CONFIGS,
     PASS_CONFIGS,
     aligned,
     check_cuda,
@@ -219,9 +220,6 @@ BACKWARD_W_RESIDENT = True
 BACKWARD_G_BUFFERS = 1
 # The weight gradients' registers: at most half the SM's register file, and 128 a thread.
 ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
-# Barriers are explicit (two a token, three with one g buffer): the ring is thread-private, and
-# TileLang's automatic ones would hold the SM's one CTA together at every shared access.
-BACKWARD_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
 def backward_plan(
@@ -256,7 +254,7 @@ def backward_plan(
     return None
 
 
-@tilelang.jit(pass_configs=BACKWARD_PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # barriers explicit: two a token, three with one g buffer
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, add_residual: bool,
     warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,

@@ -18,6 +18,7 @@ from tilelang import language as T
 
 from kernels.mhc.reference import _check_param, _check_stream
 from kernels.quant.tiles import (
+    HAND_SYNC_PASS_CONFIGS,
     PASS_CONFIGS,
     aligned,
     check_cuda,
@@ -43,11 +44,7 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     return threads // tile_v, tile_v
 
 
-# Staged streams are thread-private: no CTA barrier guards them.
-STAGED_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
-
-
-@tilelang.jit(pass_configs=STAGED_PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged streams are thread-private
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
                          staged: bool = False):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``

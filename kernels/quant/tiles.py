@@ -28,6 +28,10 @@ PASS_CONFIGS = {
 # Kernels that store into other ranks' copies of a region (kernels.comm): those stores lie outside
 # the buffer they are given, so TileLang's out-of-bounds guards are off and they guard by hand.
 PEER_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
+# Kernels that place every CTA barrier themselves (shared slots a thread alone reads back, staged by
+# kernels.rows.vector_cp_async): TileLang's automatic barriers would hold the CTA together at each
+# shared access.
+HAND_SYNC_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
 def row_major(pid, tiles_n):

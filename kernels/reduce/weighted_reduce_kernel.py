@@ -40,7 +40,7 @@ from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_hom
 from kernels.validate import check_tensor
 from kernels.rows import vector_cp_async
 from kernels.quant.tiles import (
-    PASS_CONFIGS,
+    HAND_SYNC_PASS_CONFIGS,
     PEER_PASS_CONFIGS,
     VECTOR_BYTES,
     aligned,
@@ -60,8 +60,6 @@ MAX_THREADS_PER_SM = 2048  # Hopper's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
 # 128 (bench/scripts/combine_parts.py, session 17)
 PUT_THREADS = 1024
-# The weighted reduce's staged rows are thread-private: no CTA barrier guards them.
-STAGED_PASS_CONFIGS = {**PASS_CONFIGS, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
 def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
@@ -78,14 +76,21 @@ def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
 
 def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
                  unit: bool = False, max_threads: int = MAX_THREADS, vector_bytes: int = VECTOR_BYTES,
-                 staged: bool = False):
+                 staged: bool | None = False):
     """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
     row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
     every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits);
     ``staged``: the K row vectors land in shared memory by ``cp.async`` (each thread's own slots, read
-    back by it alone: the kernel needs TileLang's automatic barriers off) instead of registers."""
-    vec, threads, tiles = reduce_tile(num_cols, T.dtype(y_dtype).bytes, max_threads, vector_bytes)
-    fetch_y = vector_cp_async(vec, T.dtype(y_dtype).bytes)
+    back by it alone: the kernel needs TileLang's automatic barriers off) instead of registers; None:
+    staged where a thread's vector is 16 bytes (measured: ``kernels/reduce/NOTES.md``, v4)."""
+    y_bytes = T.dtype(y_dtype).bytes
+    vec, threads, tiles = reduce_tile(num_cols, y_bytes, max_threads, vector_bytes)
+    if staged is None:
+        staged = vec * y_bytes == VECTOR_BYTES
+    if staged and vec * y_bytes < 4:
+        raise ValueError(f"staged: cp.async moves 4, 8 or 16 bytes; a thread's vector of {num_cols} columns "
+                         f"here is {vec * y_bytes} bytes")
+    fetch_y = vector_cp_async(vec, y_bytes)
     dequantize = y_dtype == "float8_e4m3fn"
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
 
@@ -137,15 +142,16 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
     return vec, threads, tiles, reduce_row
 
 
-@tilelang.jit(pass_configs=STAGED_PASS_CONFIGS)
+@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged rows are thread-private
 def get_weighted_reduce_kernel(
     num_cols: int, topk: int, y_dtype: str, index_dtype: str, out_dtype: str, group: int, packed: bool,
-    unit: bool = False, vector_bytes: int = VECTOR_BYTES, min_ctas: int | None = None, staged: bool = False,
+    unit: bool = False, vector_bytes: int = VECTOR_BYTES, min_ctas: int | None = None, staged: bool | None = None,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, out_TD)`` kernel; ``sf_PG`` is read only for e4m3 ``y``
     (pass any ``[P, G]`` tensor of the scale dtype otherwise), ``weights_TK`` only without ``unit``
     (weights of 1); ``vector_bytes`` of ``y`` a thread, ``min_ctas`` an SM (registers bounded to
-    fit them) and ``staged`` rows (:func:`_row_reducer`), for tuning sweeps."""
+    fit them), for tuning sweeps, and ``staged`` rows (:func:`_row_reducer`; by default where a
+    thread's vector is 16 bytes)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit,
                                                    vector_bytes=vector_bytes, staged=staged)
@@ -410,10 +416,9 @@ def weighted_reduce(
     unit = weights_TK is None
     if unit:
         weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
-    vector_bytes = reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device)
     kernel = get_weighted_reduce_kernel(
         d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
-        unit, vector_bytes, staged=vector_bytes == VECTOR_BYTES,
+        unit, reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
     )
     kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD

@@ -11,7 +11,12 @@ import torch
 
 from kernels import lowering
 from kernels.reduce import reference
-from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel, reduce_vector_bytes, weighted_reduce
+from kernels.reduce.weighted_reduce_kernel import (
+    get_weighted_reduce_kernel,
+    reduce_tile,
+    reduce_vector_bytes,
+    weighted_reduce,
+)
 from kernels.testing import fp8_rows, poison_allocator, reduce_routes
 
 CASES = [  # (T, K, P, D, y dtype, index dtype, out dtype)
@@ -22,6 +27,7 @@ CASES = [  # (T, K, P, D, y dtype, index dtype, out dtype)
     (6, 3, 0, 32, torch.float32, torch.int32, torch.float32),
     (130, 8, 700, 7168, torch.bfloat16, torch.int32, torch.bfloat16),
     (65, 4, 200, 7168 + 64, torch.float32, torch.int32, torch.bfloat16),
+    (5, 3, 20, 7, torch.bfloat16, torch.int32, torch.bfloat16),  # 2-byte vectors: too narrow to stage
 ]
 
 
@@ -97,6 +103,7 @@ SPECIALIZATIONS = [  # (num_cols, topk, y, index, out, group, packed): combine a
     (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, True),
     (300, 6, "float32", "int64", "float32", 128, False),
     (7168, 8, "float8_e4m3fn", "int32", "bfloat16", 128, False, False, 8),  # a small batch's e4m3 rows
+    (7, 2, "bfloat16", "int32", "bfloat16", 128, False),  # an odd width: 2-byte vectors, in registers
 ]
 HOME_SUMS = [  # combine's home sum (weights of 1, int32 rows): two ranks at hidden 7168, the tiny model's 64
     (7168, 2, "bfloat16", "int32", "bfloat16", 128, False, True),
@@ -106,11 +113,14 @@ HOME_SUMS = [  # combine's home sum (weights of 1, int32 rows): two ranks at hid
 
 def test_compiles_for_sm90a():
     """Each specialization as ``weighted_reduce`` launches it: rows staged in shared memory by
-    ``cp.async`` where a thread takes 16 bytes, in registers where it takes 8."""
+    ``cp.async`` where a thread's vector is 16 bytes, in registers where it is narrower (8 bytes of
+    a small batch's e4m3 rows, 2 of an odd bf16 width, which ``cp.async`` cannot move)."""
     with lowering.compile_only():
         for spec in SPECIALIZATIONS + HOME_SUMS:
-            staged = (spec[8] if len(spec) > 8 else 16) == 16
-            source = lowering.kernel_source(get_weighted_reduce_kernel(*spec, staged=staged))
+            num_cols, y_dtype, vector_bytes = spec[0], spec[2], spec[8] if len(spec) > 8 else 16
+            y_bytes = torch.empty(0, dtype=getattr(torch, y_dtype)).element_size()
+            staged = reduce_tile(num_cols, y_bytes, vector_bytes=vector_bytes)[0] * y_bytes == 16
+            source = lowering.kernel_source(get_weighted_reduce_kernel(*spec))
             assert lowering.waits_first(source) and ("cp_async" in source) == staged, spec
             # the home sums have no product left: the rows are added as they are
             assert ("__fmul_rn" in source) == (spec not in HOME_SUMS), spec
