@@ -28,8 +28,9 @@ from kernels.reduce import reduce_sum_home, weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
 
 
-PERSISTENT = [(16, 2), (33, 2), (66, 2), (66, 3), (132, 2)]  # (CTAs, stages) of the peers' rows alone
-SPLIT_CTAS = [33, 66, 88]
+# (CTAs, stages, threads at most) of the peers' rows alone
+PERSISTENT = [(33, 2, 512), (66, 2, 512), (66, 3, 512), (66, 2, 256), (132, 2, 512)]
+SPLIT_CTAS = [66, 88]
 
 
 def main() -> None:
@@ -62,9 +63,9 @@ def main() -> None:
     candidates = {f"reduce_put to the peers, max_threads {n} + barrier": lambda n=n: (
         reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_threads=n),
         d.heap.barrier()) for n in (128, 256)}
-    candidates |= {f"reduce_put to the peers, {n} CTAs, {k} stages + barrier": lambda n=n, k=k: (
-        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_threads=512, ctas=n,
-                          stages=k), d.heap.barrier()) for n, k in PERSISTENT}
+    candidates |= {f"reduce_put to the peers, {n} CTAs, {k} stages, {m} threads + barrier": lambda n=n, k=k, m=m: (
+        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_threads=m, ctas=n,
+                          stages=k), d.heap.barrier()) for n, k, m in PERSISTENT}
     beside = torch.cuda.Stream(s.device, priority=-1)
 
     def split(n: int):

@@ -254,7 +254,8 @@ def get_weighted_reduce_put_kernel(
     groups = -(-num_cols // fp8_group) if fp8_group else 0
     # rows whose routes a thread holds at once: a tile's are loaded two tiles before its vectors are
     # requested, so the requests never wait for them
-    slots = stages + 1 if ctas else 1
+    slots = stages + 1
+    checked = stages if ctas else 1  # tiles whose checked routes a thread holds at once
     unrolled = math.lcm(stages, slots)  # tiles a turn of the loop, so every slot index is static
     grid = ctas if ctas else num_tokens * tiles
 
@@ -285,24 +286,29 @@ def get_weighted_reduce_put_kernel(
                     sf_F[deltas_W[w] // 4 + rows_W[s * world + w] * groups + c // lanes] = sf
 
     @T.macro
-    def load_item(pos_TK, weights_TK, dest_TW, delta_W, skip_rank, pid, items, rows, weights, rows_W, deltas_W, live,
-                  i, r):
-        """The routes and destinations of the CTA's row tile i (``pid + i * ctas``) into routes slot
-        r; a tile past the last goes nowhere."""
-        item = pid + i * ctas
-        t = T.min(item, items - 1) // tiles
-        load_dests(dest_TW, delta_W, skip_rank, t, rows_W, deltas_W, live, r)
-        if item >= items:
-            live[r] = 0
-        load_routes(pos_TK, weights_TK, num_rows, t, rows, weights, r * topk)
+    def load_item(pos_TK, weights_TK, dest_TW, pid, items, pos_RK, weights_RK, dest_RW, i, r):
+        """The routes and destinations of the CTA's row tile i (``pid + i * ctas``) loaded into route
+        slot r as they are: nothing reads them before ``fetch_item`` checks them, two tiles later,
+        so no thread waits for them here."""
+        t = T.min(pid + i * ctas, items - 1) // tiles
+        for k in T.unroll(topk):
+            pos_RK[r, k] = pos_TK[t, k]
+            weights_RK[r, k] = weights_TK[t, k]
+        for w in T.unroll(world):
+            dest_RW[r, w] = dest_TW[t, w]
 
     @T.macro
-    def fetch_item(y_PD, sf_PG, pid, tid, rows, scales, live, stage, y_buf, i, r, s):
-        """Tile i's vectors (routes in slot r) requested into stage slot s: one ``cp.async`` group,
-        empty where the tile goes nowhere."""
+    def fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, pos_RK, weights_RK, dest_RW, rows, weights,
+                   scales, rows_W, deltas_W, live, stage, y_buf, i, r, s):
+        """Tile i's routes (route slot r) checked into stage slot s and its vectors requested there: one
+        ``cp.async`` group, empty where the tile goes nowhere (or lies past the last)."""
+        load_dests(dest_RW, delta_W, skip_rank, r, rows_W, deltas_W, live, s)
+        if pid + i * ctas >= items:
+            live[s] = 0
+        load_routes(pos_RK, weights_RK, num_rows, r, rows, weights, s * topk)
         c = (pid + i * ctas) % tiles * threads + tid
-        if T.And(live[r] == 1, c < nv):
-            fetch_rows(y_PD, sf_PG, rows, scales, r * topk, c, y_buf, stage, s * topk)
+        if T.And(live[s] == 1, c < nv):
+            fetch_rows(y_PD, sf_PG, rows, scales, s * topk, c, y_buf, stage, s * topk)
         T.ptx_commit_group()
 
     @T.prim_func
@@ -322,9 +328,9 @@ def get_weighted_reduce_put_kernel(
             tid = T.get_thread_binding()
             out_buf = T.alloc_local((vec,), out_dtype)
             q_buf = T.alloc_local((vec,), dst_dtype)
-            rows_W = T.alloc_local((slots * world,), "int64")
+            rows_W = T.alloc_local((checked * world,), "int64")
             deltas_W = T.alloc_local((world,), "int64")
-            live = T.alloc_local((slots,), T.int32)
+            live = T.alloc_local((checked,), T.int32)
             if not ctas:
                 t, pn = row_major(pid, tiles)
                 c = pn * threads + tid  # this thread's vector of the row
@@ -338,34 +344,40 @@ def get_weighted_reduce_put_kernel(
                         reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
                     store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, 0, c)
             else:
-                # tile i's routes sit in slot i % slots, its vectors in stage slot i % stages
-                rows = T.alloc_local((slots * topk,), "int64")
-                weights = T.alloc_local((slots * topk,), "float32")
-                scales = T.alloc_local((slots * topk,), "float32")
+                # tile i's routes as loaded sit in route slot i % slots, checked and with its vectors
+                # in stage slot i % stages
+                pos_RK = T.alloc_local((slots, topk), "int32")
+                weights_RK = T.alloc_local((slots, topk), "float32")
+                dest_RW = T.alloc_local((slots, world), "int32")
+                rows = T.alloc_local((stages * topk,), "int64")
+                weights = T.alloc_local((stages * topk,), "float32")
+                scales = T.alloc_local((stages * topk,), "float32")
                 stage = T.alloc_shared((stages * topk, threads * vec), y_dtype)
                 items = num_tokens * tiles
+                routes = (pos_RK, weights_RK, dest_RW)
                 for r in T.unroll(slots):
-                    load_item(pos_TK, weights_TK, dest_TW, delta_W, skip_rank, pid, items, rows, weights, rows_W,
-                              deltas_W, live, r, r)
+                    load_item(pos_TK, weights_TK, dest_TW, pid, items, *routes, r, r)
                 for s in T.unroll(stages - 1):
-                    fetch_item(y_PD, sf_PG, pid, tid, rows, scales, live, stage, out_buf, s, s, s)
+                    fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, *routes, rows, weights, scales, rows_W, deltas_W, live,
+                               stage, out_buf,
+                               s, s, s)
                 for i0 in T.serial(T.ceildiv(T.ceildiv(items - pid, ctas), unrolled)):
                     for u in T.unroll(unrolled):
                         i = i0 * unrolled + u
                         ahead = u + stages - 1
-                        fetch_item(y_PD, sf_PG, pid, tid, rows, scales, live, stage, out_buf, i + stages - 1,
-                                   ahead % slots, ahead % stages)
+                        fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, *routes, rows, weights, scales, rows_W, deltas_W, live,
+                               stage, out_buf,
+                                   i + stages - 1, ahead % slots, ahead % stages)
                         T.ptx_wait_group(stages - 1)  # tile i's group has landed
-                        r, s = u % slots, u % stages
+                        s = u % stages
                         c = (pid + i * ctas) % tiles * threads + tid
-                        if live[r] == 1:  # the same for every thread of the CTA
+                        if live[s] == 1:  # the same for every thread of the CTA
                             for j in T.unroll(vec):
                                 out_buf[j] = T.cast(0, out_dtype)
                             if c < nv:
-                                sum_rows(sf_PG, rows, weights, scales, r * topk, c, out_buf, stage, s * topk, out_buf)
-                            store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, r, c)
-                        load_item(pos_TK, weights_TK, dest_TW, delta_W, skip_rank, pid, items, rows, weights, rows_W,
-                                  deltas_W, live, i + slots, r)
+                                sum_rows(sf_PG, rows, weights, scales, s * topk, c, out_buf, stage, s * topk, out_buf)
+                            store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, s, c)
+                        load_item(pos_TK, weights_TK, dest_TW, pid, items, *routes, i + slots, u % slots)
 
     return weighted_reduce_put
 
