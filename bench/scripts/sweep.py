@@ -41,12 +41,12 @@ BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, paired: one CTA a 2048-wide row,
 # (1, 2048, 512, 4), 2.11 against 2.16-2.18 (now shipped there), (1, 2048, 1024, 2) 2.25
 SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
-# (threads, output vectors a thread, staged in shared memory, CTAs an SM at most); shipped: (256, 1,
-# False, 0), 8 CTAs an SM by registers (session 22's other options: kernels/mhc/NOTES.md; session
-# 27, paired: (128, 1) / (64, 2) / (128, 2) / (256, 2) in registers 105.44 / 105.44 / 105.38 / 105.39
-# and 186.04 / 186.05 / 185.81 / 186.63 us against tile-kernels' 105.16 / 185.76, shipped 105.38 /
-# 186.50; staged (256, 1) / (256, 2) / (128, 2) / (128, 4) no closer)
-PRE_APPLY_TILES = [(256, 1, False, 3), (256, 1, False, 4), (256, 1, False, 5), (256, 1, False, 6), (256, 1, False, 7)]
+# (threads, output vectors a thread, staged in shared memory); shipped: (256, 1, False) (session 22's
+# other options: kernels/mhc/NOTES.md; session 27, paired: (128, 1) / (64, 2) / (128, 2) / (256, 2) in
+# registers 105.44 / 105.44 / 105.38 / 105.39 and 186.04 / 186.05 / 185.81 / 186.63 us against
+# tile-kernels' 105.16 / 185.76, shipped 105.38 / 186.50; session 28: the shipped CTA held to 3-7 an
+# SM by shared memory, 108.29 / 107.01 / 106.79 / 106.82 / 105.41 us against its 105.44 at D = 4096)
+PRE_APPLY_TILES = [(128, 2, False), (256, 1, True), (256, 2, True), (128, 2, True), (128, 4, True)]
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
@@ -245,8 +245,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        return {f"threads={k} per_thread={v}{' staged' * s} ctas_per_sm={c}": functools.partial(
-            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, s, c)) for k, v, s, c in PRE_APPLY_TILES}
+        return {f"threads={k} per_thread={v}{' staged' * s}": functools.partial(
+            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, s)) for k, v, s in PRE_APPLY_TILES}
     if op == "batched_transpose":
         from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 

@@ -46,12 +46,11 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
 
 @tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged streams are thread-private
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
-                         staged: bool = False, ctas_per_sm: int = 0):
+                         staged: bool = False):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
     output vectors a thread, all their loads issued first, into registers or ``staged`` in shared
-    memory by ``cp.async``, and at most ``ctas_per_sm`` CTAs an SM (shared memory held to bound
-    them; 0: as many as fit) (sweeps)."""
+    memory by ``cp.async`` (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
@@ -95,15 +94,12 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
             x_local = T.alloc_local((1,) if staged else (per_thread * n * vec,), dtype)
             stage = T.alloc_shared((per_thread * n, threads * vec) if staged else (1, 1), dtype)
             acc = T.alloc_local((vec,), T.float32)
-            pad = T.alloc_shared((occupancy_pad(ctas_per_sm),), T.uint8)
             token = bm * tile_m + tid // tile_v
             row = T.Cast(T.int64, token)
             for p in T.unroll(per_thread):  # all loads issue before the first use
                 c = (bn * per_thread + p) * tile_v + tid % tile_v
                 if token < num_tokens and c < nv:
                     load(x_TND, x_local, stage, row, p, c, tid)
-                    if ctas_per_sm and T.isnan(pre_TN[row, 0]):  # NaN only; nvcc cannot drop the pad
-                        pad[tid] = T.uint8(0)
                     if together:
                         combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
             if staged:
@@ -116,12 +112,6 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
                         combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
 
     return pre_apply_kernel
-
-
-def occupancy_pad(ctas_per_sm: int) -> int:
-    """Bytes of shared memory a CTA holds so that at most ``ctas_per_sm`` fit an SM (Hopper: 228 KB
-    an SM, 1 KB of it reserved a CTA, allocated by 128 bytes); 1 for no bound."""
-    return ((228 * 1024) // ctas_per_sm - 1024) // 128 * 128 if ctas_per_sm else 1
 
 
 def supports(x_TND: torch.Tensor, pre_TN: torch.Tensor) -> bool:

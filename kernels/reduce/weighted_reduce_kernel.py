@@ -77,14 +77,12 @@ def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
 def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool,
                  unit: bool = False, max_threads: int = MAX_THREADS, vector_bytes: int = VECTOR_BYTES,
                  staged: bool | None = False):
-    """``(vec, threads, tiles, reduce_row, steps)``: the tile and the macro that reduces vector ``c``
-    of row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for the kernels below, and its
-    three steps (``load_routes``, ``fetch_rows``, ``sum_rows``) for a kernel that overlaps them
-    across rows; ``unit``: every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``:
-    the same bits); ``staged``: the K row vectors land in shared memory by ``cp.async`` (each
-    thread's own slots, read back by it alone: the kernel needs TileLang's automatic barriers off)
-    instead of registers; None: staged where a thread's vector is 16 bytes (measured:
-    ``kernels/reduce/NOTES.md``, v4)."""
+    """``(vec, threads, tiles, reduce_row)``: the tile and the macro that reduces vector ``c`` of
+    row ``t`` into ``out_buf`` (``vec`` values of ``out_dtype``), for both kernels below; ``unit``:
+    every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits);
+    ``staged``: the K row vectors land in shared memory by ``cp.async`` (each thread's own slots, read
+    back by it alone: the kernel needs TileLang's automatic barriers off) instead of registers; None:
+    staged where a thread's vector is 16 bytes (measured: ``kernels/reduce/NOTES.md``, v4)."""
     y_bytes = T.dtype(y_dtype).bytes
     vec, threads, tiles = reduce_tile(num_cols, y_bytes, max_threads, vector_bytes)
     if staged is None:
@@ -97,66 +95,51 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
     one_scale = group % vec == 0  # a thread's vector lies in one scale group
 
     @T.macro
-    def load_routes(pos_TK, weights_TK, num_rows, t, rows, weights, r0):
-        """Row t's routes into ``rows`` and ``weights`` from index ``r0`` on."""
-        for k in T.unroll(topk):
-            rows[r0 + k] = T.Cast("int64", pos_TK[t, k])
-            if rows[r0 + k] >= num_rows:  # values are not checked on the host: out of range reads as -1
-                rows[r0 + k] = -1
-            if not unit:
-                weights[r0 + k] = weights_TK[t, k]
-
-    @T.macro
-    def fetch_rows(y_PD, sf_PG, rows, scales, r0, c, y_buf, stage, s0):
-        """Vector c of every route's row (``rows`` from ``r0`` on) requested, into ``stage``'s rows
-        from ``s0`` on (``y_buf`` in registers), none waited for."""
-        for k in T.unroll(topk):
-            if rows[r0 + k] >= 0:
-                if staged:
-                    fetch_y(stage[s0 + k, c % threads * vec], y_PD[rows[r0 + k], c * vec])
-                else:
-                    for j in T.vectorized(vec):
-                        y_buf[k * vec + j] = y_PD[rows[r0 + k], c * vec + j]
-                if dequantize and one_scale:
-                    scales[r0 + k] = unpack_scale(sf_PG[rows[r0 + k], c * vec // group], packed)
-
-    @T.macro
-    def sum_rows(sf_PG, rows, weights, scales, r0, c, y_buf, stage, s0, out_buf):
-        y_f32 = T.alloc_local((vec,), "float32")
-        acc = T.alloc_local((vec,), "float32")
-        for j in T.unroll(vec):
-            acc[j] = T.float32(0)
-        for k in T.unroll(topk):
-            if rows[r0 + k] >= 0:
-                for j in T.vectorized(vec):  # converted as vectors (e4m3 in pairs), not value by value
-                    y_f32[j] = T.cast(stage[s0 + k, c % threads * vec + j] if staged else y_buf[k * vec + j],
-                                      "float32")
-                for j in T.unroll(vec):
-                    y = y_f32[j]
-                    if dequantize:
-                        if one_scale:
-                            y = T.ieee_mul(y, scales[r0 + k])
-                        else:
-                            y = T.ieee_mul(y, unpack_scale(sf_PG[rows[r0 + k], (c * vec + j) // group], packed))
-                    acc[j] = T.ieee_add(acc[j], y if unit else T.ieee_mul(weights[r0 + k], y))
-        for j in T.unroll(vec):
-            out_buf[j] = T.cast(acc[j], out_dtype)
-
-    @T.macro
     def reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf):
         rows = T.alloc_local((topk,), "int64")
         weights = T.alloc_local((topk,), "float32")
         scales = T.alloc_local((topk,), "float32")
         y_buf = T.alloc_local((1,) if staged else (topk * vec,), y_dtype)
         stage = T.alloc_shared((topk, threads * vec) if staged else (1, 1), y_dtype)
-        load_routes(pos_TK, weights_TK, num_rows, t, rows, weights, 0)
-        fetch_rows(y_PD, sf_PG, rows, scales, 0, c, y_buf, stage, 0)  # every load in flight before the first add
+        slot = c % threads * vec  # the thread's columns of the stage
+        y_f32 = T.alloc_local((vec,), "float32")
+        acc = T.alloc_local((vec,), "float32")
+        for k in T.unroll(topk):
+            rows[k] = T.Cast("int64", pos_TK[t, k])
+            if rows[k] >= num_rows:  # values are not checked on the host: out of range reads as -1
+                rows[k] = -1
+            if not unit:
+                weights[k] = weights_TK[t, k]
+        for k in T.unroll(topk):  # every load in flight before the first add
+            if rows[k] >= 0:
+                if staged:
+                    fetch_y(stage[k, slot], y_PD[rows[k], c * vec])
+                else:
+                    for j in T.vectorized(vec):
+                        y_buf[k * vec + j] = y_PD[rows[k], c * vec + j]
+                if dequantize and one_scale:
+                    scales[k] = unpack_scale(sf_PG[rows[k], c * vec // group], packed)
         if staged:
             T.ptx_commit_group()
             T.ptx_wait_group(0)
-        sum_rows(sf_PG, rows, weights, scales, 0, c, y_buf, stage, 0, out_buf)
+        for j in T.unroll(vec):
+            acc[j] = T.float32(0)
+        for k in T.unroll(topk):
+            if rows[k] >= 0:
+                for j in T.vectorized(vec):  # converted as vectors (e4m3 in pairs), not value by value
+                    y_f32[j] = T.cast(stage[k, slot + j] if staged else y_buf[k * vec + j], "float32")
+                for j in T.unroll(vec):
+                    y = y_f32[j]
+                    if dequantize:
+                        if one_scale:
+                            y = T.ieee_mul(y, scales[k])
+                        else:
+                            y = T.ieee_mul(y, unpack_scale(sf_PG[rows[k], (c * vec + j) // group], packed))
+                    acc[j] = T.ieee_add(acc[j], y if unit else T.ieee_mul(weights[k], y))
+        for j in T.unroll(vec):
+            out_buf[j] = T.cast(acc[j], out_dtype)
 
-    return vec, threads, tiles, reduce_row, (load_routes, fetch_rows, sum_rows)
+    return vec, threads, tiles, reduce_row
 
 
 @tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged rows are thread-private
@@ -170,7 +153,7 @@ def get_weighted_reduce_kernel(
     fit them), for tuning sweeps, and ``staged`` rows (:func:`_row_reducer`; by default where a
     thread's vector is 16 bytes)."""
     num_tokens, num_rows = T.dynamic("num_tokens"), T.dynamic("num_rows")
-    vec, threads, tiles, reduce_row, _ = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit,
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed, unit,
                                                    vector_bytes=vector_bytes, staged=staged)
     sf_dtype = "uint8" if packed else "float32"
 
@@ -224,10 +207,10 @@ def cast_vector(out_buf, q_buf, lanes: int):
     return sf
 
 
-@tilelang.jit(pass_configs={**PEER_PASS_CONFIGS, **HAND_SYNC_PASS_CONFIGS})  # staged slots: thread-private
+@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = PUT_THREADS, fp8_group: int = 0, ctas: int = 0, stages: int = 2,
+    max_threads: int = PUT_THREADS, fp8_group: int = 0,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, sf_F, skip_rank)`` kernel: row
     t's reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank
@@ -236,80 +219,17 @@ def get_weighted_reduce_put_kernel(
     region and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced. With
     ``fp8_group``, the row (reduced in ``out_dtype``) is cast to e4m3, one float32 scale per
     ``fp8_group`` columns: ``dst_CV`` holds the e4m3 vectors and ``sf_F`` rank 0's copy of the
-    scales region, flat (unread otherwise).
-
-    ``ctas``: that many persistent CTAs take the row tiles in turn, a CTA ``stages`` of them in
-    flight (their vectors staged in shared memory by ``cp.async`` while the one before is summed and
-    stored, their routes loaded two tiles before that), so a few SMs can keep the link busy beside
-    other work; 0: a CTA a row tile, its loads then its stores."""
+    scales region, flat (unread otherwise)."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     num_sf = T.dynamic("num_sf")
-    vec, threads, tiles, reduce_row, (load_routes, fetch_rows, sum_rows) = _row_reducer(
-        num_cols, topk, y_dtype, out_dtype, group, packed, max_threads=max_threads, staged=bool(ctas))
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
+                                                   max_threads=max_threads)
     sf_dtype = "uint8" if packed else "float32"
     dst_dtype = "float8_e4m3fn" if fp8_group else out_dtype
     vector_bytes = vec * T.dtype(dst_dtype).bytes
     nv = num_cols // vec
     lanes = fp8_group // vec
     groups = -(-num_cols // fp8_group) if fp8_group else 0
-    # rows whose routes a thread holds at once: a tile's are loaded two tiles before its vectors are
-    # requested, so the requests never wait for them
-    slots = stages + 1
-    checked = stages if ctas else 1  # tiles whose checked routes a thread holds at once
-    unrolled = math.lcm(stages, slots)  # tiles a turn of the loop, so every slot index is static
-    grid = ctas if ctas else num_tokens * tiles
-
-    @T.macro
-    def load_dests(dest_TW, delta_W, skip_rank, t, rows_W, deltas_W, live, s):
-        """Row t's destinations into slot ``s`` (-1 where it goes nowhere); ``live[s]`` 1 if any."""
-        live[s] = 0
-        for w in T.unroll(world):
-            rows_W[s * world + w] = T.Cast("int64", dest_TW[t, w])
-            if T.Or(T.Or(rows_W[s * world + w] >= num_dst, w == skip_rank), rows_W[s * world + w] < 0):
-                rows_W[s * world + w] = -1
-            else:
-                live[s] = 1
-            deltas_W[w] = delta_W[w]
-
-    @T.macro
-    def store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, s, c):
-        """The reduced vector (cast to e4m3 first with ``fp8_group``: every thread of the CTA calls
-        this, for the shuffles) stored to every destination of slot ``s``."""
-        stored = q_buf if fp8_group else out_buf  # what goes to the peers
-        if fp8_group:
-            sf = cast_vector(out_buf, q_buf, lanes)
-        for w in T.unroll(world):
-            if T.And(rows_W[s * world + w] >= 0, c < nv):
-                for j in T.vectorized(vec):
-                    dst_CV[deltas_W[w] // vector_bytes + rows_W[s * world + w] * nv + c, j] = stored[j]
-                if fp8_group and c % lanes == 0:
-                    sf_F[deltas_W[w] // 4 + rows_W[s * world + w] * groups + c // lanes] = sf
-
-    @T.macro
-    def load_item(pos_TK, weights_TK, dest_TW, pid, items, pos_RK, weights_RK, dest_RW, i, r):
-        """The routes and destinations of the CTA's row tile i (``pid + i * ctas``) loaded into route
-        slot r as they are: nothing reads them before ``fetch_item`` checks them, two tiles later,
-        so no thread waits for them here."""
-        t = T.min(pid + i * ctas, items - 1) // tiles
-        for k in T.unroll(topk):
-            pos_RK[r, k] = pos_TK[t, k]
-            weights_RK[r, k] = weights_TK[t, k]
-        for w in T.unroll(world):
-            dest_RW[r, w] = dest_TW[t, w]
-
-    @T.macro
-    def fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, pos_RK, weights_RK, dest_RW, rows, weights,
-                   scales, rows_W, deltas_W, live, stage, y_buf, i, r, s):
-        """Tile i's routes (route slot r) checked into stage slot s and its vectors requested there: one
-        ``cp.async`` group, empty where the tile goes nowhere (or lies past the last)."""
-        load_dests(dest_RW, delta_W, skip_rank, r, rows_W, deltas_W, live, s)
-        if pid + i * ctas >= items:
-            live[s] = 0
-        load_routes(pos_RK, weights_RK, num_rows, r, rows, weights, s * topk)
-        c = (pid + i * ctas) % tiles * threads + tid
-        if T.And(live[s] == 1, c < nv):
-            fetch_rows(y_PD, sf_PG, rows, scales, s * topk, c, y_buf, stage, s * topk)
-        T.ptx_commit_group()
 
     @T.prim_func
     def weighted_reduce_put(
@@ -323,61 +243,39 @@ def get_weighted_reduce_put_kernel(
         sf_F: T.Tensor[(num_sf,), "float32"],
         skip_rank: T.int32,
     ):
-        with T.Kernel(grid, threads=threads) as pid:
+        with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
-            tid = T.get_thread_binding()
+            t, pn = row_major(pid, tiles)
+            c = pn * threads + T.get_thread_binding()  # this thread's vector of the row
             out_buf = T.alloc_local((vec,), out_dtype)
             q_buf = T.alloc_local((vec,), dst_dtype)
-            rows_W = T.alloc_local((checked * world,), "int64")
+            stored = q_buf if fp8_group else out_buf  # what goes to the peers
+            rows_W = T.alloc_local((world,), "int64")
             deltas_W = T.alloc_local((world,), "int64")
-            live = T.alloc_local((checked,), T.int32)
-            if not ctas:
-                t, pn = row_major(pid, tiles)
-                c = pn * threads + tid  # this thread's vector of the row
-                # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are not
-                # __restrict__ and a load after a store would wait for its own round trip
-                load_dests(dest_TW, delta_W, skip_rank, t, rows_W, deltas_W, live, 0)
-                if live[0] == 1:  # the same for every thread of the CTA (one token's row): shuffles are safe
-                    for j in T.unroll(vec):
-                        out_buf[j] = T.cast(0, out_dtype)
-                    if c < nv:
-                        reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
-                    store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, 0, c)
-            else:
-                # tile i's routes as loaded sit in route slot i % slots, checked and with its vectors
-                # in stage slot i % stages
-                pos_RK = T.alloc_local((slots, topk), "int32")
-                weights_RK = T.alloc_local((slots, topk), "float32")
-                dest_RW = T.alloc_local((slots, world), "int32")
-                rows = T.alloc_local((stages * topk,), "int64")
-                weights = T.alloc_local((stages * topk,), "float32")
-                scales = T.alloc_local((stages * topk,), "float32")
-                stage = T.alloc_shared((stages * topk, threads * vec), y_dtype)
-                items = num_tokens * tiles
-                routes = (pos_RK, weights_RK, dest_RW)
-                for r in T.unroll(slots):
-                    load_item(pos_TK, weights_TK, dest_TW, pid, items, *routes, r, r)
-                for s in T.unroll(stages - 1):
-                    fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, *routes, rows, weights, scales, rows_W, deltas_W, live,
-                               stage, out_buf,
-                               s, s, s)
-                for i0 in T.serial(T.ceildiv(T.ceildiv(items - pid, ctas), unrolled)):
-                    for u in T.unroll(unrolled):
-                        i = i0 * unrolled + u
-                        ahead = u + stages - 1
-                        fetch_item(y_PD, sf_PG, delta_W, skip_rank, pid, tid, items, *routes, rows, weights, scales, rows_W, deltas_W, live,
-                               stage, out_buf,
-                                   i + stages - 1, ahead % slots, ahead % stages)
-                        T.ptx_wait_group(stages - 1)  # tile i's group has landed
-                        s = u % stages
-                        c = (pid + i * ctas) % tiles * threads + tid
-                        if live[s] == 1:  # the same for every thread of the CTA
-                            for j in T.unroll(vec):
-                                out_buf[j] = T.cast(0, out_dtype)
-                            if c < nv:
-                                sum_rows(sf_PG, rows, weights, scales, s * topk, c, out_buf, stage, s * topk, out_buf)
-                            store_row(dst_CV, sf_F, out_buf, q_buf, rows_W, deltas_W, s, c)
-                        load_item(pos_TK, weights_TK, dest_TW, pid, items, *routes, i + slots, u % slots)
+            live = T.alloc_var(T.int32)
+            live = 0
+            # loaded before any store: the kernel is chained (kernels.pdl), so its pointers are not
+            # __restrict__ and a load after a store would wait for its own round trip
+            for w in T.unroll(world):
+                rows_W[w] = T.Cast("int64", dest_TW[t, w])
+                if T.Or(T.Or(rows_W[w] >= num_dst, w == skip_rank), rows_W[w] < 0):
+                    rows_W[w] = -1
+                else:
+                    live = 1
+                deltas_W[w] = delta_W[w]
+            if live == 1:  # the same for every thread of the CTA (one token's row): shuffles are safe
+                for j in T.unroll(vec):
+                    out_buf[j] = T.cast(0, out_dtype)
+                if c < nv:
+                    reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, out_buf)
+                if fp8_group:
+                    sf = cast_vector(out_buf, q_buf, lanes)
+                for w in T.unroll(world):
+                    if T.And(rows_W[w] >= 0, c < nv):
+                        for j in T.vectorized(vec):
+                            dst_CV[deltas_W[w] // vector_bytes + rows_W[w] * nv + c, j] = stored[j]
+                        if fp8_group and c % lanes == 0:
+                            sf_F[deltas_W[w] // 4 + rows_W[w] * groups + c // lanes] = sf
 
     return weighted_reduce_put
 
@@ -400,7 +298,7 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     num_sf = T.dynamic("num_sf")
     rows_dtype = rows_dtype or out_dtype
     dequantize = rows_dtype == "float8_e4m3fn"
-    vec, threads, tiles, reduce_row, _ = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
     signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
 
     @T.macro
@@ -529,14 +427,11 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS, ctas: int = 0,
-               stages: int = 2) -> None:
+               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``; or ``TokenRegions`` of one heap, the rows cast
-    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own. ``ctas``
-    persistent CTAs of ``max_threads`` at most, ``stages`` row tiles in flight each: see
-    :func:`get_weighted_reduce_put_kernel`."""
+    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.put_rows_kernel import peer_copy
     from kernels.comm.reference import TokenRegions, check_skip_rank
@@ -548,8 +443,6 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     check_cuda("y_PD", y_PD)
     if not (32 <= max_threads <= 1024 and max_threads % 32 == 0):
         raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
-    if ctas < 0 or (ctas and not 2 <= stages <= 4):
-        raise ValueError(f"ctas, stages: expected ctas >= 0 (0: a CTA a row tile) and 2 to 4 stages, got {ctas}, {stages}")
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], rows.world),
                  device=y_PD.device)
     check_skip_rank(skip_rank, rows.world)
@@ -569,7 +462,7 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
-                                            max_threads, group if fp8 else 0, ctas, stages)
+                                            max_threads, group if fp8 else 0)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
            dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank)
 

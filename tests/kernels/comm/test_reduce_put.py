@@ -71,28 +71,17 @@ CASES = [  # (received rows, K, P, D, dtype, world): combine at DeepSeek-V3 and 
 ]
 
 
-# (ctas, stages): a CTA a row tile, and persistent CTAs with their tiles in flight (fewer CTAs than
-# tiles, and a last turn of the loop that runs past the tiles)
-PERSISTENT = [(0, 2), (3, 2), (5, 3)]
-
-
-def _launch(ctas: int, stages: int) -> dict:
-    return dict(ctas=ctas, stages=stages, max_threads=512) if ctas else {}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("ctas,stages", PERSISTENT)
 @pytest.mark.parametrize("skip_rank", [-1, 1])
 @pytest.mark.parametrize("r,k,p,d,dtype,world", CASES)
-def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_rank, ctas, stages, seed):
+def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_rank, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
     rows = max(2 * r, 4)
     poison_allocator("cuda")
     start = [random_bits(rows, d, dtype=dtype, device="cuda", seed=seed + 1 + w) for w in range(world)]
     got = tuple(t.clone() for t in start)
     delta = torch.tensor([t.data_ptr() - got[0].data_ptr() for t in got], dtype=torch.int64, device="cuda")
-    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta), skip_rank=skip_rank,
-               **_launch(ctas, stages))
+    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta), skip_rank=skip_rank)
     want = tuple(t.clone() for t in start)
     reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=want), skip_rank=skip_rank)
     torch.cuda.synchronize()
@@ -109,9 +98,8 @@ FP8_CASES = [  # (received rows, K, P, D, dtype, world): 16 / 32 lanes a scale g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ctas,stages", PERSISTENT)
 @pytest.mark.parametrize("r,k,p,d,dtype,world", FP8_CASES)
-def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, ctas, stages, seed):
+def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
     rows, groups = max(2 * r, 4), -(-d // 128)
     poison_allocator("cuda")
@@ -124,8 +112,7 @@ def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, ctas
     sf_views = tuple(f[rows * d:].view(torch.float32).view(rows, groups) for f in flat)
     delta = torch.tensor([b.data_ptr() - flat[0].data_ptr() for b in flat], dtype=torch.int64, device="cuda")
     reduce_put(y_PD, pos_RK, weights_RK, dest_RW, TokenRegions(q=PeerRegion(views=q_views, delta_W=delta),
-                                                               sf=PeerRegion(views=sf_views, delta_W=delta)), skip_rank=0,
-               **_launch(ctas, stages))
+                                                               sf=PeerRegion(views=sf_views, delta_W=delta)), skip_rank=0)
     want = [t.clone() for t in start]
     reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW,
                          TokenRegions(q=PeerRegion(views=tuple(f[:rows * d].view(rows, d) for f in want)),
@@ -151,8 +138,6 @@ def test_bad_input_names_the_argument():
         reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, max_threads=100)
     with pytest.raises(ValueError, match="^skip_rank: expected -1 \\(none\\) or a rank below 2, got 2"):
         reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=2)
-    with pytest.raises(ValueError, match="^ctas, stages: expected ctas >= 0 .* got 4, 1"):
-        reduce_put(y_PD, pos_RK, weights_RK, dest_RW, region, ctas=4, stages=1)
 
 
 def test_reference_rejects_bad_skip_rank_and_region():
@@ -178,7 +163,3 @@ def test_compiles_for_sm90a():
                      (160, 4, "float32", "float32", 128, False, 3, 1024, 128)]:
             source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
             assert "__shfl_xor_sync" in source and lowering.waits_first(source), spec
-        for fp8_group, stages in [(0, 2), (128, 3)]:  # persistent CTAs, the FP8 cast among them
-            spec = (7168, 8, "bfloat16", "bfloat16", 128, False, 2, 512, fp8_group, 66, stages)
-            source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
-            assert f"cp_async_wait<{stages - 1}>" in source and lowering.waits_first(source), spec
