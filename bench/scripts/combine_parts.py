@@ -6,8 +6,10 @@ included, then the unit-weight ``sum_home``), the same reduce into local memory
 as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s timer), on the
 routes and expert rows of a real DeepSeek-V3-shaped dispatch. Then candidates, each first checked
 to leave the same bits in every rank's region as the shipped kernel: ``reduce_put`` with other CTA
-sizes (``max_threads``). (Session 16's staged and split combines and session 17's few-CTA
-``reduce_put`` beside the home rows, which overlapped nothing, are in this script's history:
+sizes (``max_threads``) and its rows staged in shared memory, bf16 and FP8 rows home (``staged``);
+``reduce_sum_home`` with its own rows staged, checked to return the shipped kernel's bits.
+(Session 16's staged and split combines, session 17's few-CTA ``reduce_put`` beside the home rows
+and session 28's persistent one, which overlapped nothing, are in this script's history:
 ``kernels/comm/NOTES.md``.)
 
     torchrun --standalone --nproc-per-node 2 bench/scripts/combine_parts.py [--tokens 4096]
@@ -16,12 +18,16 @@ sizes (``max_threads``). (Session 16's staged and split combines and session 17'
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ep_runtime.bench.peer_tuning import check_same, parse_args, setup, time_parts
 from ep_runtime.dispatch.all_to_all import sum_home
-from kernels.comm import put_rows, reduce_put
+from kernels.comm import TokenRegions, put_rows, reduce_put
 from kernels.reduce import reduce_sum_home, weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
+
+
+PUT_BUILDS = [(128, False), (256, False), (256, None), (1024, None)]  # (max_threads, staged) candidates
 
 
 def main() -> None:
@@ -51,9 +57,34 @@ def main() -> None:
         "weighted_reduce into local memory": lambda: weighted_reduce(y_PD, pos_RK, weights_RK),
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
     }
-    candidates = {f"reduce_put to the peers, max_threads {n} + barrier": lambda n=n: (
-        reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank, max_threads=n),
-        d.heap.barrier()) for n in (128, 256)}
+    candidates = {f"reduce_put to the peers, max_threads {n}{' staged' * (st is None)} + barrier":
+                  lambda n=n, st=st: (reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank,
+                                                        max_threads=n, staged=st), d.heap.barrier())
+                  for n, st in PUT_BUILDS}
+    # FP8 rows home (model.moe.fp8_combine), as NVLinkDispatcher.reduce_home stores them
+    q, sf = d._regions((d.num_recv_rows, a.hidden, torch.uint8), (d.num_recv_rows, -(-a.hidden // 128), torch.float32))
+    fp8_region = TokenRegions(q=q, sf=sf)
+    returned_q, returned_sf = q.views[rank].view(torch.float8_e4m3fn), sf.views[rank]
+
+    def fp8_shipped():
+        reduce_put(y_PD, pos_RK, weights_RK, back_RW, fp8_region, skip_rank=rank)
+        d.heap.barrier()
+
+    parts |= {
+        "FP8 rows home: reduce_put to the peers + barrier": fp8_shipped,
+        "FP8 rows home: reduce_sum_home": lambda: reduce_sum_home(
+            y_PD, pos_RK[mine], weights_RK[mine], returned_q, route.home_TW, rank=rank, sf_SG=returned_sf),
+    }
+    fp8_candidates = {f"FP8 rows home: reduce_put, max_threads {n}{' staged' * (st is None)} + barrier":
+                      lambda n=n, st=st: (reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, fp8_region,
+                                                            skip_rank=rank, max_threads=n, staged=st),
+                                          d.heap.barrier()) for n, st in PUT_BUILDS}
+    homes = {
+        "reduce_sum_home, own rows staged": (lambda st: reduce_sum_home(
+            y_PD, pos_RK[mine], weights_RK[mine], region.views[rank], route.home_TW, rank=rank, staged=st)),
+        "FP8 rows home: reduce_sum_home, own rows staged": (lambda st: reduce_sum_home(
+            y_PD, pos_RK[mine], weights_RK[mine], returned_q, route.home_TW, rank=rank, sf_SG=returned_sf, staged=st)),
+    }
 
     def snapshot(fn):
         region.views[rank].zero_()
@@ -62,8 +93,23 @@ def main() -> None:
         torch.cuda.synchronize()
         return (region.views[rank].clone(),)
 
+    def fp8_snapshot(fn):
+        q.views[rank].zero_()
+        sf.views[rank].zero_()
+        d.heap.barrier()
+        fn()
+        torch.cuda.synchronize()
+        return q.views[rank].clone(), sf.views[rank].clone()
+
     check_same(candidates, snapshot, shipped)
-    time_parts(parts | candidates, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
+    check_same(fp8_candidates, fp8_snapshot, fp8_shipped)
+    for name, home in homes.items():  # after the FP8 check: the regions hold returned rows of both kinds
+        same = torch.tensor([torch.equal(home(None).view(torch.uint8), home(False).view(torch.uint8))], device=s.device)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if not same.item():
+            raise AssertionError(f"{name}: not the shipped kernel's bits")
+    homes = {name: lambda home=home: home(None) for name, home in homes.items()}
+    time_parts(parts | candidates | fp8_candidates | homes, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
                                          f"{int((back_RW >= 0).sum())} rows reduced here")
 
 

@@ -54,6 +54,8 @@ from kernels.quant.tiles import (
 )
 
 MAX_THREADS = 256
+# the kernels that store into peers place their own CTA barriers too (staged rows are thread-private)
+PEER_SYNC_PASS_CONFIGS = {**PEER_PASS_CONFIGS, **HAND_SYNC_PASS_CONFIGS}
 MAX_THREADS_PER_SM = 2048  # Hopper's
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
 # reduce_sum_home), 1024 threads (one CTA of 896 per row of 7168 bf16) took 188.2 us against 128's
@@ -207,10 +209,10 @@ def cast_vector(out_buf, q_buf, lanes: int):
     return sf
 
 
-@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)
+@tilelang.jit(pass_configs=PEER_SYNC_PASS_CONFIGS)
 def get_weighted_reduce_put_kernel(
     num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: int, packed: bool, world: int,
-    max_threads: int = PUT_THREADS, fp8_group: int = 0,
+    max_threads: int = PUT_THREADS, fp8_group: int = 0, staged: bool | None = False,
 ):
     """``(y_PD, sf_PG, pos_TK, weights_TK, dest_TW, delta_W, dst_CV, sf_F, skip_rank)`` kernel: row
     t's reduction stored to row ``dest_TW[t, w]`` of rank w's copy of a peer region (``dst_CV``: rank
@@ -219,11 +221,12 @@ def get_weighted_reduce_put_kernel(
     region and rank ``skip_rank`` get nothing, and a row that goes nowhere is not reduced. With
     ``fp8_group``, the row (reduced in ``out_dtype``) is cast to e4m3, one float32 scale per
     ``fp8_group`` columns: ``dst_CV`` holds the e4m3 vectors and ``sf_F`` rank 0's copy of the
-    scales region, flat (unread otherwise)."""
+    scales region, flat (unread otherwise). ``staged``: the rows' vectors staged in shared memory
+    (:func:`_row_reducer`)."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     num_sf = T.dynamic("num_sf")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,
-                                                   max_threads=max_threads)
+                                                   max_threads=max_threads, staged=staged)
     sf_dtype = "uint8" if packed else "float32"
     dst_dtype = "float8_e4m3fn" if fp8_group else out_dtype
     vector_bytes = vec * T.dtype(dst_dtype).bytes
@@ -280,9 +283,10 @@ def get_weighted_reduce_put_kernel(
     return weighted_reduce_put
 
 
-@tilelang.jit(pass_configs=PEER_PASS_CONFIGS)  # its loads are guarded in the code: TileLang's checks are redundant
+@tilelang.jit(pass_configs=PEER_SYNC_PASS_CONFIGS)  # its loads are guarded in the code: TileLang's checks are redundant
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
-                               rows_dtype: str | None = None, group: int = 128, signalled: bool = False):
+                               rows_dtype: str | None = None, group: int = 128, signalled: bool = False,
+                               staged: bool | None = False):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,
     epoch_1, tickets_1)`` kernel of
     :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
@@ -293,12 +297,13 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     ``signalled``, the kernel is the barrier before the returned rows (a
     :class:`kernels.comm.Signal`'s, :func:`kernels.comm.signal_kernel.in_kernel_barrier`): its
     first CTA signals the peers as it starts, and every CTA waits for their signals after its own
-    row's reduce, before it loads a returned row (the flags and counters unread otherwise)."""
+    row's reduce, before it loads a returned row (the flags and counters unread otherwise).
+    ``staged``: the own rows' vectors staged in shared memory (:func:`_row_reducer`)."""
     num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
     num_sf = T.dynamic("num_sf")
     rows_dtype = rows_dtype or out_dtype
     dequantize = rows_dtype == "float8_e4m3fn"
-    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False)
+    vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, 128, False, staged=staged)
     signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
 
     @T.macro
@@ -427,11 +432,13 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS) -> None:
+               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS,
+               staged: bool | None = False) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``; or ``TokenRegions`` of one heap, the rows cast
-    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own."""
+    to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own. CTAs of
+    ``max_threads`` at most, rows ``staged`` or not: :func:`get_weighted_reduce_put_kernel`."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.put_rows_kernel import peer_copy
     from kernels.comm.reference import TokenRegions, check_skip_rank
@@ -462,20 +469,20 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
-                                            max_threads, group if fp8 else 0)
+                                            max_threads, group if fp8 else 0, staged)
     kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
            dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank)
 
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
                     home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
-                    group: int = 128, signal: Signal | None = None) -> torch.Tensor:
+                    group: int = 128, signal: Signal | None = None, staged: bool | None = False) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
     bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
     (values are not checked: a host sync). With a ``kernels.comm.Signal``, the returned rows are
     read only after the heap's barrier it stands for, which the kernel passes itself (the own rows
     reduced while the peers' signals fly; a CTA narrower than the ranks, a small hidden size, takes
-    the barrier as a kernel of its own first)."""
+    the barrier as a kernel of its own first). ``staged``: see :func:`get_reduce_sum_home_kernel`."""
     out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     check_cuda("y_PD", y_PD)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
@@ -499,7 +506,7 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
-                                        tl_dtype(rows_SD.dtype), group, signal is not None)
+                                        tl_dtype(rows_SD.dtype), group, signal is not None, staged)
     kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
            sf_PG if sf_SG is None else sf_SG.contiguous(), home_TW.to(torch.int32).contiguous(), out_TD, rank,
            *signal_args(signal, world, y_PD.device))

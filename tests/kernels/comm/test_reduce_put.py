@@ -71,17 +71,23 @@ CASES = [  # (received rows, K, P, D, dtype, world): combine at DeepSeek-V3 and 
 ]
 
 
+# (CTA threads at most, rows staged): as shipped, and 256-thread CTAs staging their rows where 16 bytes
+BUILDS = [(1024, False), (256, None)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_threads,staged", BUILDS)
 @pytest.mark.parametrize("skip_rank", [-1, 1])
 @pytest.mark.parametrize("r,k,p,d,dtype,world", CASES)
-def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_rank, seed):
+def test_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, skip_rank, max_threads, staged, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
     rows = max(2 * r, 4)
     poison_allocator("cuda")
     start = [random_bits(rows, d, dtype=dtype, device="cuda", seed=seed + 1 + w) for w in range(world)]
     got = tuple(t.clone() for t in start)
     delta = torch.tensor([t.data_ptr() - got[0].data_ptr() for t in got], dtype=torch.int64, device="cuda")
-    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta), skip_rank=skip_rank)
+    reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=got, delta_W=delta), skip_rank=skip_rank,
+               max_threads=max_threads, staged=staged)
     want = tuple(t.clone() for t in start)
     reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW, PeerRegion(views=want), skip_rank=skip_rank)
     torch.cuda.synchronize()
@@ -98,8 +104,9 @@ FP8_CASES = [  # (received rows, K, P, D, dtype, world): 16 / 32 lanes a scale g
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_threads,staged", BUILDS)
 @pytest.mark.parametrize("r,k,p,d,dtype,world", FP8_CASES)
-def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed):
+def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, max_threads, staged, seed):
     y_PD, pos_RK, weights_RK, dest_RW = _inputs(r, k, p, d, world, dtype, seed, device="cuda")
     rows, groups = max(2 * r, 4), -(-d // 128)
     poison_allocator("cuda")
@@ -112,7 +119,8 @@ def test_fp8_kernel_matches_reference_bit_for_bit(r, k, p, d, dtype, world, seed
     sf_views = tuple(f[rows * d:].view(torch.float32).view(rows, groups) for f in flat)
     delta = torch.tensor([b.data_ptr() - flat[0].data_ptr() for b in flat], dtype=torch.int64, device="cuda")
     reduce_put(y_PD, pos_RK, weights_RK, dest_RW, TokenRegions(q=PeerRegion(views=q_views, delta_W=delta),
-                                                               sf=PeerRegion(views=sf_views, delta_W=delta)), skip_rank=0)
+                                                               sf=PeerRegion(views=sf_views, delta_W=delta)), skip_rank=0,
+               max_threads=max_threads, staged=staged)
     want = [t.clone() for t in start]
     reference.reduce_put(y_PD, pos_RK, weights_RK, dest_RW,
                          TokenRegions(q=PeerRegion(views=tuple(f[:rows * d].view(rows, d) for f in want)),
@@ -163,3 +171,7 @@ def test_compiles_for_sm90a():
                      (160, 4, "float32", "float32", 128, False, 3, 1024, 128)]:
             source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
             assert "__shfl_xor_sync" in source and lowering.waits_first(source), spec
+        for fp8_group in (0, 128):  # 256-thread CTAs staging their rows
+            source = lowering.kernel_source(get_weighted_reduce_put_kernel(7168, 8, "bfloat16", "bfloat16", 128, False, 2,
+                                                                           256, fp8_group, None))
+            assert "cp_async_wait<0>" in source and lowering.waits_first(source), fp8_group

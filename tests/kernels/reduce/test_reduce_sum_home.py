@@ -88,11 +88,12 @@ CASES = [  # (tokens, K, P, D, dtype, world, rank, index dtype): DeepSeek-V3's h
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("staged", [False, None])  # the own rows in registers, or staged where 16 bytes
 @pytest.mark.parametrize("t,k,p,d,dtype,world,rank,index_dtype", CASES)
-def test_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, index_dtype, seed):
+def test_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, index_dtype, staged, seed):
     inputs = _inputs(t, k, p, d, world, rank, dtype, seed, device="cuda", index_dtype=index_dtype)
     poison_allocator("cuda")
-    got = reduce_sum_home(*inputs, rank=rank)
+    got = reduce_sum_home(*inputs, rank=rank, staged=staged)
     want = reference.reduce_sum_home(*inputs, rank=rank)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -100,12 +101,13 @@ def test_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, in
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,k,p,d,dtype,world,rank,index_dtype", CASES[:2] + [
     (33, 4, 40, 160, torch.float32, 3, 0, torch.int32), (40, 4, 50, 4096, torch.float16, 2, 1, torch.int32)])
-def test_fp8_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, index_dtype, seed):
+@pytest.mark.parametrize("staged", [False, None])
+def test_fp8_kernel_matches_reference_bit_for_bit(t, k, p, d, dtype, world, rank, index_dtype, staged, seed):
     y_PD, pos_TK, weights_TK, rows_SD, home_TW = _inputs(t, k, p, d, world, rank, dtype, seed, device="cuda",
                                                          index_dtype=index_dtype)
     q_SD, sf_SG = _fp8(rows_SD)
     poison_allocator("cuda")
-    got = reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG)
+    got = reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG, staged=staged)
     want = reference.reduce_sum_home(y_PD, pos_TK, weights_TK, q_SD, home_TW, rank=rank, sf_SG=sf_SG)
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -158,3 +160,8 @@ def test_compiles_for_sm90a():
         # FP8 rows home: dequantized in the sum
         source = lowering.kernel_source(get_reduce_sum_home_kernel(7168, 8, "bfloat16", "bfloat16", 2, "float8_e4m3fn"))
         assert "fp8_e4" in source and lowering.waits_first(source)
+        # the own rows staged in shared memory, plain and signalled
+        for signalled in (False, True):
+            source = lowering.kernel_source(get_reduce_sum_home_kernel(7168, 8, "bfloat16", "bfloat16", 2,
+                                                                       signalled=signalled, staged=None))
+            assert "cp_async_wait<0>" in source and lowering.waits_first(source), signalled
