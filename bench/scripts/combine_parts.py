@@ -25,6 +25,7 @@ from ep_runtime.dispatch.all_to_all import sum_home
 from kernels.comm import TokenRegions, put_rows, reduce_put
 from kernels.reduce import reduce_sum_home, weighted_reduce
 from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kernel
+from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as reduce_sum_home_kernel
 
 
 PUT_BUILDS = [(128, False), (256, False), (256, None), (1024, None)]  # (max_threads, staged) candidates
@@ -80,9 +81,9 @@ def main() -> None:
                                                             skip_rank=rank, max_threads=n, staged=st),
                                           d.heap.barrier()) for n, st in PUT_BUILDS}
     homes = {
-        "reduce_sum_home, own rows staged": (lambda st: reduce_sum_home(
+        "reduce_sum_home, own rows staged": (lambda st: reduce_sum_home_kernel(
             y_PD, pos_RK[mine], weights_RK[mine], region.views[rank], route.home_TW, rank=rank, staged=st)),
-        "FP8 rows home: reduce_sum_home, own rows staged": (lambda st: reduce_sum_home(
+        "FP8 rows home: reduce_sum_home, own rows staged": (lambda st: reduce_sum_home_kernel(
             y_PD, pos_RK[mine], weights_RK[mine], returned_q, route.home_TW, rank=rank, sf_SG=returned_sf, staged=st)),
     }
 
