@@ -18,9 +18,12 @@ a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into
 result is bit-exact. Rows are not checked on the host (no host sync): one outside ``[0, P)`` is
 treated as -1. The peer variant (``reduce_put``) can cast its rows to e4m3 on the way (the threads
 of a scale group meet their amax by warp shuffles), and ``reduce_sum_home`` dequantizes such
-returned rows in its sum. The columns are split into the fewest tiles of at most ``MAX_THREADS``
-vectors (``PUT_THREADS`` for the peer variant), evenly (hidden 7168: 4 CTAs of 224 threads per
-token for bf16, 2 for e4m3; one of 896 for the peer variant), so no CTA runs half empty.
+returned rows in its sum. ``reduce_sum_home`` stages its own rows too, and so does ``reduce_put``
+of e4m3 rows home, whose pace the expert rows' reads set (session 28); ``reduce_put`` of rows in
+y's dtype keeps them in registers, bound by the link either way. The columns are split into the
+fewest tiles of at most ``MAX_THREADS`` vectors (``PUT_THREADS`` for the peer variant of bf16 rows,
+``FP8_PUT_THREADS`` of e4m3 ones), evenly (hidden 7168: 4 CTAs of 224 threads per token for bf16,
+2 for e4m3; one of 896 for the bf16 peer variant), so no CTA runs half empty.
 
 Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups, S rows
 returned home, W ranks, C and V vectors of a peer region.
@@ -60,8 +63,13 @@ MAX_THREADS_PER_SM = 2048  # Hopper's
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
 # reduce_sum_home), 1024 threads (one CTA of 896 per row of 7168 bf16) took 188.2 us against 128's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
-# 128 (bench/scripts/combine_parts.py, session 17)
+# 128 (bench/scripts/combine_parts.py, session 17). Staged: 189.3 against 189.0 (session 28), bound
+# by the link either way.
 PUT_THREADS = 1024
+# FP8 rows home halve the link's bytes, so the expert rows' reads set the pace: 256-thread CTAs
+# staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with the barrier against 1024
+# threads' 148.4 in registers (152.5 staged), two H100s, 4096 tokens per rank (session 28)
+FP8_PUT_THREADS = 256
 
 
 def reduce_tile(num_cols: int, y_bytes: int, max_threads: int = MAX_THREADS,
@@ -286,7 +294,7 @@ def get_weighted_reduce_put_kernel(
 @tilelang.jit(pass_configs=PEER_SYNC_PASS_CONFIGS)  # its loads are guarded in the code: TileLang's checks are redundant
 def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype: str, world: int,
                                rows_dtype: str | None = None, group: int = 128, signalled: bool = False,
-                               staged: bool | None = False):
+                               staged: bool | None = None):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,
     epoch_1, tickets_1)`` kernel of
     :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
@@ -298,7 +306,10 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     :class:`kernels.comm.Signal`'s, :func:`kernels.comm.signal_kernel.in_kernel_barrier`): its
     first CTA signals the peers as it starts, and every CTA waits for their signals after its own
     row's reduce, before it loads a returned row (the flags and counters unread otherwise).
-    ``staged``: the own rows' vectors staged in shared memory (:func:`_row_reducer`)."""
+    ``staged``: the own rows' vectors staged in shared memory (:func:`_row_reducer`; by default where
+    a thread's vector is 16 bytes: 56 registers instead of 82, so an SM holds 5 CTAs of 224 threads
+    instead of 3; 126.8 against 168.6 us at 4096 tokens per rank on two H100s, FP8 rows home 122.4
+    against 142.4, session 28)."""
     num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
     num_sf = T.dynamic("num_sf")
     rows_dtype = rows_dtype or out_dtype
@@ -432,13 +443,15 @@ def weighted_reduce(
 
 
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
-               region, *, skip_rank: int = -1, group: int = 128, max_threads: int = PUT_THREADS,
-               staged: bool | None = False) -> None:
+               region, *, skip_rank: int = -1, group: int = 128, max_threads: int | None = None,
+               staged: bool | None = None) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.reduce_put` (same bits): each row's
     weighted reduce stored straight into the peers' copies of ``region`` (a symmetric heap's
     ``kernels.comm.PeerRegion``, with ``delta_W``; or ``TokenRegions`` of one heap, the rows cast
     to e4m3 on the way, for groups :func:`fp8_lanes` takes), never to memory of its own. CTAs of
-    ``max_threads`` at most, rows ``staged`` or not: :func:`get_weighted_reduce_put_kernel`."""
+    ``max_threads`` at most, rows ``staged`` or not (:func:`get_weighted_reduce_put_kernel`); by
+    default ``PUT_THREADS`` in registers for rows in y's dtype, ``FP8_PUT_THREADS`` staged where a
+    thread's vector is 16 bytes for e4m3 rows."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.put_rows_kernel import peer_copy
     from kernels.comm.reference import TokenRegions, check_skip_rank
@@ -448,6 +461,10 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     out_dtype = y_PD.dtype if fp8 else rows.views[0].dtype
     check_weighted_reduce_args(y_PD, pos_RK, weights_RK, None, 128, out_dtype, values=False)
     check_cuda("y_PD", y_PD)
+    if max_threads is None:
+        max_threads = FP8_PUT_THREADS if fp8 else PUT_THREADS
+    if staged is None and not fp8:
+        staged = False
     if not (32 <= max_threads <= 1024 and max_threads % 32 == 0):
         raise ValueError(f"max_threads: expected a multiple of 32 from 32 to 1024, got {max_threads}")
     check_tensor("dest_RW", dest_RW, dtype=(torch.int32, torch.int64), shape=(pos_RK.shape[0], rows.world),
@@ -476,7 +493,7 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
 
 def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.Tensor, rows_SD: torch.Tensor,
                     home_TW: torch.Tensor, *, rank: int, sf_SG: torch.Tensor | None = None,
-                    group: int = 128, signal: Signal | None = None, staged: bool | None = False) -> torch.Tensor:
+                    group: int = 128, signal: Signal | None = None, staged: bool | None = None) -> torch.Tensor:
     """The TileLang twin of :func:`kernels.reduce.reference.reduce_sum_home` (same arguments, same
     bits); tensors must be on a CUDA device. A row of ``home_TW`` outside ``rows_SD`` reads as -1
     (values are not checked: a host sync). With a ``kernels.comm.Signal``, the returned rows are
