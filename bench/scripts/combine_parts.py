@@ -28,7 +28,7 @@ from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kerne
 from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as reduce_sum_home_kernel
 
 
-PUT_BUILDS = [(128, False), (256, False), (256, None), (1024, None)]  # (max_threads, staged) candidates
+PUT_BUILDS = [(128, False), (256, False), (256, True), (1024, True)]  # (max_threads, staged) candidates
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
         "weighted_reduce into local memory": lambda: weighted_reduce(y_PD, pos_RK, weights_RK),
         "put_rows of the reduced rows + barrier": lambda: (put_rows(rows_RD, back_RW, region), d.heap.barrier()),
     }
-    candidates = {f"reduce_put to the peers, max_threads {n}{' staged' * (st is None)} + barrier":
+    candidates = {f"reduce_put to the peers, max_threads {n}{' staged' * st} + barrier":
                   lambda n=n, st=st: (reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, region, skip_rank=rank,
                                                         max_threads=n, staged=st), d.heap.barrier())
                   for n, st in PUT_BUILDS}
@@ -76,7 +76,7 @@ def main() -> None:
         "FP8 rows home: reduce_sum_home": lambda: reduce_sum_home(
             y_PD, pos_RK[mine], weights_RK[mine], returned_q, route.home_TW, rank=rank, sf_SG=returned_sf),
     }
-    fp8_candidates = {f"FP8 rows home: reduce_put, max_threads {n}{' staged' * (st is None)} + barrier":
+    fp8_candidates = {f"FP8 rows home: reduce_put, max_threads {n}{' staged' * st} + barrier":
                       lambda n=n, st=st: (reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, fp8_region,
                                                             skip_rank=rank, max_threads=n, staged=st),
                                           d.heap.barrier()) for n, st in PUT_BUILDS}
