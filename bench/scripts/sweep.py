@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import json
 
-import tilelang
 import torch
 
 from ep_runtime.bench import kernels as bench
@@ -64,9 +63,6 @@ REDUCE_VECTOR_BYTES = [8, 4]
 # session 27: CTAs an SM the registers are bounded for (16 bytes a thread: 88 / 96 registers, 3 CTAs of 224)
 REDUCE_MIN_CTAS = [4]  # 5, 6: spills, slower (bench/results/h100/2026-11-26-s27/call3-*)
 REDUCE_STAGED_BYTES = [16, 8]  # rows staged in shared memory by cp.async
-# session 28: ptxas options of the shipped kernels (tile-kernels builds its mHC kernels with register
-# usage level 10, which reschedules most of our pre-apply's SASS at the same 32 registers)
-BUILD_OPTIONS = {"ptxas register usage level 10": {tilelang.PassConfigKey.TL_PTXAS_REGISTER_USAGE_LEVEL: 10}}
 
 
 def _cast_variant(x, block, tile):
@@ -226,46 +222,8 @@ def _norm_fn_backward_variants(x, fn, g) -> dict[str, object]:
     return {"cuda cores": cuda_cores, **{f"mma {o}": functools.partial(run, o) for o in NORM_FN_BACKWARD_OPTIONS}}
 
 
-def _kernel_factory(op: str):
-    """The ``tilelang.jit`` factory of the kernel ``op`` launches, for the ops whose build options are swept."""
-    from kernels.mhc.pre_apply_kernel import get_pre_apply_kernel
-    from kernels.quant.swiglu_kernel import get_swiglu_forward_kernel
-    from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_kernel
-    from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
-
-    return {"mhc_pre_apply": get_pre_apply_kernel, "swiglu": get_swiglu_forward_kernel,
-            "swiglu_per_token_cast": get_swiglu_forward_kernel, "batched_transpose": get_batched_transpose_kernel,
-            "weighted_reduce": get_weighted_reduce_kernel, "weighted_reduce_fp8": get_weighted_reduce_kernel}.get(op)
-
-
-def _built_with(factory, thunk, configs: dict):
-    """``thunk`` (the op as shipped) with ``factory``'s kernels built with ``configs`` added to its
-    pass configs, in kernel caches of their own (swapped in around each call)."""
-    mine = {**factory.pass_configs, **configs}, {}, type(factory._call_form_cache)()
-
-    def call():
-        saved = factory.pass_configs, factory._kernel_cache, factory._call_form_cache
-        factory.pass_configs, factory._kernel_cache, factory._call_form_cache = mine
-        try:
-            return thunk()
-        finally:
-            factory.pass_configs, factory._kernel_cache, factory._call_form_cache = saved
-
-    return call
-
-
 def variants(op: str, inp, case) -> dict[str, object]:
-    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape (``case``: the op as shipped):
-    its tiles, and for the ops :func:`_kernel_factory` names the shipped kernel built with each of
-    ``BUILD_OPTIONS``."""
-    found = _tile_variants(op, inp, case)
-    factory = _kernel_factory(op)
-    if factory is not None:
-        found |= {label: _built_with(factory, case.ours, configs) for label, configs in BUILD_OPTIONS.items()}
-    return found
-
-
-def _tile_variants(op: str, inp, case) -> dict[str, object]:
+    """``{label: thunk}`` of the variants of ``op`` at ``inp``'s shape (``case``: the op as shipped)."""
     if op in ("weighted_reduce", "weighted_reduce_fp8"):
         found = {f"vector_bytes={b}": _weighted_reduce_variant(case, b) for b in REDUCE_VECTOR_BYTES}
         found |= {f"min_ctas={m}": _weighted_reduce_variant(case, 16, m) for m in REDUCE_MIN_CTAS}
