@@ -6,8 +6,9 @@ included, then the unit-weight ``sum_home``), the same reduce into local memory
 as a CUDA graph started on both GPUs together (``ep-runtime bench dispatch``'s timer), on the
 routes and expert rows of a real DeepSeek-V3-shaped dispatch. Then candidates, each first checked
 to leave the same bits in every rank's region as the shipped kernel: ``reduce_put`` with other CTA
-sizes (``max_threads``) and its rows staged in shared memory, bf16 and FP8 rows home (``staged``);
-``reduce_sum_home`` with its own rows staged, checked to return the shipped kernel's bits.
+sizes (``max_threads``), its rows staged in shared memory or not (``staged``), bf16 and FP8 rows
+home; ``reduce_sum_home`` with its own rows in registers (the build before session 28, which
+staged them), checked to return the shipped kernel's bits.
 (Session 16's staged and split combines, session 17's few-CTA ``reduce_put`` beside the home rows
 and session 28's persistent one, which overlapped nothing, are in this script's history:
 ``kernels/comm/NOTES.md``.)
@@ -28,7 +29,9 @@ from kernels.reduce.weighted_reduce_kernel import reduce_put as reduce_put_kerne
 from kernels.reduce.weighted_reduce_kernel import reduce_sum_home as reduce_sum_home_kernel
 
 
-PUT_BUILDS = [(128, False), (256, False), (256, True), (1024, True)]  # (max_threads, staged) candidates
+# (max_threads, staged) candidates; shipped: (1024, False) for bf16 rows, (256, True) for FP8 rows home
+PUT_BUILDS = [(128, False), (256, False), (256, True), (1024, True)]
+FP8_PUT_BUILDS = [(128, False), (256, False), (1024, False), (1024, True)]
 
 
 def main() -> None:
@@ -79,11 +82,11 @@ def main() -> None:
     fp8_candidates = {f"FP8 rows home: reduce_put, max_threads {n}{' staged' * st} + barrier":
                       lambda n=n, st=st: (reduce_put_kernel(y_PD, pos_RK, weights_RK, back_RW, fp8_region,
                                                             skip_rank=rank, max_threads=n, staged=st),
-                                          d.heap.barrier()) for n, st in PUT_BUILDS}
+                                          d.heap.barrier()) for n, st in FP8_PUT_BUILDS}
     homes = {
-        "reduce_sum_home, own rows staged": (lambda st: reduce_sum_home_kernel(
+        "reduce_sum_home, own rows in registers": (lambda st: reduce_sum_home_kernel(
             y_PD, pos_RK[mine], weights_RK[mine], region.views[rank], route.home_TW, rank=rank, staged=st)),
-        "FP8 rows home: reduce_sum_home, own rows staged": (lambda st: reduce_sum_home_kernel(
+        "FP8 rows home: reduce_sum_home, own rows in registers": (lambda st: reduce_sum_home_kernel(
             y_PD, pos_RK[mine], weights_RK[mine], returned_q, route.home_TW, rank=rank, sf_SG=returned_sf, staged=st)),
     }
 
@@ -105,11 +108,11 @@ def main() -> None:
     check_same(candidates, snapshot, shipped)
     check_same(fp8_candidates, fp8_snapshot, fp8_shipped)
     for name, home in homes.items():  # after the FP8 check: the regions hold returned rows of both kinds
-        same = torch.tensor([torch.equal(home(None).view(torch.uint8), home(False).view(torch.uint8))], device=s.device)
+        same = torch.tensor([torch.equal(home(False).view(torch.uint8), home(None).view(torch.uint8))], device=s.device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         if not same.item():
-            raise AssertionError(f"{name}: not the shipped kernel's bits")
-    homes = {name: lambda home=home: home(None) for name, home in homes.items()}
+            raise AssertionError(f"{name}: not the shipped (staged) kernel's bits")
+    homes = {name: lambda home=home: home(False) for name, home in homes.items()}
     time_parts(parts | candidates | fp8_candidates | homes, a, s, f"{y_PD.shape[0]} expert rows ({y_PD.numel() * 2 / 1e6:.0f} MB), "
                                          f"{int((back_RW >= 0).sum())} rows reduced here")
 

@@ -21,9 +21,10 @@ of a scale group meet their amax by warp shuffles), and ``reduce_sum_home`` dequ
 returned rows in its sum. ``reduce_sum_home`` stages its own rows too, and so does ``reduce_put``
 of e4m3 rows home, whose pace the expert rows' reads set (session 28); ``reduce_put`` of rows in
 y's dtype keeps them in registers, bound by the link either way. The columns are split into the
-fewest tiles of at most ``MAX_THREADS`` vectors (``PUT_THREADS`` for the peer variant of bf16 rows,
-``FP8_PUT_THREADS`` of e4m3 ones), evenly (hidden 7168: 4 CTAs of 224 threads per token for bf16,
-2 for e4m3; one of 896 for the bf16 peer variant), so no CTA runs half empty.
+fewest tiles of at most ``MAX_THREADS`` vectors (for the peer variant ``PUT_THREADS``, or
+``FP8_PUT_THREADS`` where its rows are cast to e4m3), evenly (hidden 7168: 4 CTAs of 224 threads
+per token for bf16 ``y``, 2 for e4m3 ``y``; one of 896 for the peer variant, 4 of 224 where it
+casts), so no CTA runs half empty.
 
 Shape suffixes: T tokens, K routes per token, P layout rows, D hidden, G scale groups, S rows
 returned home, W ranks, C and V vectors of a peer region.
@@ -57,7 +58,8 @@ from kernels.quant.tiles import (
 )
 
 MAX_THREADS = 256
-# the kernels that store into peers place their own CTA barriers too (staged rows are thread-private)
+# reduce_put and reduce_sum_home (peers' memory; their loads guarded by hand) also place their own CTA
+# barriers: staged rows are thread-private
 PEER_SYNC_PASS_CONFIGS = {**PEER_PASS_CONFIGS, **HAND_SYNC_PASS_CONFIGS}
 MAX_THREADS_PER_SM = 2048  # Hopper's
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
@@ -66,8 +68,8 @@ MAX_THREADS_PER_SM = 2048  # Hopper's
 # 128 (bench/scripts/combine_parts.py, session 17). Staged: 189.3 against 189.0 (session 28), bound
 # by the link either way.
 PUT_THREADS = 1024
-# FP8 rows home halve the link's bytes, so the expert rows' reads set the pace: 256-thread CTAs
-# staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with the barrier against 1024
+# FP8 rows home halve the link's bytes, so the expert rows' reads set the pace: CTAs of at most 256
+# threads (224 at hidden 7168) staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with the barrier against 1024
 # threads' 148.4 in registers (152.5 staged), two H100s, 4096 tokens per rank (session 28)
 FP8_PUT_THREADS = 256
 
@@ -230,7 +232,8 @@ def get_weighted_reduce_put_kernel(
     ``fp8_group``, the row (reduced in ``out_dtype``) is cast to e4m3, one float32 scale per
     ``fp8_group`` columns: ``dst_CV`` holds the e4m3 vectors and ``sf_F`` rank 0's copy of the
     scales region, flat (unread otherwise). ``staged``: the rows' vectors staged in shared memory
-    (:func:`_row_reducer`)."""
+    (:func:`_row_reducer`). The defaults are the build for rows in y's dtype; :func:`reduce_put`
+    picks the FP8 one (``FP8_PUT_THREADS``, staged)."""
     num_tokens, num_rows, num_dst = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_dst")
     num_sf = T.dynamic("num_sf")
     vec, threads, tiles, reduce_row = _row_reducer(num_cols, topk, y_dtype, out_dtype, group, packed,

@@ -167,7 +167,7 @@ def test_compiles_for_sm90a():
                      (64, 2, "float32", "float32", 128, False, 2)]:
             source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
             assert "__fmul_rn" in source and lowering.waits_first(source), spec
-        for spec in [(7168, 8, "bfloat16", "bfloat16", 128, False, 2, 1024, 128),  # FP8 rows home
+        for spec in [(7168, 8, "bfloat16", "bfloat16", 128, False, 2, 1024, 128),  # FP8 rows home, 1024 threads
                      (160, 4, "float32", "float32", 128, False, 3, 1024, 128)]:
             source = lowering.kernel_source(get_weighted_reduce_put_kernel(*spec))
             assert "__shfl_xor_sync" in source and lowering.waits_first(source), spec
