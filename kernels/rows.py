@@ -2,7 +2,8 @@
 many threads a row gets, the CTA-wide sum of per-thread partials, and a thread's vector staged in
 shared memory by ``cp.async``.
 
-Used by the Engram gate kernels, the mHC backward kernels and the weighted reduce.
+Used by the Engram gate kernels, the mHC kernels and the weighted reduce (with the combine's
+kernels built on it).
 """
 
 from typing import NamedTuple

@@ -192,11 +192,11 @@ def get_weighted_reduce_kernel(
     return weighted_reduce
 
 
-def fp8_lanes(num_cols: int, y_bytes: int, group: int, max_threads: int = PUT_THREADS) -> int:
+def fp8_lanes(num_cols: int, y_bytes: int, group: int) -> int:
     """Threads that share one scale group in ``reduce_put``'s FP8 variant (their amax meets by warp
     shuffles), 0 where the kernel cannot cast (a group not a whole number of vectors, or wider than a
-    warp's): the reference takes those."""
-    vec = reduce_tile(num_cols, y_bytes, max_threads)[0]
+    warp's): the reference takes those. A thread's vector does not depend on the CTA's size."""
+    vec = reduce_tile(num_cols, y_bytes)[0]
     lanes = group // vec
     return lanes if group % vec == 0 and lanes <= 32 and lanes & (lanes - 1) == 0 else 0
 
@@ -476,7 +476,7 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     r, k = pos_RK.shape
     p, d = y_PD.shape
     if fp8:
-        if not fp8_lanes(d, y_PD.element_size(), group, max_threads):
+        if not fp8_lanes(d, y_PD.element_size(), group):
             raise ValueError(f"group: expected whole vectors of {d} {y_PD.dtype} columns, at most a warp's, per scale "
                              f"group, got {group} (kernels.comm.reduce_put takes the reference then)")
         first = peer_copy(rows, "region.q", dtype=torch.uint8, width=d).view(torch.float8_e4m3fn)
