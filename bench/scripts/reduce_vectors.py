@@ -9,6 +9,10 @@ expert-major layout of random top-8 routes over 256 experts, as ``bench kernels`
 ``sequential`` (token t's routes on rows 8t .. 8t+7). The same bytes in another order tell a
 gather's locality apart from the kernel (session 26's large shape, kernels/reduce/NOTES.md).
 
+``--warm-positions`` also times each call after a kernel that reads the positions (so they sit in
+L2 while the rest was flushed), less that kernel alone: what the positions' DRAM round trip costs
+(session 29).
+
     python3 bench/scripts/reduce_vectors.py [--tokens 128,256,...] [--dtypes e4m3,bf16] [--positions random,layout]
 """
 
@@ -44,6 +48,7 @@ def main() -> None:
     p.add_argument("--tokens", default="128,256,512,1024,2048,4096")
     p.add_argument("--dtypes", default="e4m3", help="rows' dtypes: e4m3 (with float32 scales), bf16")
     p.add_argument("--positions", default="random", help="orders of the rows: random, layout, sequential")
+    p.add_argument("--warm-positions", action="store_true", help="also time each with the positions in L2")
     a = p.parse_args()
     device, seed, timer = bench.tuning_setup(20)
     timer.kernel_calls = 20  # the copy's calls
@@ -77,6 +82,10 @@ def main() -> None:
                             return out
                     assert torch.equal(call().view(torch.int16), want.view(torch.int16)), (t, name, order, label)
                     line += f"  {label} {timer.kernel_us(call):7.2f} us"
+                    if a.warm_positions:
+                        touch = pos.sum  # one kernel reading every position
+                        warm = timer.kernel_us(lambda: (touch(), call())) - timer.kernel_us(touch)  # noqa: B023
+                        line += f" ({warm:.2f} positions in L2)"
                 print(f"{line}  copy of its {moved / 1e6:.0f} MB {timer.copy_kernel_us(moved):7.2f} us", flush=True)
 
 

@@ -3,7 +3,7 @@
 
 A CTA covers one token's columns ``[pn * threads * vec, (pn + 1) * threads * vec)``; each thread
 owns one 16-byte vector of ``y`` (``vec`` elements: 8 bf16, 16 e4m3, 4 float32; 8 bytes of e4m3 rows
-for a batch too small to fill the GPU, :func:`reduce_vector_bytes`). A thread first
+for a small batch, :func:`reduce_vector_bytes`). A thread first
 reads the token's K routes (rows and weights), then issues all K row loads (each predicated on its
 row being >= 0; with e4m3 rows, the row's scale too) before the first add, so K x 16 bytes per
 thread are in flight instead of one vector at a time. 16-byte vectors land in shared memory by
@@ -62,6 +62,11 @@ MAX_THREADS = 256
 # barriers: staged rows are thread-private
 PEER_SYNC_PASS_CONFIGS = {**PEER_PASS_CONFIGS, **HAND_SYNC_PASS_CONFIGS}
 MAX_THREADS_PER_SM = 2048  # Hopper's
+# e4m3 rows take 8 bytes a thread while the 16-byte grid holds under this share of the GPU's thread
+# slots: at hidden 7168 on an H100 8 bytes won at 128 and 160 tokens (5.15 / 6.02 us against 5.71 /
+# 6.75), staged 16 bytes from 192 (7.17 / 8.13 / 13.76 us at 192 / 256 / 512 against 7.44 / 8.83 /
+# 15.59); the 16-byte grid fills 26.5% / 31.8% of the slots at 160 / 192 (session 29, GPU time)
+SMALL_GRID_SHARE = 0.3
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
 # reduce_sum_home), 1024 threads (one CTA of 896 per row of 7168 bf16) took 188.2 us against 128's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
@@ -397,17 +402,17 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
 
 
 def reduce_vector_bytes(num_tokens: int, num_cols: int, y_bytes: int, device: torch.device) -> int:
-    """Bytes of ``y`` a thread: 16, or 8 for e4m3 rows whose 16-byte grid would not fill the GPU's
-    threads once (a small batch: each thread's 16 routes x 16 values are a long serial chain there,
-    and twice the threads hide it). H100, hidden 7168, top-8 (``bench/scripts/sweep.py``, session
-    24): 128 tokens 5.74 against 6.33 us of GPU time; 16384 tokens 467.5 against 435.1 us. bf16
-    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens). ``weighted_reduce`` stages the
-    16-byte vectors in shared memory; session 27 at 128 tokens: e4m3 in 8-byte registers 5.18 us,
-    staged 16 bytes 5.89, staged 8 bytes 5.44."""
+    """Bytes of ``y`` a thread: 16, or 8 for e4m3 rows whose 16-byte grid would hold under
+    ``SMALL_GRID_SHARE`` of the GPU's thread slots (a small batch, one wave: each thread's routes x
+    16 values are a serial chain after its loads land, and twice the threads share it out). bf16
+    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens, session 24). 16-byte vectors are
+    staged in shared memory (session 27), which moved the switch from a full GPU's threads (session
+    24, registers) down to under a third (session 29, ``bench/scripts/reduce_vectors.py``)."""
     if y_bytes != 1:
         return VECTOR_BYTES
     _, threads, tiles = reduce_tile(num_cols, y_bytes)
-    return 8 if num_tokens * tiles * threads < sm_count(device) * MAX_THREADS_PER_SM else VECTOR_BYTES
+    small = num_tokens * tiles * threads < SMALL_GRID_SHARE * sm_count(device) * MAX_THREADS_PER_SM
+    return 8 if small else VECTOR_BYTES
 
 
 def weighted_reduce(
