@@ -47,8 +47,7 @@ SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
 # tile-kernels' 105.16 / 185.76, shipped 105.38 / 186.50; session 28: the shipped CTA held to 3-7 an
 # SM by shared memory, 108.29 / 107.01 / 106.79 / 106.82 / 105.41 us against its 105.44 at D = 4096)
 PRE_APPLY_TILES = [(128, 2, False), (256, 1, True), (256, 2, True), (128, 2, True), (128, 4, True)]
-TRANSPOSE_THREADS = [64, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped before session 29: 64)
-MATRIX_TRANSPOSE_THREADS = [32, 64, 256]  # the stmatrix kernel's CTA (shipped: 128)
+TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
 TRANSPOSE_BLOCKS = [(8, 8), (8, 1), (4, 2)]
@@ -249,11 +248,7 @@ def variants(op: str, inp, case) -> dict[str, object]:
         return {f"threads={k} per_thread={v}{' staged' * s}": functools.partial(
             pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, s)) for k, v, s in PRE_APPLY_TILES}
     if op == "batched_transpose":
-        from kernels.transpose.batched_transpose_kernel import (
-            get_batched_transpose_kernel,
-            get_matrix_transpose_kernel,
-            matrix_path,
-        )
+        from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 
         s = inp.shape
         x = inp.x_TD.view(s.transpose_batch, s.tokens // s.transpose_batch, s.hidden).view(torch.uint16)
@@ -265,12 +260,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
 
         found = {f"threads={k}": functools.partial(transpose, get_batched_transpose_kernel(x.shape[1], x.shape[2], "uint16", k))
                  for k in TRANSPOSE_THREADS}
-        found |= {f"block={b}": functools.partial(transpose, get_batched_transpose_kernel(
+        return found | {f"block={b}": functools.partial(transpose, get_batched_transpose_kernel(
             x.shape[1], x.shape[2], "uint16", register_block=b)) for b in TRANSPOSE_BLOCKS}
-        if matrix_path(x.shape[1], x.shape[2], 2):
-            found |= {f"stmatrix threads={k}": functools.partial(transpose, get_matrix_transpose_kernel(x.shape[2], k))
-                      for k in MATRIX_TRANSPOSE_THREADS}
-        return found
     if op == "expand_per_token_cast":
         return {f"tile={t}": _expand_cast_variant(inp.x_TD, inp.layout, t) for t in EXPAND_CAST_TILES}
     if op in ("per_token_cast", "per_block_cast", "per_channel_cast"):

@@ -21,8 +21,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import HAND_SYNC_PASS_CONFIGS, PASS_CONFIGS, check_cuda, vector_layout, vector_width
-from kernels.rows import WARP
+from kernels.quant.tiles import PASS_CONFIGS, check_cuda, vector_layout, vector_width
 from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -32,68 +31,6 @@ REGISTER_THREADS = 64  # the register kernel's CTA
 # the register kernel's loads: 4 bytes of a row, not 16 (four times the threads, each a shorter chain):
 # 2.21 against 2.27 us of GPU time at [8, 16, 7168] bf16 on an H100, torch.compile 2.14 (session 25)
 REGISTER_LOAD_BYTES = 4
-MATRIX_ROWS, MATRIX_COLS = 16, 32  # the stmatrix kernel's shape: 2-byte rows of 16, a warp's block of columns
-MATRIX_THREADS = 128
-
-
-def _matrix_chunk(column, half):
-    """The 16-byte chunk of a warp's shared block that holds rows ``[8 * half, 8 * half + 8)`` of block
-    column ``column``: ``2 * column + half``, its low three bits turned by bits 2-4 of the column,
-    so the 8 chunks that one phase of ``stmatrix`` (a matrix's 8 columns) or of the warp's 16-byte
-    reads (8 consecutive columns) touches fall in 8 different bank quads (checked over every column
-    and phase in the tests)."""
-    turn = ((column >> 2) ^ (column >> 3)) & 1 | ((column >> 4) & 1) << 2
-    return (2 * column + half) ^ turn
-
-
-def matrix_path(rows: int, cols: int, elem_bytes: int) -> bool:
-    """Whether :func:`get_matrix_transpose_kernel` takes ``[*, rows, cols]`` elements of ``elem_bytes``."""
-    return elem_bytes == 2 and rows == MATRIX_ROWS and cols % MATRIX_COLS == 0
-
-
-@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # each warp orders its own shared memory
-def get_matrix_transpose_kernel(cols: int, threads: int = MATRIX_THREADS):
-    """``(x_BMN, out_BNM)`` kernel of uint16 elements for ``[*, 16, cols]`` (:func:`matrix_path`):
-    2-byte elements, 16 rows (two 8 x 8 halves), columns in blocks of 32, one block a warp: each lane
-    loads one 16-byte vector of each half (row ``lane // 4``, columns ``8 * (lane % 4)``..), ``stmatrix
-    .trans`` writes them into shared memory transposed (each 32-bit register of a lane is a row pair
-    of one of four 8 x 8 matrices), and each lane then reads and stores one whole 32-byte output row:
-    16-byte loads and stores, a warp's 1 KB stored contiguous, no CTA barrier."""
-    batch = T.dynamic("batch")
-    warps, words = threads // WARP, cols // 2
-    blocks = cols // MATRIX_COLS
-
-    @T.prim_func
-    def batched_transpose(
-        x_BMN: T.Tensor[(batch, MATRIX_ROWS, cols), "uint16"],
-        out_BNM: T.Tensor[(batch, cols, MATRIX_ROWS), "uint16"],
-    ):
-        with T.Kernel(T.ceildiv(blocks, warps), batch, threads=threads) as (pb, b):
-            x_pairs = T.view(x_BMN, (batch, MATRIX_ROWS, words), "uint32")
-            out_pairs = T.view(out_BNM, (batch, cols, MATRIX_ROWS // 2), "uint32")
-            stage = T.alloc_shared((warps, MATRIX_COLS * MATRIX_ROWS // 2), "uint32")
-            pairs = T.alloc_local((2, 4), "uint32")
-            tid = T.get_thread_binding()
-            w, lane = tid // WARP, tid % WARP
-            block = pb * warps + w
-            if block < blocks:  # the same for a whole warp: stmatrix needs all its lanes
-                c0 = block * MATRIX_COLS
-                for h in T.unroll(2):
-                    for k in T.vectorized(4):
-                        pairs[h, k] = x_pairs[b, 8 * h + lane // 4, c0 // 2 + 4 * (lane % 4) + k]
-                # register k of every lane forms matrix k; lane 8k + m names where its row m goes:
-                # after the transpose that row is block column 8 * (m // 2) + 2 * k + m % 2
-                column = 8 * (lane % 8 // 2) + 2 * (lane // 8) + lane % 2
-                for h in T.unroll(2):
-                    T.call_extern("handle", "tl::ptx_stmatrix_m8n8_x4_trans",
-                                  T.address_of(stage[w, _matrix_chunk(column, h) * 4]),
-                                  pairs[h, 0], pairs[h, 1], pairs[h, 2], pairs[h, 3])
-                T.sync_warp()
-                for h in T.unroll(2):
-                    for k in T.vectorized(4):
-                        out_pairs[b, c0 + lane, 4 * h + k] = stage[w, _matrix_chunk(lane, h) * 4 + k]
-
-    return batched_transpose
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -201,9 +138,6 @@ def batched_transpose(x_BMN: torch.Tensor) -> torch.Tensor:
     out = torch.empty((b, n, m), dtype=x_BMN.dtype, device=x_BMN.device)
     if out.numel():
         bits = BITS_DTYPES[x_BMN.element_size()]
-        if matrix_path(m, n, x_BMN.element_size()):
-            kernel = get_matrix_transpose_kernel(n)
-        else:
-            kernel = get_batched_transpose_kernel(m, n, str(T.dtype(bits)))
+        kernel = get_batched_transpose_kernel(m, n, str(T.dtype(bits)))
         kernel(x_3d.contiguous().view(bits), out.view(bits))
     return out if x_BMN.dim() == 3 else out[0]

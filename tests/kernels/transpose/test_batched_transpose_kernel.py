@@ -6,13 +6,7 @@ import torch
 
 from kernels import lowering
 from kernels.transpose import reference
-from kernels.transpose.batched_transpose_kernel import (
-    MATRIX_COLS,
-    _matrix_chunk,
-    batched_transpose,
-    get_batched_transpose_kernel,
-    get_matrix_transpose_kernel,
-)
+from kernels.transpose.batched_transpose_kernel import batched_transpose, get_batched_transpose_kernel
 from kernels.testing import poison_allocator
 
 
@@ -26,8 +20,7 @@ def random_tensor(shape, dtype, seed):
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64]
 SHAPES = [(3, 33, 70), (0, 16, 8), (2, 0, 5), (1, 128, 1), (2, 130, 257), (1, 7168 + 64, 300), (4, 256, 512),
           (8, 16, 7168), (2, 5, 300), (3, 1, 64),  # few rows: narrower, wider tiles
-          (2, 24, 100), (5, 4, 36), (3, 32, 1000),  # output rows of up to 32 bytes: register blocks
-          (3, 16, 96), (1, 16, 32)]  # 2-byte rows of 16: stmatrix, warps left without a block
+          (2, 24, 100), (5, 4, 36), (3, 32, 1000)]  # output rows of up to 32 bytes: register blocks
 
 
 @pytest.mark.gpu
@@ -73,23 +66,3 @@ def test_compiles_for_sm90a():
                                    ((33, 70, "uint8"), False)]:
             source = lowering.kernel_source(get_batched_transpose_kernel(*spec))
             assert "batched_transpose" in source and ("__shared__" not in source) == in_registers, spec
-
-
-def test_matrix_kernel_compiles_for_sm90a():
-    with lowering.compile_only():
-        for threads in (32, 128, 256):
-            source = lowering.kernel_source(get_matrix_transpose_kernel(7168, threads))
-            assert "stmatrix" in source and "__syncthreads" not in source, threads
-
-
-def test_matrix_chunks_fill_the_block_and_every_phase_takes_eight_bank_quads():
-    """The 16-byte chunk of (column, half) is a permutation of the warp's 64 chunks; the 8 chunks one
-    phase touches (a matrix's 8 columns in stmatrix, 8 consecutive columns in the reads) lie in 8
-    different 16-byte bank quads of a 128-byte row of banks."""
-    chunks = [_matrix_chunk(c, h) for c in range(MATRIX_COLS) for h in range(2)]
-    assert sorted(chunks) == list(range(2 * MATRIX_COLS))
-    for half in range(2):
-        for k in range(4):  # stmatrix's matrix k: lanes 8k + m name block column 8 * (m // 2) + 2k + m % 2
-            assert len({_matrix_chunk(8 * (m // 2) + 2 * k + m % 2, half) % 8 for m in range(8)}) == 8
-        for q in range(4):  # the reads: lanes 8q .. 8q + 7 read their own columns
-            assert len({_matrix_chunk(8 * q + t, half) % 8 for t in range(8)}) == 8
