@@ -403,11 +403,12 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
 
 def reduce_vector_bytes(num_tokens: int, num_cols: int, y_bytes: int, device: torch.device) -> int:
     """Bytes of ``y`` a thread: 16, or 8 for e4m3 rows whose 16-byte grid would hold under
-    ``SMALL_GRID_SHARE`` of the GPU's thread slots (a small batch, one wave: each thread's routes x
-    16 values are a serial chain after its loads land, and twice the threads share it out). bf16
-    rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens, session 24). 16-byte vectors are
-    staged in shared memory (session 27), which moved the switch from a full GPU's threads (session
-    24, registers) down to under a third (session 29, ``bench/scripts/reduce_vectors.py``)."""
+    ``SMALL_GRID_SHARE`` of the GPU's thread slots. There twice the threads, each with half the
+    bytes, are faster (measured; a thread's instruction count is not why: ``kernels/reduce/NOTES.md``,
+    session 29). bf16 rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens, session 24).
+    Staging the 16-byte vectors in shared memory (session 27) moved the switch from a full GPU's
+    threads (session 24, in registers) down to under a third (session 29,
+    ``bench/scripts/reduce_vectors.py``)."""
     if y_bytes != 1:
         return VECTOR_BYTES
     _, threads, tiles = reduce_tile(num_cols, y_bytes)
