@@ -44,13 +44,31 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     return threads // tile_v, tile_v
 
 
+def _hinted_moves(load_hint: str, store_hint: str) -> str:
+    """Device functions moving 16 bytes with PTX cache qualifiers (a sweep option, session 29)."""
+    return rf"""
+__device__ __forceinline__ void ep_hinted_load(void* dst, const void* src) {{
+  uint4 v;
+  asm("ld.global{load_hint}.v4.u32 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  *reinterpret_cast<uint4*>(dst) = v;
+}}
+__device__ __forceinline__ void ep_hinted_store(void* dst, const void* src) {{
+  uint4 v = *reinterpret_cast<const uint4*>(src);
+  asm volatile("st.global{store_hint}.v4.u32 [%0], {{%1, %2, %3, %4}};"
+               :: "l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}}
+"""
+
+
 @tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged streams are thread-private
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
-                         staged: bool = False):
+                         staged: bool = False, hints: tuple[str, str] | None = None):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
     output vectors a thread, all their loads issued first, into registers or ``staged`` in shared
-    memory by ``cp.async`` (sweeps)."""
+    memory by ``cp.async``; ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and stores of
+    ``y`` (sweeps)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
@@ -60,12 +78,16 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
     # one vector's loads and its sum in one guarded block where a thread has one (nvcc keeps 32
     # registers at D = 7168 there, 48 when they are split)
     together = per_thread == 1 and not staged
+    hinted = hints is not None
 
     @T.macro
     def load(x_TND, x_local, stage, row, p, c, tid):
         for i in T.unroll(n):
             if staged:
                 fetch_x(stage[p * n + i, tid * vec], x_TND[row, i, c * vec])
+            elif hinted:
+                T.call_extern("handle", "ep_hinted_load", T.address_of(x_local[(p * n + i) * vec]),
+                              T.address_of(x_TND[row, i, c * vec]))
             else:
                 for j in T.vectorized(vec):
                     x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
@@ -79,8 +101,14 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
             for j in T.serial(vec):
                 x = stage[p * n + i, tid * vec + j] if staged else x_local[(p * n + i) * vec + j]
                 acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x, T.float32)))
-        for j in T.vectorized(vec):
-            y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
+        if hinted:
+            y_local = T.alloc_local((vec,), dtype)
+            for j in T.vectorized(vec):
+                y_local[j] = T.cast(acc[j], dtype)
+            T.call_extern("handle", "ep_hinted_store", T.address_of(y_TD[row, c * vec]), T.address_of(y_local[0]))
+        else:
+            for j in T.vectorized(vec):
+                y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
 
     @T.prim_func
     def pre_apply_kernel(
@@ -89,6 +117,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
+            if hinted:
+                T.import_source(_hinted_moves(*hints))
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             x_local = T.alloc_local((1,) if staged else (per_thread * n * vec,), dtype)
