@@ -49,8 +49,9 @@ SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
 PRE_APPLY_TILES = []  # session 29: the shipped tile with cache qualifiers instead (PRE_APPLY_HINTS)
 # (load, store) PTX qualifiers of the shipped tile's 16-byte moves; session 22 had ".nc.L1::no_allocate
 # .L2::256B" loads 0.1 us faster at D = 4096 and 2% slower at 7168 (timer, no control)
-PRE_APPLY_HINTS = [(".cs", ""), (".nc.L1::no_allocate.L2::256B", ""), (".nc.L1::no_allocate", ""),
-                   ("", ".cs"), (".nc.L1::no_allocate.L2::256B", ".cs"), ("", "")]
+PRE_APPLY_HINTS = [(256, 1, "", ""), (256, 1, ".L1::evict_first", ""), (256, 1, ".L1::evict_last", ""),
+                   (256, 1, ".L2::128B", ""), (256, 1, ".lu", ""), (256, 1, ".nc.L1::evict_first", ".cs"),
+                   (128, 2, "", ".cs")]  # (threads, per_thread, load, store)
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
@@ -251,8 +252,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
 
         found = {f"threads={k} per_thread={v}{' staged' * s}": functools.partial(
             pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, s)) for k, v, s in PRE_APPLY_TILES}
-        return found | {f"ld{ld or '.'} st{st or '.'}": functools.partial(
-            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", hints=(ld, st))) for ld, st in PRE_APPLY_HINTS}
+        return found | {f"threads={k} per_thread={v} ld{ld or '.'} st{st or '.'}": functools.partial(
+            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, hints=(ld, st))) for k, v, ld, st in PRE_APPLY_HINTS}
     if op == "batched_transpose":
         from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 

@@ -72,6 +72,9 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
+    stride = d * T.dtype(dtype).bytes
+    if hints is None and vec * T.dtype(dtype).bytes == 16 and stride & (stride - 1) == 0 and not staged:
+        hints = (".nc.L1::no_allocate", "")
     tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
     tiles_v = T.ceildiv(nv, tile_v * per_thread)
     fetch_x = vector_cp_async(vec, T.dtype(dtype).bytes)
