@@ -4,6 +4,11 @@ Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of 
 covers ``tile_m`` tokens x ``tile_v`` vectors of ``vec`` elements (16 bytes of ``x``'s dtype, fewer
 when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams
 (``ld.global.v4``), accumulates in float32 and stores one vector of ``y`` (``st.global.v4``).
+Where a stream's row is a power of two of bytes (D = 4096 bf16: the N loads of a thread and the
+rows of neighbouring tokens fall in the same L1 sets), ``x`` is loaded past L1
+(``ld.global.nc.L1::no_allocate``): on an H100 104.0 against 105.5 us at D = 4096 and 47.9 against
+52.5 at 2048 (tile-kernels 105.3 / 52.0); at 5120-7168 the same loads were 0.1-1.2% slower, so
+they keep L1 (paired rounds by GPU time, ``kernels/mhc/NOTES.md``, session 29).
 
 The float32 math is separate IEEE multiplies and adds (``T.ieee_mul``/``T.ieee_add``, so nvcc cannot
 contract them into FMAs), summed over the streams in order ``i = 0 .. N-1``, as the reference's
@@ -33,6 +38,7 @@ THREADS = 128  # one vector of the output per thread
 # The forward's CTA (two tiles' worth): 108.8 -> 108.2 us at T 8192, N 4, D 4096 and 189.5 -> 189.0
 # at D 7168 on an H100, tile-kernels 108.1 / 188.9 (bench/results/h100/2026-11-25-s8/sweep-7*)
 FORWARD_THREADS = 256
+STREAMING_HINTS = (".nc.L1::no_allocate", "")  # x past L1 where a stream's row is a power of two of bytes
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
@@ -45,7 +51,8 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
 
 
 def _hinted_moves(load_hint: str, store_hint: str) -> str:
-    """Device functions moving 16 bytes with PTX cache qualifiers (a sweep option, session 29)."""
+    """Device functions moving 16 bytes with PTX cache qualifiers (``ld.global<load_hint>``,
+    ``st.global<store_hint>``)."""
     return rf"""
 __device__ __forceinline__ void ep_hinted_load(void* dst, const void* src) {{
   uint4 v;
@@ -67,14 +74,15 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
     output vectors a thread, all their loads issued first, into registers or ``staged`` in shared
-    memory by ``cp.async``; ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and stores of
-    ``y`` (sweeps)."""
+    memory by ``cp.async`` (sweeps); ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and
+    stores of ``y`` (default: ``STREAMING_HINTS`` where a stream's row is a power of two of bytes,
+    see the module doc; none otherwise)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
-    stride = d * T.dtype(dtype).bytes
-    if hints is None and vec * T.dtype(dtype).bytes == 16 and stride & (stride - 1) == 0 and not staged:
-        hints = (".nc.L1::no_allocate", "")
+    row_bytes = d * T.dtype(dtype).bytes
+    if hints is None and vec * T.dtype(dtype).bytes == 16 and row_bytes & (row_bytes - 1) == 0 and not staged:
+        hints = STREAMING_HINTS
     tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
     tiles_v = T.ceildiv(nv, tile_v * per_thread)
     fetch_x = vector_cp_async(vec, T.dtype(dtype).bytes)
