@@ -17,6 +17,7 @@ import json
 import torch
 
 from ep_runtime.bench import kernels as bench
+from kernels.mhc.pre_apply_kernel import STREAMING_HINTS
 
 # (tile_m, tile_n, threads[, vec]), the variants measured last (kernels/quant/NOTES.md has every
 # sweep): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte e4m3 store out (8: 16 in, 8
@@ -41,17 +42,15 @@ BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, paired: one CTA a 2048-wide row,
 # (1, 2048, 512, 4), 2.11 against 2.16-2.18 (now shipped there), (1, 2048, 1024, 2) 2.25
 SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
-# (threads, output vectors a thread, staged in shared memory); shipped: (256, 1, False) (session 22's
-# other options: kernels/mhc/NOTES.md; session 27, paired: (128, 1) / (64, 2) / (128, 2) / (256, 2) in
-# registers 105.44 / 105.44 / 105.38 / 105.39 and 186.04 / 186.05 / 185.81 / 186.63 us against
-# tile-kernels' 105.16 / 185.76, shipped 105.38 / 186.50; session 28: the shipped CTA held to 3-7 an
-# SM by shared memory, 108.29 / 107.01 / 106.79 / 106.82 / 105.41 us against its 105.44 at D = 4096)
-PRE_APPLY_TILES = []  # session 29: the shipped tile with cache qualifiers instead (PRE_APPLY_HINTS)
-# (load, store) PTX qualifiers of the shipped tile's 16-byte moves; session 22 had ".nc.L1::no_allocate
-# .L2::256B" loads 0.1 us faster at D = 4096 and 2% slower at 7168 (timer, no control)
-PRE_APPLY_HINTS = [(256, 1, "", ""), (256, 1, ".L1::evict_first", ""), (256, 1, ".L1::evict_last", ""),
-                   (256, 1, ".L2::128B", ""), (256, 1, ".lu", ""), (256, 1, ".nc.L1::evict_first", ".cs"),
-                   (128, 2, "", ".cs")]  # (threads, per_thread, load, store)
+# pre-apply's (threads, output vectors a thread, load, store PTX qualifiers of its 16-byte moves);
+# shipped: 256 threads, 1 vector. Earlier tiles (kernels/mhc/NOTES.md): session 27, paired, (128, 1) /
+# (64, 2) / (128, 2) / (256, 2) 105.44 / 105.44 / 105.38 / 105.39 and 186.04 / 186.05 / 185.81 / 186.63
+# us against tile-kernels' 105.16 / 185.76; session 28, the shipped CTA held to 3-7 an SM, all slower.
+# Session 29 (paired, GPU time,
+# kernels/mhc/NOTES.md): loads past L1 won where a row is a power of two of bytes (shipped there),
+# lost 0.1-1.2% at D = 5120-7168; `.cs` stores tied. The last two below are what D = 7168 has left
+PRE_APPLY_HINTS = [(256, 1, "", ""), (256, 1, STREAMING_HINTS[0], ""), (256, 1, "", ".cs"), (128, 2, "", ".cs"),
+                   (128, 2, "", "")]
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
@@ -250,9 +249,7 @@ def variants(op: str, inp, case) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        found = {f"threads={k} per_thread={v}{' staged' * s}": functools.partial(
-            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, s)) for k, v, s in PRE_APPLY_TILES}
-        return found | {f"threads={k} per_thread={v} ld{ld or '.'} st{st or '.'}": functools.partial(
+        return {f"threads={k} per_thread={v} ld{ld or '.'} st{st or '.'}": functools.partial(
             pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, hints=(ld, st))) for k, v, ld, st in PRE_APPLY_HINTS}
     if op == "batched_transpose":
         from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel

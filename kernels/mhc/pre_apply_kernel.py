@@ -23,7 +23,6 @@ from tilelang import language as T
 
 from kernels.mhc.reference import _check_param, _check_stream
 from kernels.quant.tiles import (
-    HAND_SYNC_PASS_CONFIGS,
     PASS_CONFIGS,
     aligned,
     check_cuda,
@@ -31,7 +30,7 @@ from kernels.quant.tiles import (
     tl_dtype,
     vector_width,
 )
-from kernels.rows import WARP, row_geometry, row_reduction, vector_cp_async
+from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
@@ -68,35 +67,32 @@ __device__ __forceinline__ void ep_hinted_store(void* dst, const void* src) {{
 """
 
 
-@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # staged streams are thread-private
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
-                         staged: bool = False, hints: tuple[str, str] | None = None):
+                         hints: tuple[str, str] | None = None):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
-    output vectors a thread, all their loads issued first, into registers or ``staged`` in shared
-    memory by ``cp.async`` (sweeps); ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and
+    output vectors a thread, all their loads issued first (sweeps; the streams staged in shared
+    memory by ``cp.async`` were no faster, session 27); ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and
     stores of ``y`` (default: ``STREAMING_HINTS`` where a stream's row is a power of two of bytes,
     see the module doc; none otherwise)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     row_bytes = d * T.dtype(dtype).bytes
-    if hints is None and vec * T.dtype(dtype).bytes == 16 and row_bytes & (row_bytes - 1) == 0 and not staged:
+    if hints is None and vec * T.dtype(dtype).bytes == 16 and row_bytes & (row_bytes - 1) == 0:
         hints = STREAMING_HINTS
     tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
     tiles_v = T.ceildiv(nv, tile_v * per_thread)
-    fetch_x = vector_cp_async(vec, T.dtype(dtype).bytes)
     # one vector's loads and its sum in one guarded block where a thread has one (nvcc keeps 32
     # registers at D = 7168 there, 48 when they are split)
-    together = per_thread == 1 and not staged
+    together = per_thread == 1
     hinted = hints is not None
 
     @T.macro
-    def load(x_TND, x_local, stage, row, p, c, tid):
+    def load(x_TND, x_local, row, p, c):
         for i in T.unroll(n):
-            if staged:
-                fetch_x(stage[p * n + i, tid * vec], x_TND[row, i, c * vec])
-            elif hinted:
+            if hinted:
                 T.call_extern("handle", "ep_hinted_load", T.address_of(x_local[(p * n + i) * vec]),
                               T.address_of(x_TND[row, i, c * vec]))
             else:
@@ -104,13 +100,13 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
                     x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
 
     @T.macro
-    def combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid):
+    def combine(pre_TN, y_TD, x_local, acc, row, p, c):
         for j in T.serial(vec):
-            x = stage[p * n, tid * vec + j] if staged else x_local[p * n * vec + j]
+            x = x_local[p * n * vec + j]
             acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x, T.float32))
         for i in T.unroll(1, n):
             for j in T.serial(vec):
-                x = stage[p * n + i, tid * vec + j] if staged else x_local[(p * n + i) * vec + j]
+                x = x_local[(p * n + i) * vec + j]
                 acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x, T.float32)))
         if hinted:
             y_local = T.alloc_local((vec,), dtype)
@@ -132,25 +128,21 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
                 T.import_source(_hinted_moves(*hints))
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
-            x_local = T.alloc_local((1,) if staged else (per_thread * n * vec,), dtype)
-            stage = T.alloc_shared((per_thread * n, threads * vec) if staged else (1, 1), dtype)
+            x_local = T.alloc_local((per_thread * n * vec,), dtype)
             acc = T.alloc_local((vec,), T.float32)
             token = bm * tile_m + tid // tile_v
             row = T.Cast(T.int64, token)
             for p in T.unroll(per_thread):  # all loads issue before the first use
                 c = (bn * per_thread + p) * tile_v + tid % tile_v
                 if token < num_tokens and c < nv:
-                    load(x_TND, x_local, stage, row, p, c, tid)
+                    load(x_TND, x_local, row, p, c)
                     if together:
-                        combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
-            if staged:
-                T.ptx_commit_group()
-                T.ptx_wait_group(0)
+                        combine(pre_TN, y_TD, x_local, acc, row, p, c)
             if not together:
                 for p in T.unroll(per_thread):
                     c = (bn * per_thread + p) * tile_v + tid % tile_v
                     if token < num_tokens and c < nv:
-                        combine(pre_TN, y_TD, x_local, stage, acc, row, p, c, tid)
+                        combine(pre_TN, y_TD, x_local, acc, row, p, c)
 
     return pre_apply_kernel
 
