@@ -73,15 +73,18 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
     (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
     output vectors a thread, all their loads issued first (sweeps; the streams staged in shared
-    memory by ``cp.async`` were no faster, session 27); ``hints``: PTX qualifiers of the 16-byte loads of ``x`` and
-    stores of ``y`` (default: ``STREAMING_HINTS`` where a stream's row is a power of two of bytes,
-    see the module doc; none otherwise)."""
+    memory by ``cp.async`` were no faster, session 27); ``hints``: PTX qualifiers of the 16-byte
+    loads of ``x`` and stores of ``y`` (default: ``STREAMING_HINTS`` where a stream's row is a power
+    of two of bytes, see the module doc; none otherwise)."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     row_bytes = d * T.dtype(dtype).bytes
-    if hints is None and vec * T.dtype(dtype).bytes == 16 and row_bytes & (row_bytes - 1) == 0:
+    whole_vectors = vec * T.dtype(dtype).bytes == 16
+    if hints is None and whole_vectors and row_bytes & (row_bytes - 1) == 0:
         hints = STREAMING_HINTS
+    if hints is not None and not whole_vectors:
+        raise ValueError(f"hints: the qualified moves are 16-byte vectors; D = {d} of {dtype} gives {vec} elements")
     tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
     tiles_v = T.ceildiv(nv, tile_v * per_thread)
     # one vector's loads and its sum in one guarded block where a thread has one (nvcc keeps 32
