@@ -46,9 +46,9 @@ SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
 # shipped: 256 threads, 1 vector. Earlier tiles (kernels/mhc/NOTES.md): session 27, paired, (128, 1) /
 # (64, 2) / (128, 2) / (256, 2) 105.44 / 105.44 / 105.38 / 105.39 and 186.04 / 186.05 / 185.81 / 186.63
 # us against tile-kernels' 105.16 / 185.76; session 28, the shipped CTA held to 3-7 an SM, all slower.
-# Session 29 (paired, GPU time,
-# kernels/mhc/NOTES.md): loads past L1 won where a row is a power of two of bytes (shipped there),
-# lost 0.1-1.2% at D = 5120-7168; `.cs` stores tied. The last two below are what D = 7168 has left
+# Session 29 (paired, GPU time, kernels/mhc/NOTES.md): loads past L1 won where a row is a power of
+# two of bytes (shipped there), lost 0.1-1.2% at D = 5120-7168; `.cs` stores tied. The first entry is
+# the inline-PTX path without qualifiers (a control for it); the last two are what D = 7168 has left
 PRE_APPLY_HINTS = [(256, 1, "", ""), (256, 1, STREAMING_HINTS[0], ""), (256, 1, "", ".cs"), (128, 2, "", ".cs"),
                    (128, 2, "", "")]
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)

@@ -74,8 +74,9 @@ SMALL_GRID_SHARE = 0.3
 # by the link either way.
 PUT_THREADS = 1024
 # FP8 rows home halve the link's bytes, so the expert rows' reads set the pace: CTAs of at most 256
-# threads (224 at hidden 7168) staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with the barrier against 1024
-# threads' 148.4 in registers (152.5 staged), two H100s, 4096 tokens per rank (session 28)
+# threads (224 at hidden 7168) staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with
+# the barrier against 1024 threads' 148.4 in registers (152.5 staged), two H100s, 4096 tokens per
+# rank (session 28)
 FP8_PUT_THREADS = 256
 
 
