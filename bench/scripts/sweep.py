@@ -17,7 +17,7 @@ import json
 import torch
 
 from ep_runtime.bench import kernels as bench
-from kernels.mhc.pre_apply_kernel import STREAMING_HINTS
+from kernels.mhc.pre_apply_kernel import LOAD_PAST_L1
 
 # (tile_m, tile_n, threads[, vec]), the variants measured last (kernels/quant/NOTES.md has every
 # sweep): vec 16 gives each thread 32 bytes of bf16 in and one 16-byte e4m3 store out (8: 16 in, 8
@@ -42,15 +42,12 @@ BACK_TILES = [(16, 1024, 128), (8, 1024, 128)]
 # 2.24), then 2.14 with the amax by one redux.sync a warp; session 26, paired: one CTA a 2048-wide row,
 # (1, 2048, 512, 4), 2.11 against 2.16-2.18 (now shipped there), (1, 2048, 1024, 2) 2.25
 SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
-# pre-apply's (threads, output vectors a thread, load, store PTX qualifiers of its 16-byte moves);
-# shipped: 256 threads, 1 vector. Earlier tiles (kernels/mhc/NOTES.md): session 27, paired, (128, 1) /
-# (64, 2) / (128, 2) / (256, 2) 105.44 / 105.44 / 105.38 / 105.39 and 186.04 / 186.05 / 185.81 / 186.63
-# us against tile-kernels' 105.16 / 185.76; session 28, the shipped CTA held to 3-7 an SM, all slower.
-# Session 29 (paired, GPU time, kernels/mhc/NOTES.md): loads past L1 won where a row is a power of
-# two of bytes (shipped there), lost 0.1-1.2% at D = 5120-7168; `.cs` stores tied. The first entry is
-# the inline-PTX path without qualifiers (a control for it); the last two are what D = 7168 has left
-PRE_APPLY_HINTS = [(256, 1, "", ""), (256, 1, STREAMING_HINTS[0], ""), (256, 1, "", ".cs"), (128, 2, "", ".cs"),
-                   (128, 2, "", "")]
+# pre-apply's (threads, load, store PTX qualifiers of its 16-byte moves); shipped: 128 threads, loads
+# past L1 where a stream's row is a power of two of bytes, streaming stores, both staged in shared
+# memory. Earlier (kernels/mhc/NOTES.md): sessions 27-28 tiles and CTAs an SM, none faster; session 29
+# loads past L1 (won at power-of-two rows only); session 30 the staging with `.cs` stores (won at D =
+# 7168, 185.65 against tile-kernels' 185.76 us). Here: no qualifiers, 256 threads, loads past L1 everywhere
+PRE_APPLY_HINTS = [(128, "", ""), (256, "", ".cs"), (128, LOAD_PAST_L1, ".cs")]
 TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
 # its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
 # 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
@@ -249,8 +246,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
             kernel(x, pre, y)
             return y
 
-        return {f"threads={k} per_thread={v} ld{ld or '.'} st{st or '.'}": functools.partial(
-            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, v, hints=(ld, st))) for k, v, ld, st in PRE_APPLY_HINTS}
+        return {f"threads={k} ld{ld or '.'} st{st or '.'}": functools.partial(
+            pre_apply, get_pre_apply_kernel(n, d, "bfloat16", k, hints=(ld, st))) for k, ld, st in PRE_APPLY_HINTS}
     if op == "batched_transpose":
         from kernels.transpose.batched_transpose_kernel import get_batched_transpose_kernel
 

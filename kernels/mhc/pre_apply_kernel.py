@@ -1,14 +1,19 @@
 """TileLang kernel of :func:`kernels.mhc.reference.pre_apply`: ``y_TD = sum_i pre_TN[:, i] * x_TND[:, i, :]``.
 
-Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of ``FORWARD_THREADS`` threads
+Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of ``THREADS`` threads
 covers ``tile_m`` tokens x ``tile_v`` vectors of ``vec`` elements (16 bytes of ``x``'s dtype, fewer
-when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams
-(``ld.global.v4``), accumulates in float32 and stores one vector of ``y`` (``st.global.v4``).
-Where a stream's row is a power of two of bytes (D = 4096 bf16: the N loads of a thread and the
-rows of neighbouring tokens fall in the same L1 sets), ``x`` is loaded past L1
-(``ld.global.nc.L1::no_allocate``): on an H100 104.0 against 105.5 us at D = 4096 and 47.9 against
-52.5 at 2048 (tile-kernels 105.3 / 52.0); at 5120-7168 the same loads were 0.1-1.2% slower, so
-they keep L1 (paired rounds by GPU time, ``kernels/mhc/NOTES.md``, session 29).
+when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams, accumulates
+in float32 and stores one vector of ``y``. Three things measured on an H100 against tile-kernels
+(paired rounds by GPU time, ``kernels/mhc/NOTES.md``, sessions 29-30), at T = 8192, N = 4 bfloat16:
+
+- the loads and the output pass through shared memory, each thread's own slots (no thread reads
+  another's), and the output is stored streaming (``st.global.cs``, evict-first): 185.65 against
+  tile-kernels' 185.76 us at D = 7168, where the same kernel in registers took 186.0 and either
+  change alone 185.8-185.9 (tile-kernels' own kernel stages through shared memory too);
+- where a stream's row is a power of two of bytes (D = 4096 bf16: the N loads of a thread and the
+  rows of neighbouring tokens fall in the same L1 sets), ``x`` is loaded past L1
+  (``ld.global.nc.L1::no_allocate``): 103.1 against 105.1 us at D = 4096; at 5120-7168 the same
+  loads were 0.1-1.2% slower, so they keep L1.
 
 The float32 math is separate IEEE multiplies and adds (``T.ieee_mul``/``T.ieee_add``, so nvcc cannot
 contract them into FMAs), summed over the streams in order ``i = 0 .. N-1``, as the reference's
@@ -34,10 +39,8 @@ from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 
 THREADS = 128  # one vector of the output per thread
-# The forward's CTA (two tiles' worth): 108.8 -> 108.2 us at T 8192, N 4, D 4096 and 189.5 -> 189.0
-# at D 7168 on an H100, tile-kernels 108.1 / 188.9 (bench/results/h100/2026-11-25-s8/sweep-7*)
-FORWARD_THREADS = 256
-STREAMING_HINTS = (".nc.L1::no_allocate", "")  # x past L1 where a stream's row is a power of two of bytes
+LOAD_PAST_L1 = ".nc.L1::no_allocate"  # x's loads where a stream's row is a power of two of bytes
+STREAMING_STORE = ".cs"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # streams; float64 stays with the reference
 
 
@@ -68,57 +71,25 @@ __device__ __forceinline__ void ep_hinted_store(void* dst, const void* src) {{
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THREADS, per_thread: int = 1,
-                         hints: tuple[str, str] | None = None):
+def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hints: tuple[str, str] | None = None):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
-    (``pre_TN`` float32; the token count is dynamic); ``threads`` per CTA and ``per_thread``
-    output vectors a thread, all their loads issued first (sweeps; the streams staged in shared
-    memory by ``cp.async`` were no faster, session 27); ``hints``: PTX qualifiers of the 16-byte
-    loads of ``x`` and stores of ``y`` (default: ``STREAMING_HINTS`` where a stream's row is a power
-    of two of bytes, see the module doc; none otherwise)."""
+    (``pre_TN`` float32; the token count is dynamic), ``threads`` per CTA; ``hints``: PTX qualifiers
+    of the 16-byte loads of ``x`` and stores of ``y`` (for sweeps; default: ``LOAD_PAST_L1`` where a
+    stream's row is a power of two of bytes, none otherwise, and ``STREAMING_STORE``, see the module
+    doc); plain moves where ``D`` gives vectors narrower than 16 bytes."""
     num_tokens = T.dynamic("num_tokens")
     vec = vector_width(d, T.dtype(dtype).bytes)
     nv = d // vec
     row_bytes = d * T.dtype(dtype).bytes
     whole_vectors = vec * T.dtype(dtype).bytes == 16
-    if hints is None and whole_vectors and row_bytes & (row_bytes - 1) == 0:
-        hints = STREAMING_HINTS
+    if hints is None and whole_vectors:
+        hints = (LOAD_PAST_L1 if row_bytes & (row_bytes - 1) == 0 else "", STREAMING_STORE)
     if hints is not None and not whole_vectors:
         raise ValueError(f"hints: the qualified moves are 16-byte vectors; D = {d} of {dtype} gives {vec} elements")
-    tile_m, tile_v = row_tile(-(-nv // per_thread), threads)
-    tiles_v = T.ceildiv(nv, tile_v * per_thread)
-    # one vector's loads and its sum in one guarded block where a thread has one (nvcc keeps 32
-    # registers at D = 7168 there, 48 when they are split)
-    together = per_thread == 1
-    hinted = hints is not None
-
-    @T.macro
-    def load(x_TND, x_local, row, p, c):
-        for i in T.unroll(n):
-            if hinted:
-                T.call_extern("handle", "ep_hinted_load", T.address_of(x_local[(p * n + i) * vec]),
-                              T.address_of(x_TND[row, i, c * vec]))
-            else:
-                for j in T.vectorized(vec):
-                    x_local[(p * n + i) * vec + j] = x_TND[row, i, c * vec + j]
-
-    @T.macro
-    def combine(pre_TN, y_TD, x_local, acc, row, p, c):
-        for j in T.serial(vec):
-            x = x_local[p * n * vec + j]
-            acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x, T.float32))
-        for i in T.unroll(1, n):
-            for j in T.serial(vec):
-                x = x_local[(p * n + i) * vec + j]
-                acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x, T.float32)))
-        if hinted:
-            y_local = T.alloc_local((vec,), dtype)
-            for j in T.vectorized(vec):
-                y_local[j] = T.cast(acc[j], dtype)
-            T.call_extern("handle", "ep_hinted_store", T.address_of(y_TD[row, c * vec]), T.address_of(y_local[0]))
-        else:
-            for j in T.vectorized(vec):
-                y_TD[row, c * vec + j] = T.cast(acc[j], dtype)
+    load_hint, store_hint = hints or ("", "")
+    hinted_load, hinted_store = load_hint != "", store_hint != ""
+    tile_m, tile_v = row_tile(nv, threads)
+    tiles_v = T.ceildiv(nv, tile_v)
 
     @T.prim_func
     def pre_apply_kernel(
@@ -127,25 +98,47 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = FORWARD_THRE
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
-            if hinted:
-                T.import_source(_hinted_moves(*hints))
+            if hinted_load or hinted_store:
+                T.import_source(_hinted_moves(load_hint, store_hint))
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
-            x_local = T.alloc_local((per_thread * n * vec,), dtype)
+            x_shared = T.alloc_shared((n, threads * vec), dtype)  # a thread's own slots only
+            y_shared = T.alloc_shared((threads * vec,), dtype)
+            x_local = T.alloc_local((n * vec,), dtype)
             acc = T.alloc_local((vec,), T.float32)
+            y_local = T.alloc_local((vec,), dtype)
             token = bm * tile_m + tid // tile_v
+            c = bn * tile_v + tid % tile_v
             row = T.Cast(T.int64, token)
-            for p in T.unroll(per_thread):  # all loads issue before the first use
-                c = (bn * per_thread + p) * tile_v + tid % tile_v
-                if token < num_tokens and c < nv:
-                    load(x_TND, x_local, row, p, c)
-                    if together:
-                        combine(pre_TN, y_TD, x_local, acc, row, p, c)
-            if not together:
-                for p in T.unroll(per_thread):
-                    c = (bn * per_thread + p) * tile_v + tid % tile_v
-                    if token < num_tokens and c < nv:
-                        combine(pre_TN, y_TD, x_local, acc, row, p, c)
+            if token < num_tokens and c < nv:
+                for i in T.unroll(n):
+                    if hinted_load:
+                        T.call_extern("handle", "ep_hinted_load", T.address_of(x_shared[i, tid * vec]),
+                                      T.address_of(x_TND[row, i, c * vec]))
+                    else:
+                        for j in T.vectorized(vec):
+                            x_shared[i, tid * vec + j] = x_TND[row, i, c * vec + j]
+                for i in T.unroll(n):
+                    for j in T.vectorized(vec):
+                        x_local[i * vec + j] = x_shared[i, tid * vec + j]
+                for j in T.serial(vec):
+                    acc[j] = T.ieee_mul(pre_TN[row, 0], T.cast(x_local[j], T.float32))
+                for i in T.unroll(1, n):
+                    for j in T.serial(vec):
+                        acc[j] = T.ieee_add(acc[j], T.ieee_mul(pre_TN[row, i], T.cast(x_local[i * vec + j], T.float32)))
+                for j in T.vectorized(vec):
+                    y_local[j] = T.cast(acc[j], dtype)
+                for j in T.vectorized(vec):
+                    y_shared[tid * vec + j] = y_local[j]
+            T.sync_threads()
+            if token < num_tokens and c < nv:
+                for j in T.vectorized(vec):
+                    y_local[j] = y_shared[tid * vec + j]
+                if hinted_store:
+                    T.call_extern("handle", "ep_hinted_store", T.address_of(y_TD[row, c * vec]), T.address_of(y_local[0]))
+                else:
+                    for j in T.vectorized(vec):
+                        y_TD[row, c * vec + j] = y_local[j]
 
     return pre_apply_kernel
 

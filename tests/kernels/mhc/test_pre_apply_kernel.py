@@ -116,13 +116,18 @@ def test_public_op_on_cpu_is_the_reference():
 
 def test_compiles_for_sm90a():
     """DeepSeek-V4 widths (D = 4096, 7168; N = 4) and the tiny model's D = 64, in bfloat16: 16-byte
-    vector loads and stores, IEEE multiplies and adds (no FMA contraction); loads past L1 where a
-    stream's row is a power of two of bytes (4096 and 64), through it otherwise (7168)."""
+    vector loads and streaming stores, IEEE multiplies and adds (no FMA contraction), staged in shared
+    memory; loads past L1 where a stream's row is a power of two of bytes (4096 and 64), through it
+    otherwise (7168). D = 100 in float16 (8-byte vectors) takes plain moves."""
     with lowering.compile_only():
         for d, past_l1 in ((4096, True), (7168, False), (64, True)):
             source = lowering.kernel_source(get_pre_apply_kernel(4, d, "bfloat16"))
-            assert "uint4" in source and "__fadd_rn" in source and "fma" not in source, d
-            assert ("L1::no_allocate" in source) == past_l1, d
+            assert "__fadd_rn" in source and "fma" not in source and "buf_dyn_shmem" in source, d
+            assert "st.global.cs.v4" in source, d
+            assert ("ld.global.nc.L1::no_allocate.v4" in source) == past_l1, d
+            assert ("= *(uint4*)(x_TND" in source) == (not past_l1), d
+        source = lowering.kernel_source(get_pre_apply_kernel(4, 100, "float16"))
+        assert "st.global" not in source and "uint2" in source
         for n, d, dtype in [(4, 4096, "bfloat16"), (4, 7168, "bfloat16"), (4, 64, "bfloat16"), (1, 100, "float32")]:
             source = lowering.kernel_source(get_pre_apply_backward_kernel(n, d, dtype, dtype))
             assert "warp_reduce_sum" in source and "__fmul_rn" in source and "fma" not in source, (n, d)
