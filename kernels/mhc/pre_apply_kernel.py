@@ -3,7 +3,7 @@
 Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of ``THREADS`` threads
 covers ``tile_m`` tokens x ``tile_v`` vectors of ``vec`` elements (16 bytes of ``x``'s dtype, fewer
 when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams, accumulates
-in float32 and stores one vector of ``y``. Three things measured on an H100 against tile-kernels
+in float32 and stores one vector of ``y``. Two choices, measured on an H100 against tile-kernels
 (paired rounds by GPU time, ``kernels/mhc/NOTES.md``, sessions 29-30), at T = 8192, N = 4 bfloat16:
 
 - the loads and the output pass through shared memory, each thread's own slots (no thread reads
