@@ -39,9 +39,10 @@ def get_register_smem(rows: int, cols: int, threads: int = 64, smem: int = 0, dt
 
 
 VARIANTS = {
-    "register smem 0 (control)": dict(),
-    "register smem 2 KB": dict(smem=2048),
-    "register smem 16 KB": dict(smem=16384),
-    "register 256 threads": dict(threads=256),
+    "register 128 threads": dict(threads=128),
     "register 128 threads smem 2 KB": dict(threads=128, smem=2048),
+    "register 128 threads smem 8 KB": dict(threads=128, smem=8192),
+    "register 128 threads smem 32 KB": dict(threads=128, smem=32768),
+    "register 256 threads smem 2 KB": dict(threads=256, smem=2048),
+    "register 64 threads smem 32 KB": dict(smem=32768),
 }
