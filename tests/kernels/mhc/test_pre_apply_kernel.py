@@ -52,6 +52,16 @@ def test_matches_reference(t, d, n, dtype, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_widest_stream_count(dtype, seed):
+    """32 streams, the most the kernel takes: its shared-memory staging is then 64 KB a CTA, past
+    the 48 KB a launch gets without asking."""
+    x_TND, pre_TN = pre_apply_inputs(130, 32, 4096, dtype=dtype, device="cuda", seed=seed)
+    poison_allocator("cuda")
+    assert_close_to_reference(pre_apply(x_TND, pre_TN), x_TND, pre_TN)
+
+
+@pytest.mark.gpu
 def test_strided_input_is_copied(seed):
     x_TND, pre_TN = pre_apply_inputs(130, 4, 7168 + 8, dtype=torch.bfloat16, device="cuda", seed=seed)
     x_TND = x_TND[:, :, 8:]  # not contiguous, not 16-byte aligned rows
