@@ -48,10 +48,11 @@ SWIGLU_TILES = [(1, 1024, 256, 4), (1, 2048, 1024, 2)]
 # loads past L1 (won at power-of-two rows only); session 30 the staging with `.cs` stores (won at D =
 # 7168, 185.65 against tile-kernels' 185.76 us). Here: no qualifiers, 256 threads, loads past L1 everywhere
 PRE_APPLY_HINTS = [(128, "", ""), (256, "", ".cs"), (128, LOAD_PAST_L1, ".cs")]
-TRANSPOSE_THREADS = [32, 128]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 64)
-# its (bm, bn) elements a thread; session 25: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21 (now shipped), (4, 8)
-# 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14)
-TRANSPOSE_BLOCKS = [(8, 8), (8, 1), (4, 2)]
+TRANSPOSE_THREADS = [64, 256]  # the register transpose's CTA at [8, 16, 7168] bf16 (shipped: 128)
+# its (bm, bn) elements a thread; session 25 with plain loads: (8, 8) 2.27, (8, 4) 2.27, (8, 2) 2.21, (4, 8)
+# 2.34, (16, 2) 3.04 us of GPU time (torch.compile 2.14); session 31 with the L2 policy: (8, 8) 2.05 (now
+# shipped), (8, 2) 2.11-2.13, (4, 2) 2.14, (8, 1) 2.53 (torch.compile 2.18)
+TRANSPOSE_BLOCKS = [(8, 2), (8, 4), (4, 8)]
 ROUTER_COUNT_CTAS_PER_SM = [4, None]  # None: one token a warp
 EXPAND_CAST_TILES = [(1, 1024, 64, 16), (1, 2048, 256, 8), (1, 7168, 896, 8)]
 # session 21: norm_fn on the tensor cores (bfloat16 streams); the CUDA-core kernels for comparison
@@ -261,6 +262,8 @@ def variants(op: str, inp, case) -> dict[str, object]:
 
         found = {f"threads={k}": functools.partial(transpose, get_batched_transpose_kernel(x.shape[1], x.shape[2], "uint16", k))
                  for k in TRANSPOSE_THREADS}
+        found["plain loads"] = functools.partial(transpose, get_batched_transpose_kernel(
+            x.shape[1], x.shape[2], "uint16", keep_in_l2=False))
         return found | {f"block={b}": functools.partial(transpose, get_batched_transpose_kernel(
             x.shape[1], x.shape[2], "uint16", register_block=b)) for b in TRANSPOSE_BLOCKS}
     if op == "expand_per_token_cast":

@@ -3,10 +3,14 @@
 Elements are moved as raw bits (an unsigned integer of the element's width, so float8 and every
 other dtype share one kernel per width). Matrices whose output rows are at most 32 bytes (a small
 batch's ``[B, 16, 7168]`` bf16) are transposed in registers: each thread loads a block of ``bm``
-rows of ``bn`` elements (4 bytes) as ``bm`` vectors and stores it as ``bn`` output vectors of ``bm``, with
-no shared memory and no barrier, every load in flight at once (session 20: the shared-memory
-kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where torch.compile's Triton kernel spent 2.2,
-``bench/scripts/launch_gap.py``). Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
+rows of ``bn`` elements (16 bytes each way where the sizes allow) as ``bm`` vectors and stores it as
+``bn`` output vectors of ``bm``, with no shared memory and no barrier, every load in flight at once
+(session 20: the shared-memory kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where
+torch.compile's Triton kernel spent 2.2, ``bench/scripts/launch_gap.py``). The loads carry the
+Triton kernel's cache policy (``L1::evict_last`` and an L2 policy of ``evict_last``,
+:mod:`kernels.cache_hints`): with it the kernel took 2.05 us of GPU time there against
+torch.compile's 2.18, and 2.21-2.24 with plain loads (session 31, ``kernels/quant/NOTES.md``).
+Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
 in shared memory (128 x 128 for 1- and 2-byte elements, 64 x 64 otherwise; fewer rows when the matrix
 has fewer, down to 8), read from ``x`` with row-contiguous
 vectors; each thread then gathers a column run of up to 16 bytes from shared memory into registers and
@@ -21,40 +25,43 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.cache_hints import hinted_load
 from kernels.quant.tiles import PASS_CONFIGS, check_cuda, vector_layout, vector_width
 from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 MAX_THREADS = 256
 REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
-REGISTER_THREADS = 64  # the register kernel's CTA
-# the register kernel's loads: 4 bytes of a row, not 16 (four times the threads, each a shorter chain):
-# 2.21 against 2.27 us of GPU time at [8, 16, 7168] bf16 on an H100, torch.compile 2.14 (session 25)
-REGISTER_LOAD_BYTES = 4
+# the register kernel's CTA (session 31, [8, 16, 7168] bf16 on an H100, 4-byte loads: 128 threads
+# 2.11-2.13 us, 64 threads 2.16; with plain loads 128 threads 2.18-2.21 against 64's 2.24, sessions 25-31)
+REGISTER_THREADS = 128
+REGISTER_LOAD_HINT = ".L1::evict_last"  # with an L2 policy of evict_last (kernels.cache_hints)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_batched_transpose_kernel(rows: int, cols: int, bits_dtype: str, register_threads: int = REGISTER_THREADS,
-                                 register_block: tuple[int, int] | None = None):
+                                 register_block: tuple[int, int] | None = None, keep_in_l2: bool = True):
     """``(x_BMN, out_BNM)`` kernel for ``[*, rows, cols]`` elements of ``bits_dtype`` (uint8..uint64);
-    ``register_threads`` the register kernel's CTA and ``register_block`` its ``(bm, bn)`` (for
-    tuning sweeps; each must divide ``rows`` and ``cols``; default a whole output vector of ``bm``
-    and loads of ``REGISTER_LOAD_BYTES``)."""
+    ``register_threads`` the register kernel's CTA, ``register_block`` its ``(bm, bn)`` and
+    ``keep_in_l2`` its loads' cache policy (for tuning sweeps; ``bm`` and ``bn`` must divide
+    ``rows`` and ``cols``; default a vector of up to 16 bytes each way; False: plain loads)."""
     if rows * T.dtype(bits_dtype).bytes <= REGISTER_ROW_BYTES:
-        return _register_blocks(rows, cols, bits_dtype, register_threads, register_block)
+        return _register_blocks(rows, cols, bits_dtype, register_threads, register_block, keep_in_l2)
     return _shared_tiles(rows, cols, bits_dtype)
 
 
-def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block: tuple[int, int] | None):
+def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block: tuple[int, int] | None,
+                     keep_in_l2: bool):
     """Each thread a ``[bm, bn]`` block: ``bm`` input vectors in, ``bn`` output vectors out. The
     blocks of one column band go to adjacent threads, so a store instruction writes whole output
     rows and a load instruction runs along the input rows."""
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
-    # powers of two dividing rows and cols
-    bm, bn = block or (vector_width(rows, elem_bytes), min(vector_width(cols, elem_bytes),
-                                                           max(1, REGISTER_LOAD_BYTES // elem_bytes)))
+    # powers of two dividing rows and cols. 16-byte loads: 2.05 us against 4-byte ones' 2.11-2.13 with the cache policy (the other way round
+    # with plain loads, 2.27 against 2.21 in session 25; [8, 16, 7168] bf16, H100, session 31)
+    bm, bn = block or (vector_width(rows, elem_bytes), vector_width(cols, elem_bytes))
     blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
+    load_name, load_source = hinted_load(bn * elem_bytes, REGISTER_LOAD_HINT, keep_in_l2=True)
 
     @T.prim_func
     def batched_transpose(
@@ -62,14 +69,19 @@ def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block:
         out_BNM: T.Tensor[(batch, cols, rows), bits_dtype],
     ):
         with T.Kernel(T.ceildiv(blocks, threads), batch, threads=threads) as (pb, b):
+            if keep_in_l2:
+                T.import_source(load_source)
             block_MN = T.alloc_local((bm, bn), bits_dtype)
             column = T.alloc_local((bm,), bits_dtype)
             blk = pb * threads + T.get_thread_binding()
             m0, n0 = blk % blocks_m * bm, blk // blocks_m * bn
             if blk < blocks:
                 for i in T.unroll(bm):
-                    for k in T.vectorized(bn):
-                        block_MN[i, k] = x_BMN[b, m0 + i, n0 + k]
+                    if keep_in_l2:
+                        T.call_extern("handle", load_name, T.address_of(block_MN[i, 0]), T.address_of(x_BMN[b, m0 + i, n0]))
+                    else:
+                        for k in T.vectorized(bn):
+                            block_MN[i, k] = x_BMN[b, m0 + i, n0 + k]
                 for j in T.unroll(bn):
                     for i in T.unroll(bm):
                         column[i] = block_MN[i, j]

@@ -1,0 +1,46 @@
+"""Global loads with PTX cache qualifiers, as device functions for a TileLang kernel
+(``T.import_source`` of the source, ``T.call_extern`` of the name): TileLang emits plain moves.
+
+``keep_in_l2`` gives the load an L2 eviction policy of ``evict_last`` (``createpolicy``; the policy
+is a constant, so nvcc folds it into the load's descriptor), as torch.compile's Triton kernels load
+tiles they transpose. On an H100 that alone took the few-row transpose from 2.24 to 2.11 us of GPU
+time, L2 flushed before each call (session 31, ``kernels/quant/NOTES.md``).
+"""
+
+# bytes -> (PTX type, register type, asm constraint, stored type)
+_TYPES = {
+    1: ("u8", "unsigned", "r", "unsigned char"),
+    2: ("u16", "unsigned short", "h", "unsigned short"),
+    4: ("u32", "unsigned", "r", "unsigned"),
+    8: ("u64", "unsigned long long", "l", "unsigned long long"),
+    16: ("v4.u32", "uint4", "r", "uint4"),
+}
+
+
+def hinted_load(nbytes: int, qualifiers: str = "", keep_in_l2: bool = False) -> tuple[str, str]:
+    """``(name, source)`` of ``void name(void* dst, const void* src)`` loading ``nbytes`` (1, 2, 4, 8
+    or 16) from global ``src`` by ``ld.global<qualifiers>`` into ``dst`` (a local or shared address,
+    aligned to ``nbytes``)."""
+    if nbytes not in _TYPES:
+        raise ValueError(f"nbytes: expected 1, 2, 4, 8 or 16, got {nbytes}")
+    ptx, reg, constraint, stored = _TYPES[nbytes]
+    # asm operands: the value's registers (four for 16 bytes), then the address and the policy
+    outputs = ", ".join(f'"=r"(v.{f})' for f in "xyzw") if nbytes == 16 else f'"={constraint}"(v)'
+    n_out = 4 if nbytes == 16 else 1
+    value = "{" + ", ".join(f"%{i}" for i in range(n_out)) + "}" if n_out > 1 else "%0"
+    address, policy = f"%{n_out}", f"%{n_out + 1}"
+    name = f"ep_load{nbytes}" + "".join(ch if ch.isalnum() else "_" for ch in qualifiers) + ("_keep_l2" if keep_in_l2 else "")
+    if keep_in_l2:
+        body = f"""  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("ld.global{qualifiers}.L2::cache_hint.{ptx} {value}, [{address}], {policy};" : {outputs} : "l"(src), "l"(policy));"""
+    else:
+        body = f"""  asm volatile("ld.global{qualifiers}.{ptx} {value}, [{address}];" : {outputs} : "l"(src));"""
+    source = f"""
+__device__ __forceinline__ void {name}(void* dst, const void* src) {{
+  {reg} v;
+{body}
+  *reinterpret_cast<{stored}*>(dst) = static_cast<{stored}>(v);
+}}
+"""
+    return name, source
