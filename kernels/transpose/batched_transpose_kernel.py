@@ -32,8 +32,8 @@ from kernels.validate import check_tensor
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 MAX_THREADS = 256
 REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
-# the register kernel's CTA (session 31, [8, 16, 7168] bf16 on an H100, 4-byte loads: 128 threads
-# 2.11-2.13 us, 64 threads 2.16; with plain loads 128 threads 2.18-2.21 against 64's 2.24, sessions 25-31)
+# the register kernel's CTA: 128 threads 2.02 us, 64 / 256 threads 2.11 / 2.21 at [8, 16, 7168] bf16 on an
+# H100 (session 31; with plain 4-byte loads 128 threads 2.18-2.21 against 64's 2.24, sessions 25-31)
 REGISTER_THREADS = 128
 REGISTER_LOAD_HINT = ".L1::evict_last"  # with an L2 policy of evict_last (kernels.cache_hints)
 

@@ -20,7 +20,8 @@ def random_tensor(shape, dtype, seed):
 DTYPES = [torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64]
 SHAPES = [(3, 33, 70), (0, 16, 8), (2, 0, 5), (1, 128, 1), (2, 130, 257), (1, 7168 + 64, 300), (4, 256, 512),
           (8, 16, 7168), (2, 5, 300), (3, 1, 64),  # few rows: narrower, wider tiles
-          (2, 24, 100), (5, 4, 36), (3, 32, 1000)]  # output rows of up to 32 bytes: register blocks
+          (2, 24, 100), (5, 4, 36), (3, 32, 1000),  # output rows of up to 32 bytes: register blocks
+          (2, 16, 301)]  # register blocks of one column: 1- and 2-byte loads
 
 
 @pytest.mark.gpu
@@ -57,12 +58,14 @@ def test_bad_input_names_the_argument():
 
 def test_compiles_for_sm90a():
     """One kernel per element width; at the hidden size and the tiny model's 64, and ragged; output
-    rows of up to 32 bytes in registers, longer ones through shared memory."""
+    rows of up to 32 bytes in registers (their loads of 1, 2, 4, 8 and 16 bytes each compiled),
+    longer ones through shared memory."""
     with lowering.compile_only():
         for spec, in_registers in [((7168, 2048, "uint8"), False), ((7168, 2048, "uint16"), False),
                                    ((64, 128, "uint32"), False), ((130, 257, "uint64"), False),
                                    ((16, 7168, "uint16"), True), ((16, 7168, "uint8"), True),
                                    ((24, 100, "uint8"), True), ((5, 300, "uint8"), True), ((1, 64, "uint64"), True),
-                                   ((33, 70, "uint8"), False)]:
+                                   ((33, 70, "uint8"), False), ((16, 301, "uint8"), True), ((16, 301, "uint16"), True),
+                                   ((8, 100, "uint32"), True)]:
             source = lowering.kernel_source(get_batched_transpose_kernel(*spec))
             assert "batched_transpose" in source and ("__shared__" not in source) == in_registers, spec

@@ -1,0 +1,20 @@
+"""The hinted-load source generator: names and PTX per width, and a clear error for a width it lacks."""
+
+import pytest
+
+from kernels.cache_hints import hinted_load
+
+
+@pytest.mark.parametrize("nbytes, ptx", [(1, "u8"), (2, "u16"), (4, "u32"), (8, "u64"), (16, "v4.u32")])
+def test_each_width_loads_its_type(nbytes, ptx):
+    name, source = hinted_load(nbytes, ".L1::evict_last", keep_in_l2=True)
+    assert f"void {name}(void* dst, const void* src)" in source
+    assert f"ld.global.L1::evict_last.L2::cache_hint.{ptx} " in source
+    assert "createpolicy.fractional.L2::evict_last" in source
+    plain_name, plain = hinted_load(nbytes)
+    assert plain_name != name and f"ld.global.{ptx} " in plain and "createpolicy" not in plain
+
+
+def test_bad_width_names_the_argument():
+    with pytest.raises(ValueError, match="^nbytes: expected 1, 2, 4, 8 or 16, got 3"):
+        hinted_load(3)
