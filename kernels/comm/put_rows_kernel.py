@@ -21,7 +21,7 @@ from tilelang import language as T
 
 from kernels.pdl import chained
 from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
-from kernels.quant.tiles import PEER_PASS_CONFIGS
+from kernels.quant.tiles import PEER_PASS_CONFIGS, tl_dtype
 
 from .reference import PeerRegion, check_put_rows_args
 
@@ -75,7 +75,7 @@ def get_put_rows_kernel(word: str, vec: int, tile_v: int, world: int):
 def get_kernel_args(row_bytes: int, world: int) -> tuple[str, int, int, int]:
     """``(word, vec, tile_v, world)``: the kernel's specialization for rows of ``row_bytes``."""
     word_bytes, vec, nv = row_words(row_bytes)
-    return str(T.dtype(WORD_DTYPES[word_bytes])), vec, tile_vectors(nv), world
+    return tl_dtype(WORD_DTYPES[word_bytes]), vec, tile_vectors(nv), world
 
 
 def peer_copy(region: PeerRegion, name: str = "region", *, dtype: torch.dtype | None = None,

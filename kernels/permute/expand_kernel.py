@@ -37,7 +37,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import row_major
+from kernels.quant.tiles import row_major, tl_dtype
 from kernels.validate import check_tensor
 
 from .reference import ExpertLayout
@@ -188,7 +188,7 @@ def _as_vectors(t: torch.Tensor, *, output: bool = False) -> torch.Tensor:
 def get_kernel_args(row_bytes: int) -> tuple[str, int, int]:
     """``(word, vec, tile_v)``: the specialization of both factories for rows of ``row_bytes``."""
     word_bytes, vec, nv = row_words(row_bytes)
-    return str(T.dtype(WORD_DTYPES[word_bytes])), vec, tile_vectors(nv)
+    return tl_dtype(WORD_DTYPES[word_bytes]), vec, tile_vectors(nv)
 
 
 def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

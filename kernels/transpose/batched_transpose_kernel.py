@@ -26,7 +26,7 @@ import torch
 from tilelang import language as T
 
 from kernels.cache_hints import hinted_load
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, vector_layout, vector_width
+from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_layout, vector_width
 from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
@@ -150,6 +150,6 @@ def batched_transpose(x_BMN: torch.Tensor) -> torch.Tensor:
     out = torch.empty((b, n, m), dtype=x_BMN.dtype, device=x_BMN.device)
     if out.numel():
         bits = BITS_DTYPES[x_BMN.element_size()]
-        kernel = get_batched_transpose_kernel(m, n, str(T.dtype(bits)))
+        kernel = get_batched_transpose_kernel(m, n, tl_dtype(bits))
         kernel(x_3d.contiguous().view(bits), out.view(bits))
     return out if x_BMN.dim() == 3 else out[0]
