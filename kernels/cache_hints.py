@@ -20,7 +20,11 @@ _TYPES = {
 def hinted_load(nbytes: int, qualifiers: str = "", keep_in_l2: bool = False) -> tuple[str, str]:
     """``(name, source)`` of ``void name(void* dst, const void* src)`` loading ``nbytes`` (1, 2, 4, 8
     or 16) from global ``src`` by ``ld.global<qualifiers>`` into ``dst`` (a local or shared address,
-    aligned to ``nbytes``)."""
+    aligned to ``nbytes``), of ``name_value(src)`` returning the value (an unsigned integer of
+    ``nbytes``; ``uint4`` for 16) and of ``name_at(base, index)`` returning element ``index`` of an
+    array of such values. Inside ``T.Parallel``, pass ``name_at`` a buffer's ``.data`` and a flat
+    index: TileLang may move a guarded ``BufferLoad`` into a local copy first, and then the
+    ``T.address_of`` of it is a local address (a ragged cast_back tile did, session 31)."""
     if nbytes not in _TYPES:
         raise ValueError(f"nbytes: expected 1, 2, 4, 8 or 16, got {nbytes}")
     ptx, reg, constraint, stored = _TYPES[nbytes]
@@ -37,10 +41,16 @@ def hinted_load(nbytes: int, qualifiers: str = "", keep_in_l2: bool = False) -> 
     else:
         body = f"""  asm volatile("ld.global{qualifiers}.{ptx} {value}, [{address}];" : {outputs} : "l"(src));"""
     source = f"""
-__device__ __forceinline__ void {name}(void* dst, const void* src) {{
+__device__ __forceinline__ {stored} {name}_value(const void* src) {{
   {reg} v;
 {body}
-  *reinterpret_cast<{stored}*>(dst) = static_cast<{stored}>(v);
+  return static_cast<{stored}>(v);
+}}
+__device__ __forceinline__ void {name}(void* dst, const void* src) {{
+  *reinterpret_cast<{stored}*>(dst) = {name}_value(src);
+}}
+__device__ __forceinline__ {stored} {name}_at(const void* base, long long index) {{
+  return {name}_value(static_cast<const {stored}*>(base) + index);
 }}
 """
     return name, source

@@ -2,7 +2,8 @@
 bench kernels`` run calls a tie: each round times ours, then every ``--variants`` variant of it
 (``bench/scripts/sweep.py``'s), then the peer (``bench kernels``' timer, median of its iterations),
 ``--rounds`` times in one process, after one check of each against the reference. The peer is
-tile-kernels where it has the op, else ``torch.compile`` of the reference. It reports every round's
+tile-kernels where it has the op, else (or with ``--peer torch_compile``) ``torch.compile`` of the
+reference. It reports every round's
 ratio (peer / ours: >= 1 means ours is not slower), their median and how many rounds each side won.
 The order turns by one each round (round r starts with contender r), so no contender always runs
 first or right after another: a fixed order would put the same bias into every round.
@@ -11,6 +12,7 @@ first or right after another: a fixed order would put the same bias into every r
     python3 bench/scripts/paired.py --ops per_block_cast,per_channel_cast --shapes large,small --out ...
     python3 bench/scripts/paired.py --ops batched_transpose --shapes small --variants --control --out ...
     python3 bench/scripts/paired.py --ops per_channel_cast --shapes small --variants --kernel-time --out ...
+    python3 bench/scripts/paired.py --ops cast_back,swiglu --shapes large --peer torch_compile --control --out ...
 """
 
 from __future__ import annotations
@@ -25,20 +27,22 @@ from ep_runtime.bench import kernels as bench
 from sweep import variants
 
 
-def _peer(case: bench.Case):
-    """``(name, thunk)``: tile-kernels' peer if the op has one, else ``torch.compile`` of the reference."""
+def _peer(case: bench.Case, prefer: str = "tile_kernels"):
+    """``(name, thunk)``: tile-kernels' peer if the op has one (and ``prefer`` says so), else
+    ``torch.compile`` of the reference."""
     for name, thunk in case.peers.items():
-        if name.startswith("tile_kernels"):
+        if prefer == "tile_kernels" and name.startswith("tile_kernels"):
             return name, thunk
     compiled = torch.compile(case.reference, dynamic=False)
     return "torch_compile", lambda: compiled(*case.args)
 
 
-def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dict, kernel_time: bool = False) -> dict:
-    """Ours, each of ``others`` ({label: thunk}, variants of ours) and the peer, timed in turn each round
-    (by the timer, or with ``kernel_time`` by the GPU time of the work each launches)."""
+def paired_rounds(case: bench.Case, timer: bench.Timer, rounds: int, others: dict, kernel_time: bool = False,
+                  prefer: str = "tile_kernels") -> dict:
+    """Ours, each of ``others`` ({label: thunk}, variants of ours) and the peer (:func:`_peer`), timed
+    in turn each round (by the timer, or with ``kernel_time`` by the GPU time of the work each launches)."""
     want = case.reference(*case.args)
-    peer_name, peer = _peer(case)
+    peer_name, peer = _peer(case, prefer)
     contenders = {"ours": case.ours, **others}
     checks = {label: bench.check(thunk(), want, case.exact, case.within) for label, thunk in contenders.items()}
     checks[peer_name] = bench.agreement(peer(), want)
@@ -67,6 +71,8 @@ def main() -> None:
                    help="also time ours a second time as its own contender: the spread of a true tie")
     p.add_argument("--kernel-time", action="store_true",
                    help="compare the kernels' own GPU time (CUPTI, bench kernels' --kernel-time) instead of the timer's")
+    p.add_argument("--peer", choices=["tile_kernels", "torch_compile"], default="tile_kernels",
+                   help="the peer: tile-kernels where it has the op (default), or torch.compile of the reference")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     device, seed, timer = bench.tuning_setup(a.iters)
@@ -78,7 +84,7 @@ def main() -> None:
             inp = inputs(bench.SHAPES[shape_name], device, seed)
             (case,) = bench.build_cases(inp, [op], with_peers=True)
             others = {**({"ours again": case.ours} if a.control else {}), **(variants(op, inp, case) if a.variants else {})}
-            r = paired_rounds(case, timer, a.rounds, others, a.kernel_time)
+            r = paired_rounds(case, timer, a.rounds, others, a.kernel_time, a.peer)
             peer_us = statistics.median(r["times_us"][r["peer"]])
             for label, c in r["by_contender"].items():
                 print(f"{shape_name:9s} {op:22s} {label:34s} median ratio {c['median_ratio']:.4f}  won {c['won']}/{a.rounds}  "
