@@ -3,8 +3,10 @@
 
 ``keep_in_l2`` gives the load an L2 eviction policy of ``evict_last`` (``createpolicy``; the policy
 is a constant, so nvcc folds it into the load's descriptor), as torch.compile's Triton kernels load
-tiles they transpose. On an H100 that alone took the few-row transpose from 2.24 to 2.11 us of GPU
-time, L2 flushed before each call (session 31, ``kernels/quant/NOTES.md``).
+a transpose's tiles and cast_back's scales. On an H100, with the L2 flushed before each call, that
+alone took the few-row transpose from 2.24 to 2.11 us of GPU time and cast_back's scales from 117.0
+to 116.0 us at 16384 x 7168, but slowed the small FP8 reduce's row gather (6.3 against 5.1 us):
+measure it per kernel (session 31, ``kernels/quant/NOTES.md``).
 """
 
 # bytes -> (PTX type, register type, asm constraint, stored type)

@@ -9,6 +9,7 @@ from kernels.cache_hints import hinted_load
 def test_each_width_loads_its_type(nbytes, ptx):
     name, source = hinted_load(nbytes, ".L1::evict_last", keep_in_l2=True)
     assert f"void {name}(void* dst, const void* src)" in source
+    assert f" {name}_value(const void* src)" in source and f" {name}_at(const void* base, long long index)" in source
     assert f"ld.global.L1::evict_last.L2::cache_hint.{ptx} " in source
     assert "createpolicy.fractional.L2::evict_last" in source
     plain_name, plain = hinted_load(nbytes)
