@@ -26,6 +26,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.cache_hints import hinted_load, hinted_store
 from kernels.mhc.reference import _check_param, _check_stream
 from kernels.quant.tiles import (
     PASS_CONFIGS,
@@ -52,24 +53,6 @@ def row_tile(nv: int, threads: int = THREADS) -> tuple[int, int]:
     return threads // tile_v, tile_v
 
 
-def _hinted_moves(load_hint: str, store_hint: str) -> str:
-    """Device functions moving 16 bytes with PTX cache qualifiers (``ld.global<load_hint>``,
-    ``st.global<store_hint>``)."""
-    return rf"""
-__device__ __forceinline__ void ep_hinted_load(void* dst, const void* src) {{
-  uint4 v;
-  asm("ld.global{load_hint}.v4.u32 {{%0, %1, %2, %3}}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
-  *reinterpret_cast<uint4*>(dst) = v;
-}}
-__device__ __forceinline__ void ep_hinted_store(void* dst, const void* src) {{
-  uint4 v = *reinterpret_cast<const uint4*>(src);
-  asm volatile("st.global{store_hint}.v4.u32 [%0], {{%1, %2, %3, %4}};"
-               :: "l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}}
-"""
-
-
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hints: tuple[str, str] | None = None):
     """``(x_TND, pre_TN, y_TD)`` kernel for ``N = n`` streams of ``D = d`` elements of ``dtype``
@@ -87,7 +70,10 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hin
     if hints is not None and not whole_vectors:
         raise ValueError(f"hints: the qualified moves are 16-byte vectors; D = {d} of {dtype} gives {vec} elements")
     load_hint, store_hint = hints or ("", "")
-    hinted_load, hinted_store = load_hint != "", store_hint != ""
+    load_hinted, store_hinted = load_hint != "", store_hint != ""
+    load_name, load_source = hinted_load(16, load_hint)
+    store_name, store_source = hinted_store(16, store_hint)
+    moves_source = (load_source if load_hinted else "") + (store_source if store_hinted else "")
     tile_m, tile_v = row_tile(nv, threads)
     tiles_v = T.ceildiv(nv, tile_v)
 
@@ -98,8 +84,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hin
         y_TD: T.Tensor[(num_tokens, d), dtype],
     ):
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_v, threads=threads) as pid:
-            if hinted_load or hinted_store:
-                T.import_source(_hinted_moves(load_hint, store_hint))
+            if load_hinted or store_hinted:
+                T.import_source(moves_source)
             bm, bn = row_major(pid, tiles_v)
             tid = T.get_thread_binding()
             x_shared = T.alloc_shared((n, threads * vec), dtype)  # a thread's own slots only
@@ -112,8 +98,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hin
             row = T.Cast(T.int64, token)
             if token < num_tokens and c < nv:
                 for i in T.unroll(n):
-                    if hinted_load:
-                        T.call_extern("handle", "ep_hinted_load", T.address_of(x_shared[i, tid * vec]),
+                    if load_hinted:
+                        T.call_extern("handle", load_name, T.address_of(x_shared[i, tid * vec]),
                                       T.address_of(x_TND[row, i, c * vec]))
                     else:
                         for j in T.vectorized(vec):
@@ -134,8 +120,8 @@ def get_pre_apply_kernel(n: int, d: int, dtype: str, threads: int = THREADS, hin
             if token < num_tokens and c < nv:
                 for j in T.vectorized(vec):
                     y_local[j] = y_shared[tid * vec + j]
-                if hinted_store:
-                    T.call_extern("handle", "ep_hinted_store", T.address_of(y_TD[row, c * vec]), T.address_of(y_local[0]))
+                if store_hinted:
+                    T.call_extern("handle", store_name, T.address_of(y_TD[row, c * vec]), T.address_of(y_local[0]))
                 else:
                     for j in T.vectorized(vec):
                         y_TD[row, c * vec + j] = y_local[j]
