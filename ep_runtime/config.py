@@ -60,7 +60,7 @@ class MoEConfig:
     # Rows per expert segment are padded to this. 8 is what torch._grouped_mm needs in bf16 (its
     # weight gradient sums over rows, 16-byte aligned); 128 is DeepGEMM's FP8 contiguous layout, and
     # costs padding rows that every pass over the layout writes or reads (MoE layer 38.7 vs 36.3 ms at
-    # the DeepSeek-V3 shape on an H100; bench/results/h100/2026-11-25-s11).
+    # the DeepSeek-V3 shape on an H100).
     alignment: int = 8
     fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
     fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all, nvlink, and both stages across nodes)

@@ -6,7 +6,7 @@ is a constant, so nvcc folds it into the load's descriptor), as torch.compile's 
 a transpose's tiles and cast_back's scales. On an H100, with the L2 flushed before each call, that
 alone took the few-row transpose from 2.24 to 2.11 us of GPU time and cast_back's scales from 117.0
 to 116.0 us at 16384 x 7168, but slowed the small FP8 reduce's row gather (6.3 against 5.1 us):
-measure it per kernel (session 31, ``kernels/quant/NOTES.md``).
+measure it per kernel (``docs/design/quant.md``).
 
 The loads' ``asm`` is not volatile (nvcc schedules them as its own loads), the stores' is: the
 transpose, cast_back and mHC pre-apply compile to the same SASS as the builds measured with them.
@@ -44,7 +44,7 @@ def hinted_load(nbytes: int, qualifiers: str = "", keep_in_l2: bool = False) -> 
     ``nbytes``; ``uint4`` for 16) and of ``name_at(base, index)`` returning element ``index`` of an
     array of such values. Inside ``T.Parallel``, pass ``name_at`` a buffer's ``.data`` and a flat
     index: TileLang may move a guarded ``BufferLoad`` into a local copy first, and then the
-    ``T.address_of`` of it is a local address (a ragged cast_back tile did, session 31)."""
+    ``T.address_of`` of it is a local address (a ragged cast_back tile does)."""
     _check(nbytes)
     ptx, reg, _, stored = _TYPES[nbytes]
     value, outputs = _operands(nbytes, 0, "=")  # then the address and the policy

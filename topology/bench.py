@@ -1,6 +1,6 @@
 """The planner's bars, measured: ``python -m topology.bench [--seeds 5] [--out results.json]``.
 
-Setup (issue #4): 256 experts in 8 groups, 4 nodes x 8 H100 (``examples/h100-4x8.yaml``), 288
+Setup: 256 experts in 8 groups, 4 nodes x 8 H100 (``examples/h100-4x8.yaml``), 288
 physical experts (32 extra slots), Zipf(s) popularity for s in {0.8, 1.0, 1.2}, routes drawn with
 group-limited top-8 (top-4 groups); load = the routes' per-expert counts. For every (s, seed) it plans
 ``--layers`` layers with ``locality``, EPLB's global and hierarchical policies and counts traffic on

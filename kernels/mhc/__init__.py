@@ -198,7 +198,7 @@ def pre_fused(
     """See :func:`kernels.mhc.reference.pre_fused`; one kernel where it takes the inputs (streams
     float16/float32, float32 parameters). bfloat16 streams run :func:`pre`'s kernels instead: the
     projection on the tensor cores, then split + Sinkhorn and pre-apply, ~224 us against the fused
-    CUDA-core walk's 476 at D = 4096 (session 21). Fusing them would not save bytes: the apply
+    CUDA-core walk's 476 at D = 4096. Fusing them would not save bytes: the apply
     re-reads the streams either way, a CTA's 2 MB of them long gone from L2."""
     options = dict(norm_eps=norm_eps, pre_eps=pre_eps, post_mult=post_mult, sinkhorn_eps=sinkhorn_eps, iters=iters,
                    tf32=tf32)

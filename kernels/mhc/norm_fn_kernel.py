@@ -8,7 +8,7 @@ into three bfloat16 parts (8 significant bits each: ``hi + lo + lo2 == fn`` for 
 each product of a bfloat16 element with a part is exact in float32 and the MMAs' float32 sums give
 the float32 projection up to summation order, at the streams' read speed instead of the FMA pipe's.
 A small kernel writes the parts once a call (every CTA splitting every chunk itself took 223
-against 179 us at D = 7168, session 21); then a CTA of one warpgroup owns ``block_t`` tokens and
+against 179 us at D = 7168); then a CTA of one warpgroup owns ``block_t`` tokens and
 walks ``K`` in ``block_k`` chunks, pipelined: the chunks of ``x`` and of the parts arrive by
 ``cp.async``, one MMA of ``[block_t, block_k] x [block_k, 3M]`` sums each chunk, and the sum of
 squares is taken from the same shared tile. Their backward takes the tensor cores too
@@ -20,7 +20,7 @@ float32 streams (training's), and float16 ones in the backward, use the CUDA cor
 lane (the next chunk's loads in flight while this one multiplies); the chunk's ``[M, chunk]`` slice
 of ``fn`` is staged in shared memory once for the CTA's tokens, and each lane multiplies its
 elements of each of its warp's tokens by the ``M`` rows (``TOKENS_PER_WARP`` FMAs per float read
-from shared memory; NOTES.md has the measurements). The reference instead copies the streams to
+from shared memory; ``docs/design/mhc.md`` has the measurements). The reference instead copies the streams to
 float32, squares them, takes the mean and runs a float32 GEMM: five passes over ``[T, K]`` floats.
 
 Shape suffixes: T tokens, K = N*D, M mixes.
@@ -228,8 +228,8 @@ def get_fn_parts_kernel(k: int, m: int, threads: int = 256):
 
 X_PARTS = {"bfloat16": 1, "float16": 2, "float32": 3}  # bfloat16 parts that hold a stream element exactly
 # Streams whose forward takes the tensor cores. float32 in three parts took 416 / 727 us at D = 4096 /
-# 7168 against the CUDA cores' 358 / 638 (float16 in two: 257 / 453 against 299 / 516; H100, session
-# 22, bench/results/h100/2026-11-26-s22): the split in shared memory and three MMAs a chunk, one
+# 7168 against the CUDA cores' 358 / 638 (float16 in two: 257 / 453 against 299 / 516; H100): the
+# split in shared memory and three MMAs a chunk, one
 # warpgroup an SM doing each in turn, cost more than the FMAs they replace.
 MMA_STREAMS = (torch.bfloat16, torch.float16)
 
@@ -245,7 +245,7 @@ def get_norm_fn_mma_kernel(k: int, m: int, eps: float, block_t: int = 64, block_
     into their exact bfloat16 parts (``X_PARTS``: 2 / 3), one MMA each, so every product of a part
     with a part of ``fn`` is still exact. Each chunk's MMAs sum into a fresh accumulator that the
     CUDA cores add to the running one (the tensor cores' float32 adds truncate: over 3K terms they
-    drifted 1.6e-5 of the largest mix, session 21)."""
+    drifted 1.6e-5 of the largest mix)."""
     num_tokens = T.dynamic("num_tokens")
     rows = fn_rows(m)
     parts = X_PARTS[dtype]

@@ -4,7 +4,7 @@ Memory-bound: every byte of ``x`` is read once and ``y`` written once. A CTA of 
 covers ``tile_m`` tokens x ``tile_v`` vectors of ``vec`` elements (16 bytes of ``x``'s dtype, fewer
 when ``D`` is not a multiple of that); each thread loads its vector of all ``N`` streams, accumulates
 in float32 and stores one vector of ``y``. Two choices, measured on an H100 against tile-kernels
-(paired rounds by GPU time, ``kernels/mhc/NOTES.md``, sessions 29-30), at T = 8192, N = 4 bfloat16:
+(paired rounds by GPU time, ``docs/design/mhc.md``), at T = 8192, N = 4 bfloat16:
 
 - the loads and the output pass through shared memory, each thread's own slots (no thread reads
   another's), and the output is stored streaming (``st.global.cs``, evict-first): 185.65 against

@@ -20,8 +20,8 @@ Three launches, deterministic (no order-dependent atomics):
 A small batch (up to ``ONE_CTA_ROUTES`` routes, up to ``ONE_CTA_EXPERTS`` experts: a dispatch's
 received rows at 128 tokens a rank) runs the same three passes in one CTA, barriers in place of
 launches, and fills ``src_P`` itself: one launch instead of four, the launches being what such a
-layout's time is made of (rank + scan + scatter 6.2 us for 256 tokens of top-8 on an H100, session
-11). The passes are macros shared by both forms.
+layout's time is made of (rank + scan + scatter 6.2 us for 256 tokens of top-8 on an H100). The
+passes are macros shared by both forms.
 
 Values are not checked on the host (no host sync): entries outside ``[0, E)`` are treated as
 masked routes.

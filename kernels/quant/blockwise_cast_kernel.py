@@ -169,7 +169,7 @@ def narrow_channel_tile(m: int, n: int, block: tuple[int, int], vec: int, device
     """``(tile_m, tile_n, threads)`` of 64 columns for per-channel scales when the default tile's grid
     leaves SMs idle, else None. At 128 x 7168 bf16 the default 128-column tiles make 56 CTAs for an
     H100's 132 SMs; 64-column tiles of 128 threads make 112: 2.50 us of GPU time against 32-column
-    tiles' 2.69 and tile-kernels' 2.59 (paired rounds, session 26, ``bench/results/h100/README.md``)."""
+    tiles' 2.69 and tile-kernels' 2.59 (paired rounds)."""
     if block[1] != 1:
         return None
     tile_m, tile_n, _ = blockwise_tile(n, block, vec)

@@ -38,16 +38,16 @@ def get_cast_back_kernel(num_cols: int, block_m: int, block_n: int, packed: bool
     one-row blocks at least a vector wide (per-token scales), each thread reads its vector's one
     scale from global memory; other blocks stage the tile's scales in shared memory first (``staged``
     overrides, for the sweep). Per-token at 16384 x 7168 on an H100: 119.7 us read directly, 121.7
-    staged with 16-row tiles, the best staged tile (bench/results/h100/2026-11-25-s9).
+    staged with 16-row tiles, the best staged tile.
     ``scales_in_l2``: directly read scales are loaded under an L2 policy of evict_last, as
     torch.compile's kernel loads them (:mod:`kernels.cache_hints`), where the tiles are whole rows
     and cover the columns exactly: 116.03 against 117.0 us plain, torch.compile 116.02, at 16384 x
-    7168 on an H100 (paired by GPU time, session 31); False for plain loads (the sweep)."""
+    7168 on an H100 (paired by GPU time); False for plain loads (the sweep)."""
     num_rows = T.dynamic("num_rows")
     # Vectors sized by the output (8 values for bfloat16: 8-byte e4m3 loads, 16-byte stores), so a
-    # warp's store covers one contiguous 512 bytes. v2's 16 e4m3 values a thread made each 16-byte
+    # warp's store covers one contiguous 512 bytes. 16 e4m3 values a thread would make each 16-byte
     # store cover every other 16 bytes of a 1 KiB run (lane stride 32 bytes): twice the sectors,
-    # each half written, on the 2/3 of the traffic that is stores: 219 us vs 134 (NOTES.md).
+    # each half written, on the 2/3 of the traffic that is stores: 219 us vs 134 (docs/design/quant.md).
     vec = vector_width(num_cols, T.dtype(out_dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(num_cols, (block_m, block_n), vec)
     tile_gm, tile_gn = tile_m // block_m, tile_n // block_n

@@ -57,22 +57,20 @@ def get_swiglu_forward_kernel(
     at least a warp with vectors (``tile_n / vec >= 32``); a narrower row (I = 64 in bfloat16: 16
     vectors) keeps the default tile, since a one-row tile there would leave threads without data,
     which TileLang's ``reduce_absmax`` rejects ("Inconsistent layouts between src and dst in
-    ReduceOp", the v2 compile error at I = 64) and which would idle half the warp anyway. Unless
-    ``tile`` or ``vec`` is given, a thread of a one-row tile then takes few values, since the IEEE
-    ``expf`` and divisions of each are a chain nothing hides in a small grid: ``FEW_TOKENS_VEC``
-    without the cast (8 values a thread took 2.27 us on the GPU at 128 x 2048, 2 took 1.95;
-    session 20, ``bench/scripts/launch_gap.py``), and with it as many as put a scale group on one
-    warp, the amax then a warp's shuffles (4 for groups of 128: 2.21 against 8's 2.43 us; 2, two
-    warps a group, 2.24; session 25, ``bench/scripts/sweep.py``). Where a scale group is exactly a
-    warp's vectors in a one-row tile, its amax is one ``redux.sync`` over the lanes' amax
-    (:func:`kernels.quant.tiles.warp_amax`) instead of five shuffles: 2.14
-    against 2.19-2.21 us; such a tile then takes up to ``FEW_TOKENS_CAST_THREADS`` threads (one CTA
-    of 512 a 2048-wide row: 2.11 against 1024 columns' 2.16-2.18 us, paired rounds, session 26).
+    ReduceOp" at I = 64) and which would idle half the warp anyway. Unless ``tile`` or ``vec`` is
+    given, a thread of a one-row tile then takes few values, since the IEEE ``expf`` and divisions
+    of each are a chain nothing hides in a small grid: ``FEW_TOKENS_VEC`` without the cast (8
+    values a thread took 2.27 us of GPU time at 128 x 2048, 2 took 1.95), and with it as many as
+    put a scale group on one warp, the amax then a warp's shuffles (4 for groups of 128: 2.21
+    against 8's 2.43 us; 2, two warps a group, 2.24). Where a scale group is exactly a warp's
+    vectors in a one-row tile, its amax is one ``redux.sync`` over the lanes' amax
+    (:func:`kernels.quant.tiles.warp_amax`) instead of five shuffles: 2.14 against 2.19-2.21 us;
+    such a tile then takes up to ``FEW_TOKENS_CAST_THREADS`` threads (one CTA of 512 a 2048-wide
+    row: 2.11 against 1024 columns' 2.16-2.18 us, paired rounds).
 
     ``limited``: CTAs past ``rows_1[0]`` return at once (see :func:`swiglu`); otherwise ``rows_1``
     is never read, so a call without a row limit passes an uninitialized tensor instead of making
-    one with ``torch.full`` (a fill launch per call: ~2 us of the ~64 at 16384 x 2048 on an H100,
-    ``bench/results/h100/2026-11-25-s8``).
+    one with ``torch.full`` (a fill launch per call: ~2 us of the ~64 at 16384 x 2048 on an H100).
 
     ``tile`` and ``vec`` override the tile and the elements a thread loads as one vector (for
     tuning sweeps)."""
@@ -152,7 +150,7 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited:
 
     ``x_T2I`` and ``grad_T2I`` are ``[T, 2 * I]`` rows viewed as ``[T, 2, I]``, so a tile's column
     bound is ``I`` in both halves: a tile reaching past ``I`` is cut there by the copies' bounds
-    guards, instead of spilling into the ``up`` half (the v1 bug at I = 300, 7232). The results go
+    guards, instead of spilling into the ``up`` half (at I = 300 or 7232, say). The results go
     to fragments in the loads' layout and leave as 16-byte vector stores. ``limited`` as in
     :func:`get_swiglu_forward_kernel`."""
     num_tokens = T.dynamic("num_tokens")

@@ -40,8 +40,8 @@ def row_major(pid, tiles_n):
 
     Why not rows on the fastest grid axis: CTAs launched together then read one row's consecutive
     bytes, which DRAM serves faster than the same bytes spread over many rows (mHC pre-apply 112.0 ->
-    108.8 us and post 218.1 -> 196.5 us at 8192 x 4 x 4096 bf16 on an H100,
-    ``bench/results/h100/2026-11-24-s6``); and one axis has no 65535 cap on the rows."""
+    108.8 us and post 218.1 -> 196.5 us at 8192 x 4 x 4096 bf16 on an H100); and one axis has no
+    65535 cap on the rows."""
     return pid // tiles_n, pid % tiles_n
 
 
@@ -98,7 +98,7 @@ def blockwise_tile(num_cols: int, block: tuple[int, int], vec: int) -> tuple[int
     A CTA covers whole scale blocks, so each block's amax is reduced inside one CTA:
     per-token ``(1, g)``: 128 threads, up to 1024 columns x enough rows for 8 elements a thread
     (one row at 1024 columns: 115.7 us against 117.0 for 4 rows, per_token_cast at 16384 x 7168 on
-    an H100, ``bench/results/h100/2026-11-24-s6``);
+    an H100);
     ``(b, b)`` and ``(b, 1)``: ``b`` rows x up to 16384 / b columns, 256 threads.
     """
     block_m, block_n = block
@@ -167,7 +167,7 @@ def abs_of(x_frag, abs_frag):
     """``abs_frag = |x_frag|`` elementwise, for a reduction to the amax. In bfloat16 / float16 this is
     one native instruction an element (``__habs``), where TileLang's ``reduce_absmax`` computes
     ``max(x, 0 - x)`` through float32 and rounds back: 1.6x the instructions of tile-kernels' casts
-    at 128 tokens, where those kernels are issue-bound (Nsight Compute, session 14)."""
+    at 128 tokens, where those kernels are issue-bound (Nsight Compute)."""
     for i, j in T.Parallel(*x_frag.shape):
         abs_frag[i, j] = T.abs(x_frag[i, j])
 
@@ -177,7 +177,7 @@ def warp_amax(v):
     """The largest of a warp's float32 magnitudes ``v`` (every lane of the warp calls this): one
     ``redux.sync`` on their bits, sign cleared so that they order as the values (a -0.0 would
     otherwise outrank every positive value), in place of TileLang's five shuffle rounds (per-block
-    cast at 128 x 7168: 2.53 against 2.75 us on an H100, session 25)."""
+    cast at 128 x 7168: 2.53 against 2.75 us on an H100)."""
     bits = T.reinterpret(v, "uint32") & T.uint32(0x7FFFFFFF)
     return T.reinterpret(T.call_extern("uint32", "__reduce_max_sync", T.uint32(0xFFFFFFFF), bits), "float32")
 

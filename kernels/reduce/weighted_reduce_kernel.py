@@ -10,8 +10,7 @@ thread are in flight instead of one vector at a time. 16-byte vectors land in sh
 ``cp.async`` (each thread's own slots, so no barrier), not in registers: bf16 rows take 48
 registers instead of 88 and an SM holds 6 CTAs of 224 threads instead of 3 (by registers), and the
 kernel, bound by the bytes in flight behind each CTA's two dependent round trips (the routes, then
-the rows), went from 54% to 100.6% of copy at 16384 tokens (``kernels/reduce/NOTES.md``, session
-27). Then it adds ``w[t, k] * y[pos[t, k]]`` (dequantized with its per-token scale for e4m3 ``y``)
+the rows), went from 54% to 100.6% of copy at 16384 tokens (``docs/design/reduce.md``). Then it adds ``w[t, k] * y[pos[t, k]]`` (dequantized with its per-token scale for e4m3 ``y``)
 into float32 registers for k = 0 .. K-1.
 Every product and sum is an IEEE round-to-nearest operation in the reference's order (no FMA), and
 a masked route (-1) adds nothing (not ``+0``, which would turn a ``-0`` sum into ``+0``), so the
@@ -19,7 +18,7 @@ result is bit-exact. Rows are not checked on the host (no host sync): one outsid
 treated as -1. The peer variant (``reduce_put``) can cast its rows to e4m3 on the way (the threads
 of a scale group meet their amax by warp shuffles), and ``reduce_sum_home`` dequantizes such
 returned rows in its sum. ``reduce_sum_home`` stages its own rows too, and so does ``reduce_put``
-of e4m3 rows home, whose pace the expert rows' reads set (session 28); ``reduce_put`` of rows in
+of e4m3 rows home, whose pace the expert rows' reads set; ``reduce_put`` of rows in
 y's dtype keeps them in registers, bound by the link either way. The columns are split into the
 fewest tiles of at most ``MAX_THREADS`` vectors (for the peer variant ``PUT_THREADS``, or
 ``FP8_PUT_THREADS`` where its rows are cast to e4m3), evenly (hidden 7168: 4 CTAs of 224 threads
@@ -65,18 +64,17 @@ MAX_THREADS_PER_SM = 2048  # Hopper's
 # e4m3 rows take 8 bytes a thread while the 16-byte grid holds under this share of the GPU's thread
 # slots: at hidden 7168 on an H100 8 bytes won at 128 and 160 tokens (5.15 / 6.02 us against 5.71 /
 # 6.75), staged 16 bytes from 192 (7.17 / 8.13 / 13.76 us at 192 / 256 / 512 against 7.44 / 8.83 /
-# 15.59); the 16-byte grid fills 26.5% / 31.8% of the slots at 160 / 192 (session 29, GPU time)
+# 15.59); the 16-byte grid fills 26.5% / 31.8% of the slots at 160 / 192 (GPU time)
 SMALL_GRID_SHARE = 0.3
 # reduce_put's CTAs: storing the rows bound for the peers only (the home rank reduces its own in
 # reduce_sum_home), 1024 threads (one CTA of 896 per row of 7168 bf16) took 188.2 us against 128's
 # 214.1 and 256's 203.0 with the barrier, at 4096 tokens per rank on two H100s; 16.3 against 16.2 us at
-# 128 (bench/scripts/combine_parts.py, session 17). Staged: 189.3 against 189.0 (session 28), bound
-# by the link either way.
+# 128. Staged: 189.3 against 189.0, bound by the link either way.
 PUT_THREADS = 1024
 # FP8 rows home halve the link's bytes, so the expert rows' reads set the pace: CTAs of at most 256
 # threads (224 at hidden 7168) staging them (6 CTAs an SM by registers, 48 each) took 129.7 us with
 # the barrier against 1024 threads' 148.4 in registers (152.5 staged), two H100s, 4096 tokens per
-# rank (session 28)
+# rank
 FP8_PUT_THREADS = 256
 
 
@@ -100,7 +98,7 @@ def _row_reducer(num_cols: int, topk: int, y_dtype: str, out_dtype: str, group: 
     every weight is 1 and ``weights_TK`` is never read (``1 * y`` is ``y``: the same bits);
     ``staged``: the K row vectors land in shared memory by ``cp.async`` (each thread's own slots, read
     back by it alone: the kernel needs TileLang's automatic barriers off) instead of registers; None:
-    staged where a thread's vector is 16 bytes (measured: ``kernels/reduce/NOTES.md``, v4)."""
+    staged where a thread's vector is 16 bytes (measured: ``docs/design/reduce.md``)."""
     y_bytes = T.dtype(y_dtype).bytes
     vec, threads, tiles = reduce_tile(num_cols, y_bytes, max_threads, vector_bytes)
     if staged is None:
@@ -318,7 +316,7 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
     ``staged``: the own rows' vectors staged in shared memory (:func:`_row_reducer`; by default where
     a thread's vector is 16 bytes: 56 registers instead of 82, so an SM holds 5 CTAs of 224 threads
     instead of 3; 126.8 against 168.6 us at 4096 tokens per rank on two H100s, FP8 rows home 122.4
-    against 142.4, session 28)."""
+    against 142.4)."""
     num_tokens, num_rows, num_src = T.dynamic("num_tokens"), T.dynamic("num_rows"), T.dynamic("num_src")
     num_sf = T.dynamic("num_sf")
     rows_dtype = rows_dtype or out_dtype
@@ -405,11 +403,10 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
 def reduce_vector_bytes(num_tokens: int, num_cols: int, y_bytes: int, device: torch.device) -> int:
     """Bytes of ``y`` a thread: 16, or 8 for e4m3 rows whose 16-byte grid would hold under
     ``SMALL_GRID_SHARE`` of the GPU's thread slots. There twice the threads, each with half the
-    bytes, are faster (measured; a thread's instruction count is not why: ``kernels/reduce/NOTES.md``,
-    session 29). bf16 rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens, session 24).
-    Staging the 16-byte vectors in shared memory (session 27) moved the switch from a full GPU's
-    threads (session 24, in registers) down to under a third (session 29,
-    ``bench/scripts/reduce_vectors.py``)."""
+    bytes, are faster (measured; a thread's instruction count is not why: ``docs/design/reduce.md``).
+    bf16 rows keep 16 bytes (8: 7.15 against 7.01 us at 128 tokens). With the 16-byte vectors
+    staged in shared memory, 8 bytes win only while the 16-byte grid holds under a third of the
+    GPU's thread slots (in registers, they won up to a full GPU's)."""
     if y_bytes != 1:
         return VECTOR_BYTES
     _, threads, tiles = reduce_tile(num_cols, y_bytes)

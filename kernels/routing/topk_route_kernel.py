@@ -1,10 +1,10 @@
 """TileLang kernel of the whole router: scores, bias, group-limited stable top-k, weights, counts.
 
 Computes :func:`kernels.routing.reference.topk_route` (and, optionally, the per-expert counts of
-:func:`kernels.routing.reference.expert_counts` of its result) in one launch. ``NOTES.md`` beside
-this file has each version's design, predicted and measured times.
+:func:`kernels.routing.reference.expert_counts` of its result) in one launch.
+``docs/design/routing.md`` has the design and the figures that decided it.
 
-Design (v3): one warp per token, ``WARPS`` tokens per CTA (with counts, a grid of at most
+Design: one warp per token, ``WARPS`` tokens per CTA (with counts, a grid of at most
 ``COUNT_CTAS_PER_SM`` CTAs an SM whose warps route tokens in turn). Lane ``l`` holds the ``S`` consecutive
 experts ``l*S .. l*S+S-1`` in registers (16-byte loads when ``32*S == E``). ``S`` is chosen so that
 expert groups line up with lanes: a group spans ``L`` lanes (a power of two) or a lane holds ``Q``
@@ -60,7 +60,7 @@ WARPS = 8  # warps per CTA, each routing one token at a time
 # With counts, the grid is at most this many CTAs an SM, each warp routing tokens in turn: a CTA's
 # histogram then covers more routes and fewer CTAs add theirs to the global counts (all of them
 # hit the same E addresses). Without counts, a warp routes one token.
-COUNT_CTAS_PER_SM = 8  # (bench/scripts/sweep.py, H100: 23.8 us; 2, 4, unbounded: 28.6, 25.8, 29.2)
+COUNT_CTAS_PER_SM = 8  # (H100: 23.8 us; 2, 4, unbounded: 28.6, 25.8, 29.2)
 MAX_EXPERTS = 32 * WARP
 MAX_SLOTS = 32  # experts per lane (registers)
 LOGIT_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -5,11 +5,11 @@ other dtype share one kernel per width). Matrices whose output rows are at most 
 batch's ``[B, 16, 7168]`` bf16) are transposed in registers: each thread loads a block of ``bm``
 rows of ``bn`` elements (16 bytes each way where the sizes allow) as ``bm`` vectors and stores it as
 ``bn`` output vectors of ``bm``, with no shared memory and no barrier, every load in flight at once
-(session 20: the shared-memory kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where
-torch.compile's Triton kernel spent 2.2, ``bench/scripts/launch_gap.py``). The loads carry the
+(the shared-memory kernel spent 3.1 us on the GPU at ``[8, 16, 7168]`` where torch.compile's
+Triton kernel spent 2.2). The loads carry the
 Triton kernel's cache policy (``L1::evict_last`` and an L2 policy of ``evict_last``,
 :mod:`kernels.cache_hints`): with it the kernel took 2.05 us of GPU time there against
-torch.compile's 2.18, and 2.21-2.24 with plain loads (session 31, ``kernels/quant/NOTES.md``).
+torch.compile's 2.18, and 2.21-2.24 with plain loads (``docs/design/quant.md``).
 Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
 in shared memory (128 x 128 for 1- and 2-byte elements, 64 x 64 otherwise; fewer rows when the matrix
 has fewer, down to 8), read from ``x`` with row-contiguous
@@ -33,7 +33,7 @@ BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64
 MAX_THREADS = 256
 REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
 # the register kernel's CTA: 128 threads 2.02 us, 64 / 256 threads 2.11 / 2.21 at [8, 16, 7168] bf16 on an
-# H100 (session 31; with plain 4-byte loads 128 threads 2.18-2.21 against 64's 2.24, sessions 25-31)
+# H100 (with plain 4-byte loads 128 threads 2.18-2.21 against 64's 2.24)
 REGISTER_THREADS = 128
 REGISTER_LOAD_HINT = ".L1::evict_last"  # with an L2 policy of evict_last (kernels.cache_hints)
 
@@ -58,7 +58,7 @@ def _register_blocks(rows: int, cols: int, bits_dtype: str, threads: int, block:
     batch = T.dynamic("batch")
     elem_bytes = T.dtype(bits_dtype).bytes
     # powers of two dividing rows and cols. 16-byte loads: 2.05 us against 4-byte ones' 2.11-2.13 with the cache policy (the other way round
-    # with plain loads, 2.27 against 2.21 in session 25; [8, 16, 7168] bf16, H100, session 31)
+    # with plain loads, 2.27 against 2.21; [8, 16, 7168] bf16, H100)
     bm, bn = block or (vector_width(rows, elem_bytes), vector_width(cols, elem_bytes))
     blocks_m, blocks = rows // bm, rows // bm * (cols // bn)
     load_name, load_source = hinted_load(bn * elem_bytes, REGISTER_LOAD_HINT, keep_in_l2=True)
