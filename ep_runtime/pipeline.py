@@ -16,9 +16,10 @@ its targets and an Engram layer in any stage for its hashes), as a data loader r
 Schedules (``schedule_ops``, run by ``PipelineSchedule.step``): ``"1f1b"`` (warmup forwards, steady
 one-forward-one-backward, cooldown backwards), ``"gpipe"`` (every forward, then every backward),
 ``"interleaved"`` (1F1B over ``V`` model chunks per stage) and ``"overlap"`` (two 1F1B pipelines,
-over the even and the odd micro-batches, run at once by two threads per rank, so that one
-micro-batch's forward, EP all-to-alls included, runs while another's backward computes; each
-lane has its own EP and point-to-point groups and CUDA stream, ``ep_runtime.lanes``), computing
+over the even and the odd micro-batches, their ops issued alternately by one thread onto two
+CUDA streams, so that one micro-batch's forward, EP all-to-alls included, runs on the GPU while
+another's backward computes; each lane has its own EP and point-to-point groups and stream,
+``ep_runtime.lanes``), computing
 the same gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
 scaled by ``1 / num_microbatches``; ``train.average_gradients`` then averages over the stage's data
 ranks.
@@ -30,8 +31,6 @@ micro-batch, S sequence length (the batch's minus one), D hidden, N mHC streams.
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
@@ -41,7 +40,6 @@ from torch import nn
 
 from . import lanes
 from .config import PIPELINE_SCHEDULES
-from .dispatch import HierarchicalDispatcher, NVLinkDispatcher
 from .model import TinyDeepSeek
 from .moe import MoELayer
 from .parallel import ParallelContext
@@ -177,13 +175,28 @@ def schedule_ops(schedule: str, *, stage: int, num_stages: int, num_microbatches
 
 
 def overlap_lanes(*, stage: int, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
-    """The ``overlap`` schedule: lane ``l`` runs 1F1B over micro-batches ``l, l + 2, ...``; the
-    two lanes run at the same time (``pipeline.md`` draws them)."""
+    """The ``overlap`` schedule's lanes: lane ``l`` runs 1F1B over micro-batches ``l, l + 2, ...``."""
     if num_microbatches % 2:
         raise ValueError(f"num_microbatches: expected an even number with the overlap schedule (two lanes), "
                          f"got {num_microbatches}")
     ops = schedule_ops("1f1b", stage=stage, num_stages=num_stages, num_microbatches=num_microbatches // 2)
     return [[(kind, chunk, 2 * i + lane) for kind, chunk, i in ops] for lane in range(2)]
+
+
+def overlap_ops(*, stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int, int, int]]:
+    """The order in which one thread issues the ``overlap`` schedule: ``(kind, chunk, micro-batch,
+    lane)``, the two lanes' ops alternating with lane 1 one op behind lane 0 (``pipeline.md``
+    draws it). Every rank issues its collectives in an order fixed by the schedule, so the
+    ranks of an EP group meet in the same order on every lane's groups; the test checks the order
+    for deadlocks as if every receive blocked."""
+    first, second = overlap_lanes(stage=stage, num_stages=num_stages, num_microbatches=num_microbatches)
+    ops = []
+    for k in range(len(first) + 1):
+        if k < len(first):
+            ops.append((*first[k], 0))
+        if k > 0:
+            ops.append((*second[k - 1], 1))
+    return ops
 
 
 class PipelineSchedule:
@@ -221,9 +234,8 @@ class PipelineSchedule:
         self.timed = timed  # on GPUs: synchronize around receives, so that wait_s is the waiting
         self.per_stage = ctx.world_size // ctx.pp_size
         self.groups = [{"F": None, "B": None} for _ in range(self.lanes)]  # per lane
-        if ctx.distributed and ctx.pp_size > 1:  # every rank creates them all (collective)
-            self.groups = [{"F": dist.new_group(), "B": dist.new_group()} for _ in range(self.lanes)]
-        self._lock = threading.Lock()  # the lanes' shared bookkeeping
+        if ctx.distributed and ctx.pp_size > 1:
+            self.groups = [{kind: _pair_group(ctx) for kind in "FB"} for _ in range(self.lanes)]
         on_gpu = ctx.device.type == "cuda" and self.lanes > 1
         self._streams = [torch.cuda.Stream(ctx.device) if on_gpu else None for _ in range(self.lanes)]  # per lane
 
@@ -253,19 +265,16 @@ class PipelineSchedule:
         micro = split_microbatches(tokens_BS, self.num_microbatches)
         sizes = dict(stage=self.stage.stage, num_stages=self.stage.num_stages, num_microbatches=self.num_microbatches)
         if self.lanes > 1:
-            per_lane = overlap_lanes(**sizes)
+            ops = overlap_ops(**sizes)
         else:
-            per_lane = [schedule_ops(self.schedule, **sizes, chunks=self.stage.chunks)]
+            ops = [(*op, 0) for op in schedule_ops(self.schedule, **sizes, chunks=self.stage.chunks)]
         self._shape = self.boundary(tokens_BS)
-        self.wait_s, self._waiting, self._idle_since = 0.0, 0, 0.0
+        self.wait_s = 0.0
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._losses: dict[int, torch.Tensor] = {}
         self._load = {moe: torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers}
-        if self.lanes == 1:
-            self._run(per_lane[0], micro)
-        else:
-            self._run_lanes(per_lane, micro)
+        self._run(ops, micro)
         for work, _ in self._sends:
             work.wait()
         for moe, load_E in self._load.items():
@@ -274,48 +283,22 @@ class PipelineSchedule:
         self._saved, self._sends, self._losses = {}, [], {}
         return torch.stack(losses).mean() if losses else None
 
-    def _run(self, ops: list[tuple[str, int, int]], micro: list[torch.Tensor]) -> None:
-        for kind, chunk, i in ops:
-            if kind == "F":
-                self._forward(chunk, i, micro[i])
-            else:
-                self._backward(chunk, i)
-
-    def _run_lanes(self, per_lane: list[list[tuple[str, int, int]]], micro: list[torch.Tensor]) -> None:
-        """Each lane's ops in a thread of its own (on GPUs on a stream of its own, under the
-        caller's autocast); returns when all are done, raises the first lane's error."""
-        device, streams = self.ctx.device, self._streams
-        autocast = dict(device_type=device.type, enabled=torch.is_autocast_enabled(device.type),
-                        dtype=torch.get_autocast_dtype(device.type))
-        for stream in filter(None, streams):
-            stream.wait_stream(torch.cuda.current_stream(device))  # the optimizer's last update
-        done: queue.Queue = queue.Queue()
-        # Lane l + 1 starts once lane l's first op is done: the first stage hands the next its first
-        # micro-batch after one forward, as 1F1B does, not after two run side by side.
-        started = [threading.Event() for _ in per_lane]
-
-        def run(index: int) -> None:
-            try:
-                stream = torch.cuda.stream(streams[index]) if streams[index] else contextlib.nullcontext()
-                with lanes.lane(index), stream, torch.autocast(**autocast):
-                    if index:
-                        started[index - 1].wait()
-                    ops = per_lane[index]
-                    self._run(ops[:1], micro)
-                    started[index].set()
-                    self._run(ops[1:], micro)
-                done.put(None)
-            except BaseException as error:  # handed to the caller's thread
-                started[index].set()
-                done.put(error)
-
-        for index in range(len(per_lane)):  # daemons: a lane stuck on a failed peer must not hold the exit
-            threading.Thread(target=run, args=(index,), name=f"pipeline-lane-{index}", daemon=True).start()
-        for _ in per_lane:
-            if (error := done.get()) is not None:
-                raise error
-        for stream in filter(None, streams):
-            torch.cuda.current_stream(device).wait_stream(stream)
+    def _run(self, ops: list[tuple[str, int, int, int]], micro: list[torch.Tensor]) -> None:
+        """Issues ``ops`` in order, each on its lane's groups and (on GPUs, with two lanes) its
+        lane's CUDA stream, which start behind the caller's stream and join it at the end."""
+        streams = [s for s in self._streams if s is not None]
+        caller = torch.cuda.current_stream(self.ctx.device) if streams else None
+        for stream in streams:
+            stream.wait_stream(caller)  # the optimizer's last update
+        for kind, chunk, i, lane in ops:
+            stream = self._streams[lane]
+            with lanes.lane(lane), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+                if kind == "F":
+                    self._forward(chunk, i, micro[i])
+                else:
+                    self._backward(chunk, i)
+        for stream in streams:
+            caller.wait_stream(stream)
 
     def _recv(self, src: int, kind: str) -> torch.Tensor:
         """The next stream (``kind`` "F") or gradient ("B") from ``src``; the time this rank sat
@@ -324,29 +307,19 @@ class PipelineSchedule:
         synchronize = self.timed and t.is_cuda
         if synchronize:  # this rank's own work is not waiting
             torch.cuda.current_stream().synchronize()
-        self._idle(+1)
+        start = time.perf_counter()
         dist.irecv(t, src, group=self.groups[lanes.current()][kind]).wait()
         if synchronize:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
-        self._idle(-1)
+        self.wait_s += time.perf_counter() - start
         return t.to(self._shape.dtype)
-
-    def _idle(self, step: int) -> None:
-        """A lane starts (+1) or stops (-1) waiting; the rank is idle while every lane waits."""
-        with self._lock:
-            if step < 0 and self._waiting == self.lanes:
-                self.wait_s += time.perf_counter() - self._idle_since
-            self._waiting += step
-            if step > 0 and self._waiting == self.lanes:
-                self._idle_since = time.perf_counter()
 
     def _forward(self, chunk: int, i: int, tokens_BS: torch.Tensor) -> None:
         prev, nxt = self._neighbour(chunk, -1), self._neighbour(chunk, +1)
         x = self._recv(prev[0], "F").requires_grad_() if prev else None
         out = self.stage(x, tokens_BS, chunk)
-        with self._lock:
-            for moe in self.stage.moe_layers(chunk):  # a forward leaves its own routes only (per lane)
-                self._load[moe] += moe.load_E.to(self._load[moe].device)
+        for moe in self.stage.moe_layers(chunk):  # a forward leaves its own routes only (per lane)
+            self._load[moe] += moe.load_E.to(self._load[moe].device)
         if nxt:
             self._send(out.detach(), nxt[0], "F")
         else:
@@ -382,11 +355,16 @@ def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> 
         raise ValueError(f"schedule: 'overlap' runs {num_lanes} lanes at once, each needing its own EP groups; "
                          f"{shared[0]} is one for all lanes (build the model with make_dispatcher(cfg, ctx, "
                          f"lanes={num_lanes}))")
-    # The nvlink heaps on GPUs are rendezvoused on first use, from whichever lane gets there first:
-    # two ranks could pair one lane's rendezvous with the other's (torch's counter is per process).
-    heaps = [m for moe in stage.moe_layers(0) for m in moe.dispatcher.members
-             if isinstance(m, (NVLinkDispatcher, HierarchicalDispatcher))]
-    if heaps and ctx.device.type == "cuda":
-        raise ValueError("schedule: 'overlap' with the nvlink dispatcher on GPUs is not supported yet (its symmetric "
-                         "heaps are allocated on first use, and two lanes' rendezvous could pair up differently "
-                         "on different ranks); use model.moe.dispatcher='all_to_all' with it")
+
+
+def _pair_group(ctx: ParallelContext) -> dist.ProcessGroup:
+    """A new group of this rank's ``pp`` group's ranks (one ``(dp, ep)`` position on every stage):
+    point-to-point messages then share a communicator with nothing but their own pipeline's.
+    Collective: every rank makes every position's group, in one order."""
+    per_stage = ctx.world_size // ctx.pp_size
+    mine = None
+    for position in range(per_stage):
+        group = dist.new_group(list(range(position, ctx.world_size, per_stage)))
+        if ctx.rank % per_stage == position:
+            mine = group
+    return mine
