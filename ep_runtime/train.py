@@ -140,7 +140,10 @@ def worker(cfg: JobConfig) -> dict:
     grace_s = min(cfg.parallel.timeout_s, 30.0)
     try:
         with FailureWatch(ctx, grace_s=grace_s):
-            return _train(cfg, ctx, at)
+            summary = _train(cfg, ctx, at)
+        if ctx.distributed:
+            dist.destroy_process_group()
+        return summary
     except Exception as exc:
         failure = report_failure(ctx, exc, step=at.step, grace_s=grace_s)
         log.error("%s", failure)
@@ -255,8 +258,6 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         if losses:
             log.info("loss %.3f -> %.3f (the data's floor %.3f, uniform %.3f); wrote %s and %s", losses[0],
                      losses[-1], floor, data.uniform_loss, metrics.path, png)
-    if ctx.distributed:
-        dist.destroy_process_group()
     return summary
 
 
