@@ -236,6 +236,8 @@ class PipelineSchedule:
         self.groups = [{"F": None, "B": None} for _ in range(self.lanes)]  # per lane
         if ctx.distributed and ctx.pp_size > 1:
             self.groups = [{kind: _pair_group(ctx) for kind in "FB"} for _ in range(self.lanes)]
+            for group in (g for per_lane in self.groups for g in per_lane.values()):
+                _connect(group, ctx.device)
         on_gpu = ctx.device.type == "cuda" and self.lanes > 1
         self._streams = [torch.cuda.Stream(ctx.device) if on_gpu else None for _ in range(self.lanes)]  # per lane
 
@@ -355,6 +357,22 @@ def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> 
         raise ValueError(f"schedule: 'overlap' runs {num_lanes} lanes at once, each needing its own EP groups; "
                          f"{shared[0]} is one for all lanes (build the model with make_dispatcher(cfg, ctx, "
                          f"lanes={num_lanes}))")
+
+
+def _connect(group: dist.ProcessGroup, device: torch.device) -> None:
+    """One message each way between every two ranks of ``group``, all in one batch. NCCL connects
+    two ranks on their first message, and that first send blocks the host until the peer's matching
+    call: with the overlap schedule's four groups a stage could block on one group's first send
+    while its neighbour blocked on another's (seen on four H200s: a hang from the first step).
+    Connected here, at construction, in one order on every rank, the schedule's sends never block
+    the host."""
+    me = dist.get_rank()
+    peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+    out, into = torch.zeros(1, device=device), torch.zeros(len(peers), device=device)
+    ops = [op for k, peer in enumerate(peers) for op in (dist.P2POp(dist.isend, out, peer, group),
+                                                            dist.P2POp(dist.irecv, into[k:k + 1], peer, group))]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _pair_group(ctx: ParallelContext) -> dist.ProcessGroup:

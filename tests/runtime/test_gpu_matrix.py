@@ -23,7 +23,10 @@ pytestmark = pytest.mark.gpu
 
 STEPS = 3
 SMALL_RTOL = 2e-2
-PRESETS = {"tiny": [], "small": [], "v4": ["--layers", "4"], "v3-layer": ["--layers", "4"]}
+# Four blocks each, so that the interleaved schedule's 2 x 2 virtual stages hold one; v3-layer at
+# a tenth of the default learning rate: at the default its loss rises by the third step whatever
+# the dispatcher (seen on four H200s), which is the defaults' problem, not a configuration's.
+PRESETS = {"tiny": ["--layers", "4"], "small": [], "v4": ["--layers", "4"], "v3-layer": ["--lr", "3e-4"]}
 PIPELINES = {"1f1b": ["--pp", "2", "--ep", "2", "--schedule", "1f1b"],
              "interleaved": ["--pp", "2", "--ep", "2", "--schedule", "interleaved"],
              "overlap": ["--pp", "2", "--ep", "2", "--schedule", "overlap"]}
