@@ -11,7 +11,7 @@ the count. It runs beside the rows (``put_tokens`` or ``put_rows``), on a stream
 Each thread loads its row (ids, weight bits, metadata) into registers before it computes, and a
 route's rank comes from comparisons with the ranks' expert ranges and a row's sender from one int32
 division: 64-bit divisions by a runtime size, several per route as the straightforward indexing
-lowers, were most of a small batch's ``plan_receive`` (7 us for 256 rows on an H100, session 11).
+lowers, were most of a small batch's ``plan_receive`` (7 us for 256 rows on an H100).
 
 Values are not checked on the host (no host sync): ``put_routes`` checks each token's routes on
 the device (:func:`assert_routes`), where the reference raises.

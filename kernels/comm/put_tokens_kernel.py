@@ -12,7 +12,7 @@ copy, and rank w's lies ``delta_W[w]`` bytes from it (every region of one symmet
 offsets). The e4m3 rows are stored as ``vec``-byte vectors, 16 where the row and the scale group
 allow, a thread's own (rank 0's copy viewed ``[C, vec]``, so the peer offset falls on a vector boundary; 16-byte
 stores took 95.2 us against 8-byte ones' 96.4 with the barrier at 4096 tokens per rank on two
-H100s, ``bench/scripts/dispatch_parts.py``); scales as 4-byte words. Those stores lie outside the
+H100s); scales as 4-byte words. Those stores lie outside the
 buffers the kernel is given, so TileLang's out-of-bounds guards are off and every access is
 guarded by hand. Values are not checked on the host (no host sync): with ``routes`` the kernel
 checks each token's routes on the device, as ``put_routes`` does (otherwise ``put_routes``, which

@@ -3,7 +3,7 @@ in one launch, :func:`kernels.comm.reference.plan_receive` and the local experts
 (:func:`kernels.permute.reference.expert_layout`) of what arrived.
 
 The two ran as five launches (``plan_receive``, then the layout's fill, rank, scan and scatter
-passes): 12.5 us of kernel time for 256 received rows of top-8 on an H100 (session 12's first
+passes): 12.5 us of kernel time for 256 received rows of top-8 on an H100 (a
 profile), made of launches and round trips to global memory between passes, not of work. Here one
 CTA of ``THREADS`` threads holds the routes (at most ``ROUTES_PER_THREAD`` each, each warp a run of
 consecutive routes, as long for every warp; at most ``MAX_ROUTES``):

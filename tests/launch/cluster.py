@@ -96,7 +96,7 @@ class RayCluster:
     def start(self) -> RayCluster:
         """Starts both nodes; a node whose ``ray start`` fails is stopped and started once more, on
         fresh ports: Ray gives a raylet 30 s to register, which a 2-core CI machine busy with other
-        tests can exceed (seen once in session 16)."""
+        tests can exceed (seen once)."""
         self._start_node(0, self._head)
         self._start_node(1, self._second)
         return self
