@@ -135,11 +135,15 @@ def check_launch(cfg: JobConfig, nproc: int) -> None:
 
 
 def _root_cause(failure) -> str:
-    """The first failed rank's exception line, out of torch elastic's report."""
+    """The cause, out of torch elastic's report: the earliest failure that recorded an error (a
+    process that was killed, or ended by another rank's report, records none), else the first."""
+    recorded = {rank: f for rank, f in failure.failures.items() if isinstance(f.message, dict)}
+    if recorded:
+        rank = min(recorded, key=lambda r: recorded[r].timestamp)
+        lines = [line.strip() for line in recorded[rank].message.get("message", "").splitlines() if line.strip()]
+        return f"rank {rank}: {lines[0] if lines else f'exit code {recorded[rank].exitcode}'}"
     rank, first = failure.get_first_failure()
-    message = first.message.get("message", "") if isinstance(first.message, dict) else str(first.message)
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return f"rank {rank}: {lines[-1] if lines else f'exit code {first.exitcode}'}"
+    return f"rank {rank}: exit code {first.exitcode} (no error recorded: killed, or ended by another rank's failure)"
 
 
 def _train(a: argparse.Namespace) -> None:

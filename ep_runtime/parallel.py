@@ -62,6 +62,7 @@ class ParallelContext:
     # index on every node). None while the EP group fits in one node.
     ep_node_group: dist.ProcessGroup | None = None
     ep_rail_group: dist.ProcessGroup | None = None
+    activity: Activity = dataclasses.field(default_factory=lambda: Activity(), compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -73,8 +74,33 @@ class ParallelContext:
 
     @property
     def where(self) -> str:
-        """``rank 3 (node 1, local 1)``: how logs and errors name this process."""
-        return f"rank {self.rank} (node {self.node_rank}, local {self.local_rank})"
+        """``rank 3 (node 1, local 1, pp 0, ep 1)``: how logs and errors name this process."""
+        return f"rank {self.rank} (node {self.node_rank}, local {self.local_rank}, pp {self.pp_rank}, ep {self.ep_rank})"
+
+
+class Activity:
+    """What this process is waiting on other ranks for, if anything: ``with ctx.activity("the
+    pipeline recv from rank 0"):`` around a wait. Failure reports name it, and ``FailureWatch``
+    ends a process that has waited in one longer than the job's timeout (a wait no collective
+    timeout covers: a host blocked in NCCL's first send to a peer, or in a CUDA sync behind one)."""
+
+    def __init__(self):
+        self.what: str | None = None
+        self.since = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, what: str):
+        outer = self.what, self.since
+        self.what, self.since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            self.what, self.since = outer
+
+    def waiting(self) -> tuple[str, float] | None:
+        """``(what, seconds so far)`` of the innermost wait in progress, None outside any."""
+        what = self.what
+        return None if what is None else (what, time.monotonic() - self.since)
 
 
 def node_rank() -> int:
@@ -248,6 +274,7 @@ def report_failure(ctx: ParallelContext, exc: BaseException, *, step: int, grace
     error of their own or, if none did, the ranks that never reported (withheld, hung or dead)."""
     comm = is_communication_error(exc)
     mine = {"where": ctx.where, "step": step, "error": _summary(exc), "comm": comm}
+    waiting = ctx.activity.waiting()
     if not comm:
         if ctx.store is not None:
             with contextlib.suppress(Exception):  # a courtesy to the other ranks; the error stands anyway
@@ -255,7 +282,8 @@ def report_failure(ctx: ParallelContext, exc: BaseException, *, step: int, grace
                 ctx.store.add(_report_key("count"), 1)
         return RankFailed(f"{ctx.where} failed at step {step}: {mine['error']}", rank=ctx.rank,
                           culprits=(ctx.rank,), primary=True)
-    message = f"{ctx.where} stopped at step {step}: a collective failed ({mine['error']})"
+    during = f" after {waiting[1]:.0f} s in {waiting[0]}" if waiting else ""
+    message = f"{ctx.where} stopped at step {step}{during}: a collective failed ({mine['error']})"
     if ctx.store is None:
         return RankFailed(message, rank=ctx.rank, culprits=(), primary=False)
     try:
@@ -286,14 +314,16 @@ def report_failure(ctx: ParallelContext, exc: BaseException, *, step: int, grace
 
 
 class FailureWatch:
-    """While active (a context manager), a thread ends this process if another rank has reported a
-    failure and this one has neither finished nor reported within ``grace_s``, or if the job's
-    store has been unreachable that long: a withheld or stuck rank does not outlive its job (a
-    launcher only ends the processes of its own node). Polls its own store connection every
-    ``poll_s``; does nothing in a single-process job."""
+    """While active (a context manager), a thread ends this process if it has waited on other ranks
+    (``ctx.activity``) longer than ``timeout_s``, reporting that wait as its failure; or if another
+    rank has reported a failure and this one has neither finished nor reported within ``grace_s``,
+    or the job's store has been unreachable that long: a withheld or stuck rank does not outlive
+    its job (a launcher only ends the processes of its own node). Polls its own store connection
+    every ``poll_s``; does nothing in a single-process job. ``step()`` is the step in progress."""
 
-    def __init__(self, ctx: ParallelContext, *, grace_s: float, poll_s: float = 1.0):
-        self.ctx, self.grace_s, self.poll_s = ctx, grace_s, poll_s
+    def __init__(self, ctx: ParallelContext, *, grace_s: float, timeout_s: float, step=lambda: 0,
+                 poll_s: float = 1.0):
+        self.ctx, self.grace_s, self.timeout_s, self.step, self.poll_s = ctx, grace_s, timeout_s, step, poll_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ep_runtime-failure-watch", daemon=True)
 
@@ -314,6 +344,7 @@ class FailureWatch:
             try:
                 store = store or dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                is_master=False, timeout=datetime.timedelta(seconds=10))
+                self._end_if_stuck(store)
                 if store.check([_report_key(self.ctx.rank)]) or store.add(_report_key("count"), 0) == 0:
                     since = None
                     continue
@@ -327,3 +358,23 @@ class FailureWatch:
                           self.ctx.where, self.grace_s, trouble)
                 logging.shutdown()
                 os._exit(1)
+
+    def _end_if_stuck(self, store: dist.Store) -> None:
+        """Ends this process, reported as the job's failure, once its current wait passed the timeout."""
+        waiting = self.ctx.activity.waiting()
+        if waiting is None or waiting[1] < self.timeout_s or self._done.is_set():
+            return
+        step, error = self.step(), f"waited {waiting[1]:.0f} s in {waiting[0]}"
+        failure = RankFailed(f"{self.ctx.where} {error} at step {step}", rank=self.ctx.rank, culprits=(self.ctx.rank,),
+                             primary=True)
+        with contextlib.suppress(Exception):  # the store's host may be the peer it waits for
+            store.set(_report_key(self.ctx.rank), json.dumps({"where": self.ctx.where, "step": step, "error": error,
+                                                               "comm": False}))
+            store.add(_report_key("count"), 1)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # the launcher's report names this failure
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(failure)
+        log.error("%s", failure)
+        logging.shutdown()
+        os._exit(1)

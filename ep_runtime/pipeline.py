@@ -277,8 +277,9 @@ class PipelineSchedule:
         self._losses: dict[int, torch.Tensor] = {}
         self._load = {moe: torch.zeros_like(moe.load_E) for moe in self.stage.model.moe_layers}
         self._run(ops, micro)
-        for work, _ in self._sends:
-            work.wait()
+        with self.ctx.activity("the pipeline sends' completion"):
+            for work, _ in self._sends:
+                work.wait()
         for moe, load_E in self._load.items():
             moe.load_E = load_E
         losses = [self._losses[i] for i in sorted(self._losses)]
@@ -310,7 +311,8 @@ class PipelineSchedule:
         if synchronize:  # this rank's own work is not waiting
             torch.cuda.current_stream().synchronize()
         start = time.perf_counter()
-        dist.irecv(t, src, group=self.groups[lanes.current()][kind]).wait()
+        with self.ctx.activity(f"the pipeline recv from rank {src}"):
+            dist.irecv(t, src, group=self.groups[lanes.current()][kind]).wait()
         if synchronize:  # NCCL receives complete on the stream
             torch.cuda.current_stream().synchronize()
         self.wait_s += time.perf_counter() - start
@@ -340,7 +342,8 @@ class PipelineSchedule:
 
     def _send(self, t: torch.Tensor, dst: int, kind: str) -> None:
         t = t.to(self._shape.wire_dtype).contiguous()
-        self._sends.append((dist.isend(t, dst, group=self.groups[lanes.current()][kind]), t))  # alive until done
+        with self.ctx.activity(f"the pipeline send to rank {dst}"):  # NCCL may block a first send
+            self._sends.append((dist.isend(t, dst, group=self.groups[lanes.current()][kind]), t))  # alive until done
 
 
 def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> None:

@@ -67,7 +67,8 @@ def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
         flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat, group=group)
+        with ctx.activity("the gradient all-reduce"):
+            dist.all_reduce(flat, group=group)
         flat /= data_ranks
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
@@ -78,10 +79,15 @@ def global_expert_load(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tenso
     for its layers)."""
     load_LE = torch.stack([moe.load_E for moe in model.moe_layers]).to(ctx.device, torch.int64)
     if ctx.distributed:
-        dist.all_reduce(load_LE, group=ctx.stage_group)
+        with ctx.activity("the expert-load all-reduce"):
+            dist.all_reduce(load_LE, group=ctx.stage_group)
     return load_LE
 
 
+# How long a rank whose collective failed waits for the others' reports before it names the
+# culprit, and how long a rank may go on after another reported a failure: the job ends within
+# the timeout plus this.
+REPORT_GRACE_S = 5.0
 FAULT_ENV = "EP_RUNTIME_FAIL_AT_STEP"
 FAULT_KINDS = ("raise", "kill", "hang")
 
@@ -137,9 +143,9 @@ def worker(cfg: JobConfig) -> dict:
     _setup_logging()
     ctx = init_parallel(cfg.parallel)
     at = _Position()
-    grace_s = min(cfg.parallel.timeout_s, 30.0)
+    grace_s = min(cfg.parallel.timeout_s, REPORT_GRACE_S)
     try:
-        with FailureWatch(ctx, grace_s=grace_s):
+        with FailureWatch(ctx, grace_s=grace_s, timeout_s=cfg.parallel.timeout_s, step=lambda: at.step):
             summary = _train(cfg, ctx, at)
         if ctx.distributed:
             dist.destroy_process_group()
@@ -232,7 +238,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             moe.router.update_bias(load_E)
         mean_loss = loss.detach().float()
         if ctx.distributed:
-            dist.all_reduce(mean_loss)
+            with ctx.activity("the loss all-reduce"):
+                dist.all_reduce(mean_loss)
             mean_loss /= data_ranks
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start

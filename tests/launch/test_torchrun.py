@@ -42,10 +42,10 @@ def test_failing_rank_is_named_on_both_nodes(tmp_path):
     codes, logs = run_two_agents(tmp_path, "--timeout", "5", fault="1:3:raise")
     assert all(code not in (0, None) for code in codes), logs
     both = "\n".join(logs)
-    assert "RankFailed: rank 1 (node 1, local 0) failed at step 3: RuntimeError: injected fault" in both
+    assert "RankFailed: rank 1 (node 1, local 0, pp 0, ep 1) failed at step 3: RuntimeError: injected fault" in both
     # rank 0, on the other node, says why it stopped
-    assert "RankFailed: rank 0 (node 0, local 0) stopped at step 3: a collective failed" in both
-    assert "because rank 1 (node 1, local 0) failed at step 3" in both
+    assert "RankFailed: rank 0 (node 0, local 0, pp 0, ep 0) stopped at step 3" in both
+    assert "because rank 1 (node 1, local 0, pp 0, ep 1) failed at step 3" in both
 
 
 def test_withheld_rank_times_out_and_is_named(tmp_path):
