@@ -53,7 +53,7 @@ class MoELayer(nn.Module):
         if not (isinstance(ep_rank, int) and 0 <= ep_rank < self.ep_size):
             raise ValueError(f"ep_rank: expected 0..{self.ep_size - 1} (the dispatcher's EP size {self.ep_size}), "
                              f"got {ep_rank!r}")
-        if getattr(dispatcher, "ep_rank", ep_rank) != ep_rank:  # a Dispatcher written before ep_rank has none
+        if dispatcher.ep_rank != ep_rank:
             raise ValueError(f"ep_rank: expected the dispatcher's rank in its EP group, {dispatcher.ep_rank} (it "
                              f"receives that rank's experts' tokens), got {ep_rank}")
         if placement is None and dispatcher.num_experts != cfg.num_experts:

@@ -22,7 +22,7 @@ from kernels.reduce import weighted_reduce
 from kernels.validate import check_routes
 
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
+from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,15 @@ def sum_home(rows_SX: torch.Tensor, home_TW: torch.Tensor, out_dtype: torch.dtyp
     return out_TX.view(home_TW.shape[0], *rows_SX.shape[1:])
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(Dispatcher, name="all_to_all"):
     """Dispatch/combine over ``all_to_all_single`` within ``group`` (None: a single process)."""
+
+    fp8_combine_capable = True
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment, fp8=cfg.fp8_dispatch,
+                   fp8_combine=cfg.fp8_combine)
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None, alignment: int = 128,
                  fp8: bool = False, fp8_combine: bool = False):
@@ -88,7 +95,7 @@ class AllToAllDispatcher:
         return self._exchange(rows_TX.index_select(0, route.send_token_S), route.splits.send, route.splits.recv)
 
     def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute, *, fp8: bool = False) -> torch.Tensor:
-        """``Transport.gather_home``; with ``fp8`` the rows travel as ``reduce_home``'s do."""
+        """``Dispatcher.gather_home``; with ``fp8`` the rows travel as ``reduce_home``'s do."""
         if not fp8:
             return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
         # Every row travels as e4m3 (the own block too: one collective), but the own block's

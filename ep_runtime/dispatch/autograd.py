@@ -19,7 +19,7 @@ Shape letters as in ``protocol``: T tokens, K routes, D hidden, R received rows,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +27,8 @@ from kernels.permute import ExpertLayout, expand
 from kernels.quant import expand_cast_back
 from kernels.reduce import weighted_reduce_backward
 
-from .protocol import Route
+if TYPE_CHECKING:
+    from .protocol import Dispatcher, Route
 
 FP8_GROUP = 128  # columns per scale of tokens that travel as FP8 (DeepSeek's 1x128)
 
@@ -50,29 +51,6 @@ def expand_rows(rows_RD: torch.Tensor | Fp8Rows, layout: ExpertLayout) -> torch.
     return expand(rows_RD, layout)
 
 
-class Transport(Protocol):
-    def scatter(self, rows_TX: torch.Tensor, route: Route) -> torch.Tensor:
-        """[T, X] token rows -> [R, X] rows received (valid until this transport's next call)."""
-        ...
-
-    def gather_home(self, rows_RX: torch.Tensor, route: Route) -> torch.Tensor:
-        """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32.
-        A backend that moves the router weights' gradients ([R, K] float32) otherwise than rows
-        also has ``gather_weights_home`` with the same arguments (``deepep``: combine's
-        ``topk_weights``); :class:`DispatchFn` uses it where there is one."""
-        ...
-
-    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route, *,
-                    fp8: bool = False) -> torch.Tensor:
-        """Combine's forward: each received row's routes in ``y_PD`` reduced with their weights
-        (float32 sums, in y's dtype; ``kernels.reduce.weighted_reduce``), then home as
-        ``gather_home`` brings them (a backend may fuse the two). With ``fp8`` (backends with an
-        FP8 combine) a row that travels to another rank goes as e4m3 with per-token 1 x 128 scales
-        (``kernels.quant.per_token_cast`` of the reduced row) and is dequantized (``q * sf``, float32)
-        into the home sum; a rank's rows for itself stay in y's dtype; the sum is in y's dtype."""
-        ...
-
-
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
     given what the backend already moved and laid out (``x_PD`` and ``weights_RK``: no gradient of
@@ -80,7 +58,7 @@ class DispatchFn(torch.autograd.Function):
     a backend hands over tensors of its own, never views of a buffer it reuses."""
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, x_PD, weights_RK, route: Route, transport: Transport):
+    def forward(ctx, x_TD, weights_TK, x_PD, weights_RK, route: Route, transport: Dispatcher):
         ctx.route, ctx.transport = route, transport
         return x_PD, weights_RK
 
@@ -95,8 +73,7 @@ class DispatchFn(torch.autograd.Function):
             if grad_weights_RK is None:
                 grad_weights_RK = torch.zeros(pos_RK.shape, dtype=torch.float32, device=pos_RK.device)
             # where, not a product: rows of routes elsewhere may hold anything (a backend's stale rows).
-            gather = getattr(transport, "gather_weights_home", transport.gather_home)
-            grad_weights_TK = gather(torch.where(routed_RK, grad_weights_RK, 0.0), route)
+            grad_weights_TK = transport.gather_weights_home(torch.where(routed_RK, grad_weights_RK, 0.0), route)
         return grad_TD, grad_weights_TK, None, None, None, None
 
 
@@ -105,7 +82,7 @@ class CombineFn(torch.autograd.Function):
     rows as FP8 when ``fp8``: the backward then passes the gradient straight through the cast)."""
 
     @staticmethod
-    def forward(ctx, y_PD, weights_RK, route: Route, transport: Transport, fp8: bool):
+    def forward(ctx, y_PD, weights_RK, route: Route, transport: Dispatcher, fp8: bool):
         ctx.route, ctx.transport = route, transport
         ctx.save_for_backward(y_PD, weights_RK)
         if fp8:

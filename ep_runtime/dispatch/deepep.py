@@ -25,7 +25,7 @@ from kernels.reduce import weighted_reduce
 from kernels.validate import check_routes
 
 from .autograd import CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
+from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,16 @@ def import_deep_ep() -> types.ModuleType:
     return deep_ep
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(Dispatcher, name="deepep"):
     """Dispatch/combine through ``buffer_api.Buffer`` over ``group`` (default: ``deep_ep``)."""
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        if ctx.ep_rail_group is not None:
+            raise ValueError("model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode, and this EP group spans "
+                             "nodes; use 'nvlink' (two stages: NVLink inside nodes, all_to_all between them) or "
+                             "'all_to_all'")
+        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment, fp8=cfg.fp8_dispatch)
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, alignment: int = 128, fp8: bool = False,
                  buffer_api: types.ModuleType | None = None, num_nvl_bytes: int = 1 << 30):

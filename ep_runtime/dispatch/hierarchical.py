@@ -31,7 +31,7 @@ from kernels.validate import check_positive, check_routes
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
 from .nvlink import NVLinkDispatcher, PeerRoute
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
+from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,12 @@ class TwoStageRoute:
     num_tokens: int
 
 
-class HierarchicalDispatcher:
+class HierarchicalDispatcher(Dispatcher, name="hierarchical"):
     """Dispatch/combine over an EP group of ``N`` nodes x ``G`` ranks: ``rail_group`` (this rank's
-    local index on every node) and ``node_group`` (this rank's node)."""
+    local index on every node) and ``node_group`` (this rank's node). ``nvlink``'s backend over an
+    EP group that spans nodes."""
+
+    fp8_combine_capable = True
 
     def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
                  device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,

@@ -69,7 +69,7 @@ from kernels.validate import check_positive
 
 from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
-from .protocol import DispatchHandle, check_combine_args, check_dispatch_args, local_experts
+from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from .symmetric import SymmetricHeap, aligned, make_heap
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
@@ -138,9 +138,21 @@ class PeerRoute:
     num_tokens: int
 
 
-class NVLinkDispatcher:
+class NVLinkDispatcher(Dispatcher, name="nvlink"):
     """Dispatch/combine through a symmetric heap over ``group`` (GPUs of one NVLink domain, or CPU
     processes of one host). Experts are placed contiguously, as in ``AllToAllDispatcher``."""
+
+    fp8_combine_capable = True
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        """Over the EP group; two-stage (``HierarchicalDispatcher``) when the group spans nodes."""
+        sizes = dict(num_experts=cfg.num_experts, device=ctx.device, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                     alignment=cfg.alignment, fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
+        if ctx.ep_rail_group is not None:  # registered by hierarchical.py, which builds on this class
+            return Dispatcher.backends["hierarchical"](rail_group=ctx.ep_rail_group, node_group=ctx.ep_node_group,
+                                                       **sizes)
+        return cls(group=ctx.ep_group, **sizes)
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, device: torch.device, max_tokens_per_rank: int,
                  alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):

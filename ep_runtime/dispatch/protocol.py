@@ -3,10 +3,12 @@
 Shape letters: T tokens on this rank, K routes per token (top-k), D hidden, R rows this rank
 receives (one per token per destination rank), P rows of the expert-major layout.
 
-Backends: ``all_to_all`` (``all_to_all_single``), ``nvlink`` (a symmetric heap, no host sync),
-``hierarchical`` (the two across nodes), ``deepep`` (DeepEP's ``Buffer``). Each supplies its route
-and the transport of ``autograd.py`` (``scatter`` / ``gather_home``); one conformance suite
-(``tests/runtime/test_dispatch_conformance.py``) holds them to this contract.
+Backends subclass ``Dispatcher`` and register under the name ``model.moe.dispatcher`` gives
+(``class NVLinkDispatcher(Dispatcher, name="nvlink")``): ``all_to_all`` (``all_to_all_single``),
+``nvlink`` (a symmetric heap, no host sync; two-stage, ``hierarchical``, when the EP group spans
+nodes), ``deepep`` (DeepEP's ``Buffer``). Each supplies ``dispatch``, ``combine`` and the transport
+hooks the shared autograd of ``autograd.py`` calls (``scatter``, ``gather_home``, ``reduce_home``);
+one conformance suite (``tests/runtime/test_dispatch_conformance.py``) holds them to this contract.
 
 ``dispatch`` puts each token once on every EP rank that owns one of its experts (once per rank,
 not per route: link bytes are the scarce resource) and hands the local experts an expert-major
@@ -17,13 +19,18 @@ there. Both are differentiable in ``x``, ``y`` and the router weights.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from kernels.permute import ExpertLayout
 from kernels.validate import check_positive, check_tensor
+
+if TYPE_CHECKING:
+    from ..config import MoEConfig
+    from ..parallel import ParallelContext
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -49,13 +56,31 @@ class DispatchHandle:
     recv_weights_RK: torch.Tensor
 
 
-class Dispatcher(Protocol):
-    """Moves tokens to the ranks of their experts and their results back. Not an nn.Module."""
+class Dispatcher(abc.ABC):
+    """Moves tokens to the ranks of their experts and their results back. Not an nn.Module.
+
+    A subclass given a ``name`` (``class X(Dispatcher, name="x")``) is the backend of that
+    ``model.moe.dispatcher``; ``from_config`` builds it over a rank's EP group."""
+
+    backends: ClassVar[dict[str, type[Dispatcher]]] = {}  # by name, filled as subclasses are defined
+    fp8_combine_capable: ClassVar[bool] = False  # combine can send expert outputs home as FP8
 
     num_experts: int  # global (physical) experts over the EP group
     num_local_experts: int
     ep_rank: int  # this process's rank in the EP group: it holds experts [ep_rank * E_local, (ep_rank + 1) * E_local)
 
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            Dispatcher.backends[name] = cls
+
+    @classmethod
+    def from_config(cls, cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:
+        """This backend over ``ctx``'s EP group, as ``cfg`` asks (raises ``ValueError`` naming the
+        setting where the group does not suit it)."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a config")
+
+    @abc.abstractmethod
     def dispatch(
         self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor
     ) -> tuple[torch.Tensor, ExpertLayout, DispatchHandle]:
@@ -76,11 +101,35 @@ class Dispatcher(Protocol):
         """
         ...
 
+    @abc.abstractmethod
     def combine(self, y_PD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """``y_PD`` [P, D] expert outputs in the layout of ``dispatch`` -> ``out_TD`` [T, D]:
         ``out[t] = sum_k w[t, k] * expert_k(x[t])`` over routes not masked (zero rows for tokens
         with no route)."""
-        ...
+
+    # The transport over a route the backend planned, which the autograd of ``autograd.py`` calls.
+    @abc.abstractmethod
+    def scatter(self, rows_TX: torch.Tensor, route: Route) -> torch.Tensor:
+        """[T, X] token rows -> [R, X] rows received (valid until this transport's next call)."""
+
+    @abc.abstractmethod
+    def gather_home(self, rows_RX: torch.Tensor, route: Route) -> torch.Tensor:
+        """[R, X] received rows -> [T, X]: each token's rows from every rank, summed in float32."""
+
+    def gather_weights_home(self, weights_RK: torch.Tensor, route: Route) -> torch.Tensor:
+        """The router weights' gradients ([R, K] float32) home, summed: ``gather_home`` unless a
+        backend moves them otherwise (``deepep``: combine's ``topk_weights``)."""
+        return self.gather_home(weights_RK, route)
+
+    @abc.abstractmethod
+    def reduce_home(self, y_PD: torch.Tensor, weights_RK: torch.Tensor, route: Route, *,
+                    fp8: bool = False) -> torch.Tensor:
+        """Combine's forward: each received row's routes in ``y_PD`` reduced with their weights
+        (float32 sums, in y's dtype; ``kernels.reduce.weighted_reduce``), then home as
+        ``gather_home`` brings them (a backend may fuse the two). With ``fp8`` (backends that are
+        ``fp8_combine_capable``) a row that travels to another rank goes as e4m3 with per-token
+        1 x 128 scales and is dequantized (``q * sf``, float32) into the home sum; a rank's rows for
+        itself stay in y's dtype; the sum is in y's dtype."""
 
 
 def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> None:
