@@ -114,7 +114,10 @@ class CudaHeap:
     rows). Other ranks raise instead. A group of one rank has no peers and needs no rendezvous."""
 
     _ranks_of_process: tuple[int, ...] | None = None  # the ranks this process's rendezvous went over
-    _kept: list = []  # every heap, never freed: a second dispatcher's heap hung after the first's was freed
+    # Every heap and its peer mappings, never freed: freeing a mapping runs cudaDeviceSynchronize
+    # (torch's AllocationRef), which on a host between a peer-waiting kernel and the launch its peer
+    # waits for never returns. A dispatcher whose heap grew used to drop the old handle there.
+    _kept: list = []
 
     def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -137,7 +140,7 @@ class CudaHeap:
             local = symm_mem.empty(total, dtype=torch.uint8, device=device)
             local.zero_()
             self.handle = symm_mem.rendezvous(local, group)
-            CudaHeap._kept.append(local)
+            CudaHeap._kept.append((local, self.handle))
             whole = [local if r == self.rank else self.handle.get_buffer(r, (total,), torch.uint8)
                      for r in range(self.world)]
         self.heaps = [h[:nbytes] for h in whole]
