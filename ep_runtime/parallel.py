@@ -120,8 +120,14 @@ def single_process(device: torch.device | None = None) -> ParallelContext:
 
 
 def init_parallel(cfg: ParallelConfig) -> ParallelContext:
-    """Joins the job described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+    """Joins the job described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+    Without it this is a one-process job, which holds every expert: asking it for more than one
+    EP rank or pipeline stage is an error, not a silent EP 1."""
     if "WORLD_SIZE" not in os.environ:
+        for name, size in (("parallel.ep", cfg.ep), ("parallel.pp", cfg.pp)):
+            if size is not None and size > 1:
+                raise ValueError(f"{name}: expected 1 in a process outside a distributed job (no WORLD_SIZE in the "
+                                 f"environment), got {size}; start it with torchrun or ep-runtime train")
         return single_process()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

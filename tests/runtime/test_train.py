@@ -97,3 +97,17 @@ def test_v4_preset_from_the_command_line(tmp_path):
     assert cfg.model.moe.fp8_dispatch and cfg.model.moe.router.topk == 1
     with pytest.raises(ValueError, match="model.engram.layers"):
         config(tmp_path, "v4", "--model", "v4", "--layers", "2")  # Engram sits on layer 2
+
+
+def test_init_parallel_outside_a_job_refuses_more_than_one_rank(monkeypatch):
+    """Under plain ``python`` there is one process: EP 8 or PP 2 cannot be had, and saying so beats
+    running at EP 1."""
+    from ep_runtime.config import ParallelConfig
+    from ep_runtime.parallel import init_parallel
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"^parallel\.ep: expected 1 in a process outside a distributed job .* got 8"):
+        init_parallel(ParallelConfig(ep=8))
+    with pytest.raises(ValueError, match=r"^parallel\.pp: expected 1 .* got 2"):
+        init_parallel(ParallelConfig(pp=2, microbatches=2))
+    assert init_parallel(ParallelConfig()).world_size == 1
