@@ -51,7 +51,15 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr,
+                   help=f"peak learning rate, after warmup (default {TrainConfig.lr})")
+    p.add_argument("--warmup-fraction", type=float, default=TrainConfig.warmup_fraction,
+                   help=f"fraction of the steps warming the learning rate up (default {TrainConfig.warmup_fraction}); "
+                        f"then cosine decay to {TrainConfig.min_lr_ratio} x --lr")
+    p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
+                   help=f"AdamW's, on matrices only (default {TrainConfig.weight_decay})")
+    p.add_argument("--max-grad-norm", type=float, default=TrainConfig.max_grad_norm,
+                   help=f"clip the whole model's gradient norm to this, 0: off (default {TrainConfig.max_grad_norm})")
     p.add_argument("--fp8-dispatch", action="store_true", help="tokens travel as FP8 e4m3 (per-token scales)")
     p.add_argument("--dispatcher", choices=("all_to_all", "nvlink", "deepep"), default=MoEConfig.dispatcher,
                    help="dispatch/combine backend: all_to_all (default), nvlink (symmetric memory, no host sync; "
@@ -98,6 +106,7 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
     model = dataclasses.replace(model, moe=moe, max_seq_len=max(model.max_seq_len, a.seq_len),
                                 **_given(num_layers=a.layers, hidden=a.hidden))
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
+                        warmup_fraction=a.warmup_fraction, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
     parallel = ParallelConfig(ep=a.ep, pp=a.pp, microbatches=a.microbatches or (2 * a.pp if a.pp > 1 else 1),

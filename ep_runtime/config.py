@@ -215,8 +215,11 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 8  # sequences per rank per step
     seq_len: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.0
+    lr: float = 3e-3  # the peak, after warmup; cosine decay to lr * min_lr_ratio at the last step
+    warmup_fraction: float = 0.05  # of the steps, warming the learning rate up linearly
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1  # AdamW's, on matrices only (optim.param_groups)
+    max_grad_norm: float = 1.0  # clip the whole model's gradient norm to this; 0: no clipping
     seed: int = 0
     out_dir: str = "runs"
     name: str = "tiny"
@@ -224,10 +227,18 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (out_dir/name/ckpt/step_<n>/); 0: none
     resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
 
+    @property
+    def warmup_steps(self) -> int:
+        return round(self.warmup_fraction * self.steps)
+
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "log_every"):
             _require(getattr(self, name) >= 1, f"train.{name}", ">= 1", getattr(self, name))
         _require(self.lr > 0, "train.lr", "> 0", self.lr)
+        _require(0 <= self.warmup_fraction < 1, "train.warmup_fraction", "in [0, 1)", self.warmup_fraction)
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _require(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
+        _require(self.max_grad_norm >= 0, "train.max_grad_norm", ">= 0", self.max_grad_norm)
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", self.checkpoint_every)
 
 

@@ -39,6 +39,7 @@ from .dispatch import make_dispatcher
 from .placement import sync_replica_gradients
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
+from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
 from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
 from .pipeline import PipelineSchedule, PipelineStage
 
@@ -179,7 +180,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
     data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
     data = MarkovText(cfg.model.vocab_size, seed=t.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -231,6 +232,9 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             loss = torch.zeros((), device=ctx.device) if loss is None else loss
         average_gradients(model, ctx)
         sync_replica_gradients(model, ctx)
+        norm = clip_grad_norm(model, ctx, t.max_grad_norm) if t.max_grad_norm else grad_norm(model, ctx)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, t)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         load_LE = global_expert_load(model, ctx)
@@ -245,7 +249,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
-        record_ = {"step": step, "loss": losses[-1], "tokens_per_s": tokens_per_step / elapsed,
+        record_ = {"step": step, "loss": losses[-1], "lr": learning_rate(step, t), "grad_norm": float(norm),
+                   "tokens_per_s": tokens_per_step / elapsed,
                    "step_time_s": elapsed, "expert_load": load_LE.tolist(),
                    "load_imbalance": float((load_LE.max(-1).values / load_LE.float().mean(-1)).max())}
         if metrics:

@@ -87,14 +87,17 @@ def test_one_stage_is_gradient_accumulation(schedule):
 
 def test_train_pp2_ep2_matches_ep2(tmp_path):
     """``ep-runtime train --pp 2 --ep 2`` on 4 processes trains like ``--ep 2`` on 2: the same two
-    data ranks, the same model, the same steps (AdamW; losses within 1e-4 relative)."""
+    data ranks, the same model, the same steps (AdamW; losses within 1e-4 relative). The gradient
+    norm, over the stages' blocks and the EP ranks' experts, is the same too, and clipping at a
+    norm every step exceeds keeps the losses equal (a norm counted wrong would scale otherwise)."""
     from ep_runtime.cli import job_config_from_args, train_parser
+    from ep_runtime.metrics import read_metrics
     from ep_runtime.train import worker
 
     def config(name, *extra):
         return job_config_from_args(train_parser().parse_args(
             ["--steps", "4", "--batch-size", "4", "--seq-len", "16", "--layers", "4", "--ep", "2", "--out",
-             str(tmp_path), "--name", name, *extra]))
+             str(tmp_path), "--name", name, "--max-grad-norm", "0.05", *extra]))
 
     piped = launch_local(worker, config("pp", "--pp", "2", "--microbatches", "2"), nproc=4)
     plain = launch_local(worker, config("plain"), nproc=2)
@@ -102,7 +105,9 @@ def test_train_pp2_ep2_matches_ep2(tmp_path):
     assert len(losses) == 4
     for rank in range(4):
         torch.testing.assert_close(piped[rank]["losses"], losses, rtol=1e-4, atol=0)
-    assert (tmp_path / "pp" / "metrics.jsonl").is_file()
+    norms = {run: [r["grad_norm"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] for run in ("pp", "plain")}
+    assert min(norms["plain"]) > 0.05, norms  # clipping acted at every step
+    torch.testing.assert_close(norms["pp"], norms["plain"], rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3)])
