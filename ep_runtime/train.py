@@ -249,17 +249,20 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
+        imbalance_L = load_LE.max(-1).values / load_LE.float().mean(-1)  # max/mean per MoE layer
         record_ = {"step": step, "loss": losses[-1], "lr": learning_rate(step, t), "grad_norm": float(norm),
                    "tokens_per_s": tokens_per_step / elapsed,
                    "step_time_s": elapsed, "expert_load": load_LE.tolist(),
-                   "load_imbalance": float((load_LE.max(-1).values / load_LE.float().mean(-1)).max())}
+                   "load_imbalance": float(imbalance_L.max())}
         if metrics:
             metrics.write(record_)
         progress.update(1)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % t.log_every == 0 or step == t.steps:
-            log.info("step %d loss %.4f tokens/s %.0f max/mean expert load %.2f load %s", step, losses[-1],
-                     record_["tokens_per_s"], record_["load_imbalance"], load_LE.tolist())
+            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f max/mean expert load %.2f (worst of "
+                     "%d MoE layers: number %d; every load in metrics.jsonl)", step, losses[-1], record_["lr"],
+                     record_["grad_norm"], record_["tokens_per_s"], record_["load_imbalance"], len(imbalance_L),
+                     int(imbalance_L.argmax()) + 1)
     progress.close()
     summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
                "first_step": first_step, "losses": losses}

@@ -34,7 +34,8 @@ def _choice(device_type: str, index: int | None) -> str:
         choice, why = "reference", f"{device_type} device"
     if choice == "tilelang" and device_type != "cuda":
         raise ValueError(f"EP_KERNELS=tilelang needs a CUDA device, got {device_type}")
-    log.info("kernels on %s:%s: %s (%s)", device_type, index, choice, why)
+    where = device_type if index is None else f"{device_type}:{index}"
+    log.info("kernels on %s: %s (%s)", where, choice, why)
     return choice
 
 
