@@ -109,9 +109,11 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
                         warmup_fraction=a.warmup_fraction, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
                         resume=a.resume)
-    parallel = ParallelConfig(ep=a.ep, pp=a.pp, microbatches=a.microbatches or (2 * a.pp if a.pp > 1 else 1),
-                              schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout,
-                              virtual_stages=a.virtual_stages or (2 if a.schedule == "interleaved" else 1))
+    default_microbatches = 2 * a.pp if a.pp > 1 else 1
+    parallel = ParallelConfig(ep=a.ep, pp=a.pp, schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout,
+                              microbatches=default_microbatches if a.microbatches is None else a.microbatches,
+                              virtual_stages=(2 if a.schedule == "interleaved" else 1) if a.virtual_stages is None
+                              else a.virtual_stages)
     return JobConfig(model=model, parallel=parallel, train=train)
 
 

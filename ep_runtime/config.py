@@ -202,6 +202,8 @@ class ParallelConfig:
         _require(_is_int(self.virtual_stages) and self.virtual_stages >= 1
                  and (self.virtual_stages > 1) == (self.schedule == "interleaved"), "parallel.virtual_stages",
                  "an int > 1 with the interleaved schedule, 1 with the others", self.virtual_stages)
+        _require(self.pp > 1 or self.schedule in ("1f1b", "gpipe"), "parallel.schedule",
+                 "'1f1b' or 'gpipe' with one pipeline stage (parallel.pp = 1)", self.schedule)
         if self.ep is not None:
             _require(self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         if self.ranks_per_node is not None:

@@ -111,3 +111,13 @@ def test_init_parallel_outside_a_job_refuses_more_than_one_rank(monkeypatch):
     with pytest.raises(ValueError, match=r"^parallel\.pp: expected 1 .* got 2"):
         init_parallel(ParallelConfig(pp=2, microbatches=2))
     assert init_parallel(ParallelConfig()).world_size == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pp", "2", "--microbatches", "0"], r"^parallel\.microbatches: expected an int >= 1, got 0"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "0"], r"^parallel\.virtual_stages: "),
+    (["--schedule", "overlap"], r"^parallel\.schedule: expected '1f1b' or 'gpipe' with one pipeline stage"),
+])
+def test_settings_that_cannot_work_are_refused_before_any_process_starts(flags, message):
+    with pytest.raises(ValueError, match=message):
+        job_config_from_args(train_parser().parse_args(flags))
