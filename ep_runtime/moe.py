@@ -94,7 +94,7 @@ class MoELayer(nn.Module):
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Routes by ``placement`` from now on and records its slots' experts. Moves no weights:
-        ``ep_runtime.placement.switch_placement`` does that (and calls this)."""
+        ``ep_runtime.replicas.switch_placement`` does that (and calls this)."""
         self.check_placement(placement, name="placement")
         fraction_ER, log2phy_ER = placement.route_tables(self.ep_rank)
         device = self.router.weight.device

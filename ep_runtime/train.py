@@ -6,7 +6,7 @@ from the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, GROUP_RANK
 
 Failures: an error on a rank ends the job with a ``RankFailed`` naming the rank and its error; a
 rank whose collective breaks or times out (``--timeout``) names the rank that failed first or the
-ranks that never answered (see ``parallel.report_failure``). A restarted job
+ranks that never answered (see ``failures.report_failure``). A restarted job
 (``TORCHELASTIC_RESTART_COUNT`` > 0, set by torchrun and the Ray launcher) continues from the
 newest checkpoint, if there is one; ``--resume`` asks for that explicitly.
 
@@ -36,11 +36,13 @@ from . import checkpoint
 from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
-from .placement import sync_replica_gradients
+from .replicas import sync_replica_gradients
 from .metrics import MetricsLog, plot_loss, read_metrics
 from .model import TinyDeepSeek
+from .options import job_config_from_args, train_parser
 from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
-from .parallel import FailureWatch, ParallelContext, init_parallel, node_rank, report_failure, restart_count
+from .failures import FailureWatch, report_failure, restart_count
+from .parallel import ParallelContext, init_parallel, node_rank
 from .pipeline import PipelineSchedule, PipelineStage
 
 log = logging.getLogger("ep_runtime.train")
@@ -287,7 +289,6 @@ def _progress(total: int, *, initial: int, enabled: bool):
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point under torchrun: ``torchrun ... -m ep_runtime.train [train options]``."""
-    from .cli import job_config_from_args, train_parser
 
     worker(job_config_from_args(train_parser().parse_args(argv)))
 

@@ -256,7 +256,7 @@ def _collect(futures: dict, *, envs_by_rank: dict[int, dict], config: RayConfig,
 def _report(rank: int, err: BaseException, env: dict[str, str]) -> _Report:
     import ray.exceptions
 
-    from ep_runtime.parallel import RankFailed, is_communication_error
+    from ep_runtime.failures import RankFailed, is_communication_error
 
     where = f"rank {rank} (node {env['GROUP_RANK']}, local {env['LOCAL_RANK']})"
     if isinstance(err, ray.exceptions.RayActorError):

@@ -6,7 +6,7 @@ import pytest
 from conftest import STEPS, read_losses
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.options import job_config_from_args, train_parser
 from ep_runtime.train import FAULT_ENV, InjectedFault, worker
 from launch.local import launch_local
 
@@ -23,9 +23,14 @@ def job(tmp_path, *args: str):
     return job_config_from_args(train_parser().parse_args(["--out", str(tmp_path), "--name", "job", *args]))
 
 
-def test_resume_continues_with_identical_losses(tmp_path, reference_losses):
-    first = launch_local(worker, job(tmp_path, "--steps", "5", "--checkpoint-every", "2"), nproc=2)
-    assert first[0]["losses"] == reference_losses[:5]
+def test_resume_continues_with_identical_losses(tmp_path, reference_losses, monkeypatch):
+    # The first run stops at step 5 (the learning rate's schedule spans the run's --steps, so a
+    # shorter run is not the longer one's prefix): its checkpoints are steps 2 and 4.
+    monkeypatch.setenv(FAULT_ENV, "0:5:raise")
+    with pytest.raises(ChildFailedError):
+        launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--checkpoint-every", "2"), nproc=2)
+    monkeypatch.delenv(FAULT_ENV)
+    assert read_losses(tmp_path / "job") == reference_losses[:4]
     ckpt = tmp_path / "job" / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
     assert sorted(p.name for p in (ckpt / "step_4").iterdir()) == ["rank_0.pt", "rank_1.pt"]

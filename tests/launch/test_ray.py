@@ -6,7 +6,7 @@ resumes from its last checkpoint and ends with the losses of an uninterrupted ru
 import pytest
 from conftest import STEPS, read_losses, train_cli
 
-from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.options import job_config_from_args, train_parser
 from ep_runtime.train import worker
 from launch.ray import RayConfig, WorkerFailed, check_fits, launch_ray
 

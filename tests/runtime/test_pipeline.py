@@ -90,7 +90,7 @@ def test_train_pp2_ep2_matches_ep2(tmp_path):
     data ranks, the same model, the same steps (AdamW; losses within 1e-4 relative). The gradient
     norm, over the stages' blocks and the EP ranks' experts, is the same too, and clipping at a
     norm every step exceeds keeps the losses equal (a norm counted wrong would scale otherwise)."""
-    from ep_runtime.cli import job_config_from_args, train_parser
+    from ep_runtime.options import job_config_from_args, train_parser
     from ep_runtime.metrics import read_metrics
     from ep_runtime.train import worker
 

@@ -12,13 +12,8 @@ from ep_runtime.dispatch import AllToAllDispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.moe import MoELayer
 from ep_runtime.parallel import single_process
-from ep_runtime.placement import (
-    ExpertPlacement,
-    _transfers,
-    placements_from_plan,
-    switch_placement,
-    sync_replica_gradients,
-)
+from ep_runtime.placement import ExpertPlacement, placements_from_plan
+from ep_runtime.replicas import _transfers, switch_placement, sync_replica_gradients
 from launch.local import launch_local
 from topology import Topology, migration, plan_from_phy2log
 

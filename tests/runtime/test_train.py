@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.options import job_config_from_args, train_parser
 from ep_runtime.cli import main as cli_main
 from ep_runtime.train import worker
 from launch.local import launch_local

@@ -3,7 +3,7 @@ trains several configurations in turn, in the same processes, each a few steps."
 
 import torch.distributed as dist
 
-from ep_runtime.cli import job_config_from_args, train_parser
+from ep_runtime.options import job_config_from_args, train_parser
 from ep_runtime.parallel import init_parallel
 from ep_runtime.train import _Position, _train
 
