@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from tilelang import language as T
 
-from kernels.quant.tiles import vector_width
+from kernels.tiles import vector_width
 
 WARP = 32
 

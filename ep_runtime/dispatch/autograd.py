@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.permute import ExpertLayout, expand
-from kernels.quant import expand_cast_back
+from kernels.permute import expand_cast_back
 from kernels.reduce import weighted_reduce_backward
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class Fp8Rows:
 
 def expand_rows(rows_RD: torch.Tensor | Fp8Rows, layout: ExpertLayout) -> torch.Tensor:
     """Received rows into the local experts' layout, in the tokens' dtype (FP8 rows dequantized
-    on the way, in one pass: ``kernels.quant.expand_cast_back``)."""
+    on the way, in one pass: ``kernels.permute.expand_cast_back``)."""
     if isinstance(rows_RD, Fp8Rows):
         return expand_cast_back(rows_RD.q_RD, rows_RD.sf_RG, layout, group=FP8_GROUP, out_dtype=rows_RD.dtype)
     return expand(rows_RD, layout)

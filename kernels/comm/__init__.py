@@ -14,7 +14,7 @@ kernel) take their kernels on the same terms as
 local experts' layout of what arrived) is one kernel for a small batch
 (``receive_layout_kernel.fits``), the two ops otherwise. ``receive_expand`` (that, then the FP8
 rows dequantized into the layout) is one kernel for a batch that :func:`receive_expand_fits`, the
-public ``receive_layout`` and ``kernels.quant.expand_cast_back`` otherwise. ``Signal`` is a
+public ``receive_layout`` and ``kernels.permute.expand_cast_back`` otherwise. ``Signal`` is a
 symmetric heap's barrier that a kernel passes itself (``signal_kernel``; ``kernels.reduce``'s
 ``reduce_sum_home`` takes one).
 """
@@ -22,7 +22,7 @@ symmetric heap's barrier that a kernel passes itself (``signal_kernel``; ``kerne
 import torch
 
 from kernels.permute import ExpertLayout, expert_layout
-from kernels.quant import expand_cast_back
+from kernels.permute import expand_cast_back
 from kernels.select import use_tilelang
 
 from . import reference

@@ -28,7 +28,7 @@ from tilelang import language as T
 from tvm import tirx
 
 from kernels.pdl import chained
-from kernels.quant.tiles import PEER_PASS_CONFIGS
+from kernels.tiles import PEER_PASS_CONFIGS
 from kernels.scan import HAND_SYNC_CONFIGS
 from kernels.validate import check_tensor
 

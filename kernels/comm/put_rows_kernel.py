@@ -21,7 +21,7 @@ from tilelang import language as T
 
 from kernels.pdl import chained
 from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
-from kernels.quant.tiles import PEER_PASS_CONFIGS, tl_dtype
+from kernels.tiles import PEER_PASS_CONFIGS, tl_dtype
 
 from .reference import PeerRegion, check_put_rows_args
 

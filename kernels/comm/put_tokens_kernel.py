@@ -30,7 +30,7 @@ from tilelang import language as T
 
 from kernels.pdl import chained
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PEER_PASS_CONFIGS,
     blockwise_tile,
     cast_per_token,
@@ -54,7 +54,7 @@ def get_put_tokens_kernel(hidden: int, dtype: str, group: int, world: int, topk:
     """``(x_TD, idx_TK, delta_W, q_CE, sf_F, e_local, rank, t_max, weight_bits_TK, meta_F, counts_F,
     dest_TW, home_TW)`` kernel for tokens of ``hidden`` values of ``dtype``, one float32 scale per
     ``group`` columns, W = ``world`` ranks and ``topk`` routes a token (ids int32 or int64; token and row counts dynamic). ``tile`` overrides
-    :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` and ``vec`` the
+    :func:`kernels.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` and ``vec`` the
     consecutive elements a thread holds, casts and stores as one vector (for tuning sweeps, which
     pass the regions' e4m3 rows viewed as vectors of ``vec``). With ``routes``, the kernel also does
     what ``put_routes`` does (a small batch's send in one launch): the first column tile of each

@@ -36,7 +36,7 @@ from tilelang import language as T
 from kernels.pdl import chained
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
-from kernels.quant.tiles import tl_dtype, vector_layout, vector_width
+from kernels.tiles import tl_dtype, vector_layout, vector_width
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_dtype, check_tensor
 

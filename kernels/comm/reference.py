@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.permute.reference import ExpertLayout, expert_layout, max_rows
-from kernels.quant.reference import expand_cast_back, per_token_cast
+from kernels.permute.reference import expand_cast_back
+from kernels.quant.reference import per_token_cast
 from kernels.reduce.reference import weighted_reduce
 from kernels.validate import check_routes, check_tensor
 
@@ -305,7 +306,7 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
     """A dispatch's receiving side when its rows travelled as FP8: :func:`receive_layout` over
     :func:`receive_rows` rows, then the received rows (``q_RD`` [R, D] e4m3, ``sf_RG`` [R, ceil(D /
     group)] float32 per-token scales; unused rows hold anything) dequantized into that layout
-    (:func:`kernels.quant.reference.expand_cast_back`). Returns ``(plan, layout, x_PD)``, ``x_PD``
+    (:func:`kernels.permute.reference.expand_cast_back`). Returns ``(plan, layout, x_PD)``, ``x_PD``
     [P, D] in ``out_dtype``, unspecified past ``offsets_E[-1]``."""
     world, topk = count_W.shape[0], meta_RM.shape[1] // 2
     plan, layout = receive_layout(meta_RM, count_W, num_local_experts=num_local_experts, rank=rank,

@@ -26,7 +26,7 @@ import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
-from kernels.quant.tiles import PASS_CONFIGS
+from kernels.tiles import PASS_CONFIGS
 
 from .signal import Signal
 

@@ -30,7 +30,7 @@ import torch
 from tilelang import language as T
 
 from kernels.engram.reference import check_gate_args
-from kernels.quant.tiles import (
+from kernels.tiles import (
     HAND_SYNC_PASS_CONFIGS,
     PASS_CONFIGS,
     aligned,

@@ -35,7 +35,7 @@ import torch
 from tilelang import language as T
 
 from kernels.engram.reference import HashConfig, check_hash_args
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype
+from kernels.tiles import PASS_CONFIGS, check_cuda, tl_dtype
 from kernels.rows import WARP
 
 TILE_TOKENS = 128  # a CTA's tokens (and threads) where its output tile fits TILE_BYTES

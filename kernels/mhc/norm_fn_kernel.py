@@ -34,7 +34,7 @@ from tilelang import language as T
 
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
 from kernels.mhc.reference import check_norm_fn_args, norm_fn_backward_terms, round_to_tf32
-from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
+from kernels.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP
 from kernels.validate import check_tensor
 

@@ -21,7 +21,7 @@ from tilelang import language as T
 
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES, THREADS, row_tile
 from kernels.mhc.reference import STREAM_DTYPES, _check_param, _check_stream
-from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, row_major, tl_dtype, vector_width
+from kernels.tiles import PASS_CONFIGS, aligned, check_cuda, row_major, tl_dtype, vector_width
 from kernels.rows import WARP, row_geometry, row_reduction
 from kernels.validate import check_tensor
 

@@ -28,7 +28,7 @@ from tilelang import language as T
 
 from kernels.cache_hints import hinted_load, hinted_store
 from kernels.mhc.reference import _check_param, _check_stream
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     aligned,
     check_cuda,

@@ -19,7 +19,7 @@ from kernels.mhc import reference
 from kernels.mhc.norm_fn_kernel import THREADS, TOKENS_PER_WARP, chunk_walk, rstd_of
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
 from kernels.mhc.split_sinkhorn_kernel import sigmoid
-from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
+from kernels.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP
 
 

@@ -37,7 +37,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, is_pow2
+from kernels.tiles import PASS_CONFIGS, check_cuda, is_pow2
 from kernels.rows import WARP
 
 THREADS = 128

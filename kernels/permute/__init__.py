@@ -9,16 +9,21 @@ checks no values: an expert out of range counts as a masked route there, where t
 raises. ``expand`` and ``unexpand`` run the row-copy kernels of
 ``expand_kernel.py`` (bit-exact, any dtype; expand scatters each token once to its rows). Both move
 bits and have no autograd on any path: the dispatchers' own autograd functions carry the gradients.
+``expand_per_token_cast`` and ``expand_cast_back`` fuse the expand with :mod:`kernels.quant`'s FP8
+cast (``expand_quant_kernel.py``) or cast back (``expand_cast_back_kernel.py``), for 1 x group
+scale groups of a power-of-two size (the reference otherwise).
 """
 
 import torch
 
 from kernels.select import use_tilelang
+from kernels.tiles import supports_block
 
 from . import reference
 from .reference import ExpertLayout, max_rows
 
-__all__ = ["ExpertLayout", "expand", "expert_layout", "max_rows", "unexpand"]
+__all__ = ["ExpertLayout", "expand", "expand_cast_back", "expand_per_token_cast", "expert_layout", "max_rows",
+           "unexpand"]
 
 
 def expert_layout(
@@ -74,3 +79,26 @@ def unexpand(y_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     from .expand_kernel import unexpand as kernel
 
     return kernel(y_PD, layout)
+
+
+def expand_per_token_cast(
+    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.permute.reference.expand_per_token_cast`."""
+    if isinstance(x_TD, torch.Tensor) and use_tilelang(x_TD.device) and supports_block((1, group)):
+        from .expand_quant_kernel import expand_per_token_cast as kernel
+
+        return kernel(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
+    return reference.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def expand_cast_back(
+    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """See :func:`kernels.permute.reference.expand_cast_back`."""
+    if isinstance(q_TD, torch.Tensor) and use_tilelang(q_TD.device) and supports_block((1, group)):
+        from .expand_cast_back_kernel import expand_cast_back as kernel
+
+        return kernel(q_TD, sf_TG, layout, group=group, out_dtype=out_dtype)
+    return reference.expand_cast_back(q_TD, sf_TG, layout, group=group, out_dtype=out_dtype)

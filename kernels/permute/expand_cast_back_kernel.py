@@ -1,6 +1,6 @@
 """Expand fused with the FP8 cast back: e4m3 rows with per-token scales (as a dispatch receives
 them) dequantized straight into their rows of the expert-major layout (see
-:func:`kernels.quant.reference.expand_cast_back` for the function).
+:func:`kernels.permute.reference.expand_cast_back` for the function).
 
 A scatter from the rows, like :mod:`kernels.permute.expand_quant_kernel`: a CTA stages its rows'
 layout positions (``pos_TK``) in shared memory; if none of its rows has a route it stops there (a
@@ -27,10 +27,10 @@ import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
-from kernels.permute import expand_quant_kernel  # a module, not a name: kernels.quant imports both
+from kernels.permute import expand_quant_kernel
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
     row_major,
@@ -120,7 +120,7 @@ def expand_cast_back(
     q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The TileLang twin of :func:`kernels.quant.reference.expand_cast_back` (same arguments, same
+    """The TileLang twin of :func:`kernels.permute.reference.expand_cast_back` (same arguments, same
     bits in every row up to ``offsets_E[-1]``).
 
     Args:

@@ -37,7 +37,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import row_major, tl_dtype
+from kernels.tiles import row_major, tl_dtype
 from kernels.validate import check_tensor
 
 from .reference import ExpertLayout

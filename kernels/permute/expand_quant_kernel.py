@@ -1,5 +1,5 @@
 """Expand fused with the per-token FP8 cast: scatters each token, cast to e4m3 once, into its rows
-of the expert-major layout (see :func:`kernels.quant.reference.expand_per_token_cast` for the
+of the expert-major layout (see :func:`kernels.permute.reference.expand_per_token_cast` for the
 function).
 
 A scatter from the tokens, like :mod:`kernels.permute.expand_kernel`, not a gather into the layout:
@@ -23,7 +23,7 @@ from tilelang import language as T
 
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
     cast_per_token,
@@ -120,7 +120,7 @@ def get_expand_per_token_cast_kernel(hidden: int, topk: int, dtype: str, group: 
 def expand_per_token_cast(
     x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The TileLang twin of :func:`kernels.quant.reference.expand_per_token_cast` (same arguments,
+    """The TileLang twin of :func:`kernels.permute.reference.expand_per_token_cast` (same arguments,
     same bytes).
 
     Args:

@@ -42,7 +42,7 @@ import torch
 from tilelang import language as T
 
 from kernels.pdl import chained
-from kernels.quant.tiles import check_cuda
+from kernels.tiles import check_cuda
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
 from kernels.validate import check_positive, check_tensor
 

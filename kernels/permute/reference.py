@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant.reference import E4M3, FLOAT_DTYPES, cast_back, per_token_cast
 from kernels.validate import check_index_range, check_positive, check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -189,3 +190,47 @@ def _check_layout(layout: object) -> None:
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
     """One-byte dtypes (float8 among them) viewed as uint8, since not every indexing op takes float8."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+# FP8 on the way into the layout and back (the formats of :mod:`kernels.quant.reference`).
+def expand_per_token_cast(
+    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.permute.expand` fused with :func:`per_token_cast`: the layout's rows cast to
+    e4m3, scales laid out per layout row (padding rows hold zeros and the floor scale).
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16, on the layout's device.
+        layout: the :class:`kernels.permute.ExpertLayout` of this batch's routes.
+        group, round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_PD`` ``[P, D]`` float8_e4m3fn and ``sf_PG`` ``[P, ceil(D / group)]`` float32 (uint8 when
+        packed).
+    """
+    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
+    return per_token_cast(expand(x_TD, layout), group=group, round_sf=round_sf, pack_sf=pack_sf)
+
+
+def expand_cast_back(
+    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """:func:`cast_back` of per-token scales fused with :func:`kernels.permute.expand`: FP8 rows as
+    they arrive from a dispatch, dequantized into the layout's rows (padding rows hold zeros).
+
+    Args:
+        q_TD: ``[T, D]`` float8_e4m3fn, on the layout's device. Rows no route points to may hold
+            anything (unused rows of a receive buffer); they are never read into the result.
+        sf_TG: ``[T, ceil(D / group)]`` float32 scales, or uint8 exponents (packed).
+        layout: the :class:`kernels.permute.ExpertLayout` of the rows' routes.
+        group: columns per scale.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``x_PD`` ``[P, D]`` in ``out_dtype``: row p is ``cast_back(q, sf)[src_P[p] // K]``, zeros where
+        ``src_P[p]`` is -1; rows past ``offsets_E[-1]`` are unspecified, as in ``expand``.
+    """
+    check_tensor("q_TD", q_TD, dtype=E4M3, ndim=2)
+    check_positive("group", group)
+    return expand(cast_back(q_TD, sf_TG, block=(1, group), out_dtype=out_dtype), layout)

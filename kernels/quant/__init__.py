@@ -3,22 +3,21 @@
 Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
 device, and the PyTorch reference otherwise (``swiglu`` also for an input that needs a gradient:
 the kernel has no autograd of its own, :mod:`kernels.select`). The blockwise casts take the kernel for block sides
-that are powers of two (:func:`kernels.quant.tiles.supports_block`; 1x128, 128x128 and 128x1 among
-them) and the reference for any other block shape; so do ``swiglu_per_token_cast``,
-``expand_per_token_cast`` and ``expand_cast_back`` for their group.
+that are powers of two (:func:`kernels.tiles.supports_block`; 1x128, 128x128 and 128x1 among
+them) and the reference for any other block shape; so does ``swiglu_per_token_cast`` for its
+group. The expand fused with a cast (and the cast back fused with an expand) are
+:mod:`kernels.permute`'s.
 
 Shape suffixes as in :mod:`kernels.quant.reference`.
 """
 
 import torch
 
-from kernels.permute import expand_cast_back_kernel, expand_quant_kernel
-from kernels.permute.reference import ExpertLayout
 from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import blockwise_cast
 from kernels.quant import swiglu_kernel
 from kernels.quant.cast_back_kernel import cast_back as cast_back_kernel
-from kernels.quant.tiles import supports_block
+from kernels.tiles import supports_block
 from kernels.select import needs_grad, use_tilelang
 
 
@@ -95,29 +94,8 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.T
     return reference.swiglu_backward(x_TI2, grad_TI, rows=rows)
 
 
-def expand_per_token_cast(
-    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`kernels.quant.reference.expand_per_token_cast`."""
-    if _kernel_for(x_TD, (1, group)):
-        return expand_quant_kernel.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
-    return reference.expand_per_token_cast(x_TD, layout, group=group, round_sf=round_sf, pack_sf=pack_sf)
-
-
-def expand_cast_back(
-    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """See :func:`kernels.quant.reference.expand_cast_back`."""
-    if _kernel_for(q_TD, (1, group)):
-        return expand_cast_back_kernel.expand_cast_back(q_TD, sf_TG, layout, group=group, out_dtype=out_dtype)
-    return reference.expand_cast_back(q_TD, sf_TG, layout, group=group, out_dtype=out_dtype)
-
-
 __all__ = [
     "cast_back",
-    "expand_cast_back",
-    "expand_per_token_cast",
     "per_block_cast",
     "per_channel_cast",
     "per_token_cast",

@@ -3,7 +3,7 @@
 :mod:`kernels.quant.reference` for the function it computes).
 
 A CTA loads a ``[tile_m, tile_n]`` tile of whole scale blocks into registers with 16-byte vectors
-(:func:`kernels.quant.tiles.vector_layout`), reduces each block's amax (across threads by warp
+(:func:`kernels.tiles.vector_layout`), reduces each block's amax (across threads by warp
 shuffles, or one ``redux.sync`` a warp for a per-block tile; across warps through shared memory),
 writes the scales, and stores the e4m3 bytes
 straight from the registers. Every input byte is read once and every output byte written once.
@@ -18,7 +18,7 @@ import torch
 from tilelang import language as T
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     abs_of,
     check_cuda,
@@ -41,7 +41,7 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
                               tile: tuple[int, int, int] | None = None, vec: int | None = None):
     """``(x_MN, q_MN, sf_BG)`` kernel for ``num_cols`` columns and scales over ``block_m x block_n``
     (``(1, g)`` per-token, ``(b, b)`` per-block, ``(b, 1)`` per-channel; powers of two).
-    ``tile`` overrides :func:`kernels.quant.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)``
+    ``tile`` overrides :func:`kernels.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)``
     and ``vec`` the consecutive elements a thread holds (for tuning sweeps; whole scale blocks)."""
     num_rows = T.dynamic("num_rows")
     vec = vec or vector_width(num_cols, T.dtype(in_dtype).bytes)
@@ -186,7 +186,7 @@ def blockwise_cast(
     Args:
         x_MN: ``[M, N]`` float32, bfloat16 or float16 on a CUDA device (copied first if not
             contiguous).
-        block: ``(block_m, block_n)``, powers of two (see :func:`kernels.quant.tiles.supports_block`).
+        block: ``(block_m, block_n)``, powers of two (see :func:`kernels.tiles.supports_block`).
         round_sf, pack_sf: as in :func:`kernels.quant.reference.per_token_cast`.
         name: the argument name used in error messages.
 

@@ -2,7 +2,7 @@
 :mod:`kernels.quant.reference`).
 
 A CTA covers the same ``[tile_m, tile_n]`` tile of whole scale blocks as the cast
-(:func:`kernels.quant.tiles.blockwise_tile`), takes each vector's scale (straight from global memory
+(:func:`kernels.tiles.blockwise_tile`), takes each vector's scale (straight from global memory
 for per-token scales, else from the tile's scales staged in shared memory), and turns each thread's
 e4m3 bytes into ``q.float() * sf`` in ``out_dtype`` with 16-byte output vectors.
 
@@ -15,7 +15,7 @@ from tilelang import language as T
 
 from kernels.cache_hints import hinted_load
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     check_cuda,
     blockwise_tile,

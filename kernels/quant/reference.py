@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.permute.reference import ExpertLayout, expand
 from kernels.validate import check_dtype, check_positive, check_tensor
 
 E4M3 = torch.float8_e4m3fn
@@ -191,49 +190,6 @@ def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.T
     d_gate_TI = grad_TI * up_TI * (sig_TI * (1 + gate_TI * (1 - sig_TI)))
     d_up_TI = grad_TI * (gate_TI * sig_TI)
     return torch.cat([d_gate_TI, d_up_TI], dim=1).to(x_TI2.dtype)
-
-
-def expand_per_token_cast(
-    x_TD: torch.Tensor, layout: ExpertLayout, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kernels.permute.expand` fused with :func:`per_token_cast`: the layout's rows cast to
-    e4m3, scales laid out per layout row (padding rows hold zeros and the floor scale).
-
-    Args:
-        x_TD: ``[T, D]`` float32, bfloat16 or float16, on the layout's device.
-        layout: the :class:`kernels.permute.ExpertLayout` of this batch's routes.
-        group, round_sf, pack_sf: as in :func:`per_token_cast`.
-
-    Returns:
-        ``q_PD`` ``[P, D]`` float8_e4m3fn and ``sf_PG`` ``[P, ceil(D / group)]`` float32 (uint8 when
-        packed).
-    """
-    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
-    return per_token_cast(expand(x_TD, layout), group=group, round_sf=round_sf, pack_sf=pack_sf)
-
-
-def expand_cast_back(
-    q_TD: torch.Tensor, sf_TG: torch.Tensor, layout: ExpertLayout, *, group: int = 128,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """:func:`cast_back` of per-token scales fused with :func:`kernels.permute.expand`: FP8 rows as
-    they arrive from a dispatch, dequantized into the layout's rows (padding rows hold zeros).
-
-    Args:
-        q_TD: ``[T, D]`` float8_e4m3fn, on the layout's device. Rows no route points to may hold
-            anything (unused rows of a receive buffer); they are never read into the result.
-        sf_TG: ``[T, ceil(D / group)]`` float32 scales, or uint8 exponents (packed).
-        layout: the :class:`kernels.permute.ExpertLayout` of the rows' routes.
-        group: columns per scale.
-        out_dtype: float32, bfloat16 or float16.
-
-    Returns:
-        ``x_PD`` ``[P, D]`` in ``out_dtype``: row p is ``cast_back(q, sf)[src_P[p] // K]``, zeros where
-        ``src_P[p]`` is -1; rows past ``offsets_E[-1]`` are unspecified, as in ``expand``.
-    """
-    check_tensor("q_TD", q_TD, dtype=E4M3, ndim=2)
-    check_positive("group", group)
-    return expand(cast_back(q_TD, sf_TG, block=(1, group), out_dtype=out_dtype), layout)
 
 
 def _blockwise_cast(

@@ -19,7 +19,7 @@ import torch
 from tilelang import language as T
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_rows
-from kernels.quant.tiles import (
+from kernels.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
     check_cuda,
@@ -64,7 +64,7 @@ def get_swiglu_forward_kernel(
     put a scale group on one warp, the amax then a warp's shuffles (4 for groups of 128: 2.21
     against 8's 2.43 us; 2, two warps a group, 2.24). Where a scale group is exactly a warp's
     vectors in a one-row tile, its amax is one ``redux.sync`` over the lanes' amax
-    (:func:`kernels.quant.tiles.warp_amax`) instead of five shuffles: 2.14 against 2.19-2.21 us;
+    (:func:`kernels.tiles.warp_amax`) instead of five shuffles: 2.14 against 2.19-2.21 us;
     such a tile then takes up to ``FEW_TOKENS_CAST_THREADS`` threads (one CTA of 512 a 2048-wide
     row: 2.11 against 1024 columns' 2.16-2.18 us, paired rounds).
 

@@ -23,7 +23,7 @@ import torch
 from tilelang import language as T
 
 from kernels.permute.reference import ExpertLayout
-from kernels.quant.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype
+from kernels.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype
 from kernels.reduce.reference import check_weighted_reduce_backward_args
 from kernels.rows import row_geometry, row_reduction
 

@@ -42,7 +42,7 @@ from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_
 from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
 from kernels.validate import check_tensor
 from kernels.rows import vector_cp_async
-from kernels.quant.tiles import (
+from kernels.tiles import (
     HAND_SYNC_PASS_CONFIGS,
     PEER_PASS_CONFIGS,
     VECTOR_BYTES,

@@ -18,7 +18,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import check_cuda
+from kernels.tiles import check_cuda
 from kernels.validate import check_positive, check_tensor
 
 from .reference import INDEX_DTYPES

@@ -50,7 +50,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.tiles import check_cuda, sm_count
+from kernels.tiles import check_cuda, sm_count
 from kernels.validate import check_positive, check_tensor
 
 from .reference import SCORINGS

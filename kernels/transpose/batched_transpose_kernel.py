@@ -26,7 +26,7 @@ import torch
 from tilelang import language as T
 
 from kernels.cache_hints import hinted_load
-from kernels.quant.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_layout, vector_width
+from kernels.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_layout, vector_width
 from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}

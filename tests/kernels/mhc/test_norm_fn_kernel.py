@@ -27,7 +27,7 @@ from kernels.mhc.norm_fn_kernel import (
     norm_fn,
     norm_fn_backward,
 )
-from kernels.quant.tiles import tl_dtype
+from kernels.tiles import tl_dtype
 from kernels.testing import poison_allocator, spy
 
 CASES = [  # (T, N, D, M, dtype, tf32)

@@ -8,8 +8,8 @@ import torch
 
 from kernels import lowering
 from kernels.permute.expand_cast_back_kernel import expand_cast_back, get_expand_cast_back_kernel
+from kernels.permute import reference
 from kernels.permute.reference import expert_layout, max_rows
-from kernels.quant import reference
 from kernels.testing import fp8_rows, poison_allocator, routes
 
 CASES = [  # (T, K, E, D, alignment, output dtype, static capacity)

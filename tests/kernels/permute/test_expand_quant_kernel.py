@@ -7,8 +7,8 @@ import torch
 
 from kernels import lowering
 from kernels.permute.expand_quant_kernel import expand_per_token_cast, get_expand_per_token_cast_kernel
+from kernels.permute import reference
 from kernels.permute.reference import expert_layout, max_rows
-from kernels.quant import reference
 from kernels.testing import cast_input, poison_allocator, routes
 
 CASES = [  # (T, K, E, D, alignment, input dtype, static capacity)
