@@ -4,7 +4,7 @@ Where :func:`kernels.select.use_tilelang` says so for the input's device:
 
 * ``gate`` runs its TileLang kernels, forward and (under autograd) backward, when the kernels take
   the dtypes (bfloat16/float16/float32, ``wh`` and ``we`` of one dtype) and the shape
-  (:func:`kernels.engram.gate_kernel.backward_plan`: a thread's weight gradients fit its registers,
+  (:func:`kernels.engram.gate_backward_kernel.backward_plan`: a thread's weight gradients fit its registers,
   a token's rows shared memory); otherwise the reference with its autograd runs.
 * ``ngram_hash`` runs its kernel (:mod:`kernels.engram.hash_kernel`, bit-exact) after the
   reference's checks of the ids' and the compress map's values, which the kernel skips.
@@ -15,7 +15,7 @@ The choice is made from the arguments up front, never by catching a kernel's err
 
 import torch
 
-from kernels.engram import gate_kernel, hash_kernel, reference
+from kernels.engram import gate_backward_kernel, gate_kernel, hash_kernel, reference
 from kernels.engram.reference import HashConfig, make_hash_config, short_conv
 from kernels.select import use_tilelang
 
@@ -50,7 +50,7 @@ def gate(
         and x_TND.dim() == 3  # other shapes go to the reference, which names what is wrong
         and use_tilelang(x_TND.device)
         and gate_kernel.supports(*tensors)
-        and gate_kernel.backward_fits(x_TND, k_TND, v_TD)
+        and gate_backward_kernel.backward_fits(x_TND, k_TND, v_TD)
     ):
         return _Gate.apply(*tensors, float(clamp), float(eps), bool(add_residual))
     return reference.gate(*tensors, clamp=clamp, eps=eps, add_residual=add_residual)
@@ -68,5 +68,5 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TND):
         *inputs, stats_TN3 = ctx.saved_tensors
-        grads = gate_kernel.gate_backward(*inputs, g_TND.to(inputs[0].dtype), stats_TN3, **ctx.options)
+        grads = gate_backward_kernel.gate_backward(*inputs, g_TND.to(inputs[0].dtype), stats_TN3, **ctx.options)
         return (*grads, None, None, None)

@@ -15,18 +15,17 @@ import torch
 
 from kernels import engram, lowering
 from kernels.engram import reference
-from kernels.engram.gate_kernel import (
+from kernels.engram.gate_backward_kernel import (
     ULP,
-    backward_excess,
     BackwardPlan,
+    backward_excess,
     backward_fits,
     backward_plan,
-    gate,
     gate_backward,
     get_gate_backward_kernel,
-    get_gate_kernel,
     get_weight_grad_kernel,
 )
+from kernels.engram.gate_kernel import gate, get_gate_kernel
 from kernels.testing import poison_allocator
 
 TOKENS = [0, 1, 130]
