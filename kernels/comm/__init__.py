@@ -27,7 +27,7 @@ from kernels.select import use_tilelang
 
 from . import reference
 from .reference import PeerRegion, ReceivePlan, RouteRegions, TokenRegions, receive_rows
-from .signal import Signal
+from kernels.signal import Signal
 
 __all__ = ["PeerRegion", "ReceivePlan", "RouteRegions", "Signal", "TokenRegions", "plan_receive", "put_routes",
            "put_rows", "put_tokens", "put_tokens_and_routes", "receive_expand", "receive_expand_fits", "receive_layout",
@@ -83,11 +83,11 @@ def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_we
 def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tensor, dest_RW: torch.Tensor,
                region: PeerRegion | TokenRegions, *, skip_rank: int = -1, group: int = 128) -> None:
     """See :func:`kernels.comm.reference.reduce_put` (the kernel casts FP8 groups of whole vectors of at
-    most a warp: ``weighted_reduce_kernel.fp8_lanes``)."""
+    most a warp: ``reduce_put_kernel.fp8_lanes``)."""
     fp8 = isinstance(region, TokenRegions)
     rows = region.q if fp8 else region
     if isinstance(y_PD, torch.Tensor) and use_tilelang(y_PD.device) and getattr(rows, "delta_W", None) is not None:
-        from kernels.reduce.weighted_reduce_kernel import fp8_lanes, reduce_put as kernel
+        from .reduce_put_kernel import fp8_lanes, reduce_put as kernel
 
         if not fp8 or fp8_lanes(y_PD.shape[-1], y_PD.element_size(), group):
             return kernel(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank=skip_rank, group=group)

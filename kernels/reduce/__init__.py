@@ -12,7 +12,7 @@ a host sync): a position past ``y_PD``'s rows counts as -1 there, where the refe
 
 import torch
 
-from kernels.comm.signal import Signal
+from kernels.signal import Signal
 from kernels.permute.reference import ExpertLayout
 from kernels.reduce import reference
 from kernels.reduce.weighted_reduce_kernel import weighted_reduce as weighted_reduce_kernel

@@ -10,7 +10,7 @@ from kernels import lowering
 from kernels.comm import PeerRegion, TokenRegions, reference
 from kernels.quant.reference import per_token_cast
 from kernels.reduce.reference import weighted_reduce
-from kernels.reduce.weighted_reduce_kernel import get_weighted_reduce_put_kernel, reduce_put
+from kernels.comm.reduce_put_kernel import get_weighted_reduce_put_kernel, reduce_put
 from kernels.testing import poison_allocator, random_bits, reduce_routes
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kernels import lowering
 from kernels.comm import Signal
-from kernels.comm.signal_kernel import barrier_alone, get_barrier_kernel
+from kernels.signal_kernel import barrier_alone, get_barrier_kernel
 from kernels.reduce.weighted_reduce_kernel import get_reduce_sum_home_kernel, reduce_sum_home
 from kernels.testing import reduce_routes
 

@@ -28,7 +28,7 @@ from tilelang import language as T
 from kernels.pdl import chained
 from kernels.tiles import PASS_CONFIGS
 
-from .signal import Signal
+from kernels.signal import Signal
 
 TIMEOUT_S = 120  # past any skew of the ranks' first-call compiles; a stuck peer still fails the job
 

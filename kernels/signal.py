@@ -1,4 +1,4 @@
-"""The state of a barrier that a kernel passes itself (:mod:`kernels.comm.signal_kernel` has the kernels)."""
+"""The state of a barrier that a kernel passes itself (:mod:`kernels.signal_kernel` has the kernels)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 @dataclass(frozen=True, eq=False)
 class Signal:
     """A barrier over a symmetric heap's ranks that a kernel passes itself
-    (:mod:`kernels.comm.signal_kernel`): as it starts, its first CTA signals every peer (the
+    (:mod:`kernels.signal_kernel`): as it starts, its first CTA signals every peer (the
     kernels before it, whose stores the peers will read, have completed); each CTA waits for the
     peers' signals only before it reads what they stored, so its work before that hides the
     signals' flight; its last CTA counts the call's epoch. Every rank passes one such barrier per
