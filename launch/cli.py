@@ -4,7 +4,8 @@
     ep-runtime plan ...               expert placement (``topology.report``)
     ep-runtime bench <name> ...       benchmarks (``ep_runtime.bench.<name>``, listed in ``BENCHMARKS``)
 
-``plan`` and ``bench`` hand their remaining arguments to the module's ``main(argv)``.
+``plan`` and ``bench`` hand their remaining arguments to the module's ``main(argv)``; the
+benchmarks that start processes get them started through ``launch.start``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import check_launch, job_config_from_args, train_parser
+from ep_runtime.options import check_launch, job_config_from_args, train_parser
+
+from .start import start_workers
 
 
 def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,7 +50,7 @@ def _root_cause(failure) -> str:
 def _train(a: argparse.Namespace) -> None:
     import logging
 
-    from .train import worker
+    from ep_runtime.train import worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
     if a.launcher != "ray":
@@ -55,38 +58,30 @@ def _train(a: argparse.Namespace) -> None:
                                           ("--cpus-per-worker", a.cpus_per_worker)) if value is not None]
         if given:
             raise SystemExit(f"ep-runtime train: {', '.join(given)}: only with --launcher ray")
+    num_workers = a.num_workers
+    if num_workers is None and a.launcher == "local":  # Ray's default depends on the cluster: it decides
+        import torch
+
+        num_workers = torch.cuda.device_count() or max(2, a.pp * (a.ep or 1))
     try:
         cfg = job_config_from_args(a)
-        if a.launcher == "ray" and a.num_workers is not None:
-            check_launch(cfg, a.num_workers)
+        if num_workers is not None:
+            check_launch(cfg, num_workers)
     except ValueError as error:
         raise SystemExit(f"ep-runtime train: {error}") from None
-    if a.launcher == "ray":
-        from launch.ray import RayConfig, WorkerFailed, launch_ray
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        config = RayConfig(address=a.address, num_workers=a.num_workers, gpus_per_worker=a.gpus_per_worker,
-                           max_restarts=a.max_restarts, **({} if a.cpus_per_worker is None else {"cpus_per_worker": a.cpus_per_worker}))
-        try:
-            results = launch_ray(worker, cfg, config=config)
-        except WorkerFailed as failure:
-            raise SystemExit(f"ep-runtime train: {failure}") from None
-    else:
-        import torch
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from .ray import WorkerFailed
 
-        from launch.local import launch_local
-
-        nproc = a.num_workers if a.num_workers is not None else (
-            torch.cuda.device_count() or max(2, a.pp * (a.ep or 1)))
-        try:
-            check_launch(cfg, nproc)
-        except ValueError as error:
-            raise SystemExit(f"ep-runtime train: {error}") from None
-        try:
-            results = launch_local(worker, cfg, nproc=nproc, max_restarts=a.max_restarts)
-        except ChildFailedError as failure:
-            raise SystemExit(f"ep-runtime train: {failure.format_msg()}\n"
-                             f"ep-runtime train: failed: {_root_cause(failure)}") from None
+    try:
+        results = start_workers(worker, cfg, launcher=a.launcher, num_workers=num_workers,
+                                max_restarts=a.max_restarts, address=a.address, gpus_per_worker=a.gpus_per_worker,
+                                cpus_per_worker=a.cpus_per_worker)
+    except WorkerFailed as failure:
+        raise SystemExit(f"ep-runtime train: {failure}") from None
+    except ChildFailedError as failure:
+        raise SystemExit(f"ep-runtime train: {failure.format_msg()}\n"
+                         f"ep-runtime train: failed: {_root_cause(failure)}") from None
     first = results[0]
     losses, resumed = first["losses"], first["first_step"] > 1
     where = f" (resumed at step {first['first_step']})" if resumed else ""
@@ -104,9 +99,16 @@ BENCHMARKS = {
 
 
 def _bench(name: str, argv: list[str]) -> None:
+    """Runs the benchmark's ``main(argv)``, handing the ones that start processes (a ``start``
+    parameter) the launchers."""
     import importlib
+    import inspect
 
-    importlib.import_module(f"ep_runtime.bench.{name.replace('-', '_')}").main(argv)
+    bench_main = importlib.import_module(f"ep_runtime.bench.{name.replace('-', '_')}").main
+    if "start" in inspect.signature(bench_main).parameters:
+        bench_main(argv, start=start_workers)
+    else:
+        bench_main(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

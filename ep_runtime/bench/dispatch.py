@@ -51,6 +51,7 @@ import os
 import statistics
 from pathlib import Path
 
+from . import StartWorkers, need_start
 from .ep_scaling import _commit, _device_name, _Timer, rows_per_rank
 
 BACKENDS = ("all_to_all", "nvlink")
@@ -338,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) -> dict | None:
     import torch
 
     a = parser().parse_args(argv)
@@ -350,9 +351,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         if result is None:
             return None
     else:
-        from launch.local import launch_local
-
-        result = launch_local(bench_worker, a, nproc=a.num_workers)[0]
+        result = need_start(start, "dispatch")(bench_worker, a, num_workers=a.num_workers)[0]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.peer == "vdev":

@@ -50,9 +50,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from . import StartWorkers, need_start
+
 SHAPES = {
     # DeepSeek-V3's MoE layer: 256 routed experts (8 groups, 4 kept), top-8, one shared expert;
-    # segments aligned to 8 rows, what the bf16 grouped GEMM needs (128 until session 11: --alignment).
+    # segments aligned to 8 rows, what the bf16 grouped GEMM needs (--alignment changes it).
     "deepseek-v3": dict(hidden=7168, num_experts=256, topk=8, num_groups=8, topk_groups=4, expert_hidden=2048,
                         tokens_per_rank=4096, fp8_dispatch=True, alignment=8, routed_scaling_factor=2.5),
     # For CPU workers (gloo): the shape of the curve in seconds.
@@ -451,7 +453,7 @@ def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
                      warmup=a.warmup, iters=a.iters, timeout_s=a.timeout)
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) -> dict | None:
     import torch
 
     a = parser().parse_args(argv)
@@ -465,18 +467,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         if result is None:  # not rank 0
             return None
     else:
-        if launcher == "ray":
-            from launch.ray import RayConfig, launch_ray
+        start = need_start(start, "ep-scaling")
+        options = {"address": a.address, "gpus_per_worker": a.gpus_per_worker} if launcher == "ray" else {}
 
-            config = RayConfig(address=a.address, num_workers=world, gpus_per_worker=a.gpus_per_worker)
-
-            def launch(s: BenchSpec) -> dict:
-                return launch_ray(bench_worker, s, config=config)[0]
-        else:
-            from launch.local import launch_local
-
-            def launch(s: BenchSpec) -> dict:
-                return launch_local(bench_worker, s, nproc=world)[0]
+        def launch(s: BenchSpec) -> dict:
+            return start(bench_worker, s, launcher=launcher, num_workers=world, **options)[0]
         if spec.dispatcher == "nvlink" and spec.only_ep is None:
             # A fresh process set per EP size: a process's symmetric memory goes over one group.
             parts = [launch(replace(spec, only_ep=size)) for size in spec.sweep(world)]

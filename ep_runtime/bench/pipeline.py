@@ -29,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+from . import StartWorkers, need_start
 from .ep_scaling import _commit, _device_name
 
 
@@ -55,7 +56,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from ..cli import PRESETS
+    from ..options import PRESETS
     from ..config import ParallelConfig
     from ..dispatch import make_dispatcher
     from ..model import TinyDeepSeek
@@ -158,16 +159,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) -> dict | None:
     a = parser().parse_args(argv)
     if "WORLD_SIZE" in os.environ:
         result = bench_worker(a)
         if result is None:
             return None
     else:
-        from launch.local import launch_local
-
-        result = launch_local(bench_worker, a, nproc=a.pp * a.ep)[0]
+        result = need_start(start, "pipeline")(bench_worker, a, num_workers=a.pp * a.ep)[0]
     rows = summarize(result)
     report = {"benchmark": "pipeline", "device": result["device"], "pp": result["pp"], "ep": result["ep"],
               "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),

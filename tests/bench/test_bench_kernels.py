@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ep_runtime.bench import kernels as bench
-from ep_runtime.cli import main as cli_main
+from launch.cli import main as cli_main
 
 
 def test_cpu_quick_run_writes_the_report(tmp_path, capsys):

@@ -20,7 +20,7 @@ def read_losses(run_dir) -> list[float]:
 
 
 def train_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ep_runtime.cli", "train", "--steps", str(STEPS), *args],
+    return subprocess.run([sys.executable, "-m", "launch.cli", "train", "--steps", str(STEPS), *args],
                           env=env or job_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           check=False)
 

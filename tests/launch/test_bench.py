@@ -11,13 +11,13 @@ import pytest
 from cluster import REPO, job_env
 
 from ep_runtime import bench
-from ep_runtime.cli import BENCHMARKS, main
+from launch.cli import BENCHMARKS, main
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_ep_scaling_runs_at_ep_1_and_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ep_runtime.cli", "bench", "ep-scaling", "--launcher", "local",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "bench", "ep-scaling", "--launcher", "local",
                            "--num-workers", "2", "--fp8-dispatch", "--warmup", "1", "--iters", "2",
                            "--out", str(tmp_path)], env=job_env(), cwd=REPO, capture_output=True, text=True,
                           timeout=150, check=False)
@@ -55,7 +55,7 @@ def test_bench_lists_every_benchmark_module_and_refuses_other_names(capsys):
 
 
 def run_bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "ep_runtime.cli", "bench", *args, "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "bench", *args, "--out", str(tmp_path)],
                           env=job_env(), cwd=REPO, capture_output=True, text=True, timeout=150, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return done

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def train_pipelined(tmp_path, fault: str, *, ep: int = 2, timeout: int = 5) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "ep_runtime.cli", "train", "--pp", "2", "--ep", str(ep), "--steps", "4",
+    cmd = [sys.executable, "-m", "launch.cli", "train", "--pp", "2", "--ep", str(ep), "--steps", "4",
            "--timeout", str(timeout), "--out", str(tmp_path)]
     log = tmp_path / "job.log"
     job = start(cmd, job_env(EP_RUNTIME_FAIL_AT_STEP=fault), log)

@@ -48,9 +48,10 @@ def test_restart_resumes_from_the_last_checkpoint(ray_cluster, tmp_path, monkeyp
 
 def test_ep_scaling_bench_through_ray(ray_cluster, tmp_path):
     from ep_runtime.bench.ep_scaling import main
+    from launch.start import start_workers
 
     report = main(["--launcher", "ray", "--address", ray_cluster.address, "--modes", "weak", "--warmup", "0",
-                   "--iters", "1", "--out", str(tmp_path)])
+                   "--iters", "1", "--out", str(tmp_path)], start=start_workers)
     assert report["launcher"] == "ray" and [r["ep"] for r in report["rows"]] == [1, 2]
     assert (tmp_path / "ep_scaling_small.json").is_file() and (tmp_path / "ep_scaling_small.png").is_file()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ep_runtime.options import job_config_from_args, train_parser
-from ep_runtime.cli import main as cli_main
+from launch.cli import main as cli_main
 from ep_runtime.train import worker
 from launch.local import launch_local
 
@@ -62,7 +62,7 @@ def test_bad_config_names_the_field(tmp_path):
 
 
 def test_cli_entry_point(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ep_runtime.cli", "train", "--steps", "3", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "train", "--steps", "3", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     nproc = torch.cuda.device_count() or 2
