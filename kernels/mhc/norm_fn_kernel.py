@@ -33,7 +33,8 @@ import torch
 from tilelang import language as T
 
 from kernels.mhc.pre_apply_kernel import KERNEL_DTYPES
-from kernels.mhc.reference import check_norm_fn_args, norm_fn_backward_terms, round_to_tf32
+from kernels.mhc.functions import norm_fn_backward_terms, round_to_tf32
+from kernels.mhc.reference import check_norm_fn_args
 from kernels.tiles import PASS_CONFIGS, aligned, check_cuda, tl_dtype, vector_width
 from kernels.rows import WARP
 from kernels.validate import check_tensor
@@ -478,7 +479,7 @@ def norm_fn(x_TND: torch.Tensor, fn_MK: torch.Tensor, *, eps: float, tf32: bool)
 
 def norm_fn_backward(x_TND: torch.Tensor, fn_MK: torch.Tensor, mixes_TM: torch.Tensor, rstd_T: torch.Tensor,
                      g_TM: torch.Tensor, tf32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_fn)`` as :func:`kernels.mhc.reference.norm_fn_backward`: ``grad_x`` from a
+    """``(grad_x, grad_fn)`` as :func:`kernels.mhc.functions.norm_fn_backward`: ``grad_x`` from a
     kernel in ``x``'s dtype (one pass over the streams, not the reference's five over float32
     copies); ``grad_fn = (g * rstd).T @ flat`` from the same pass for bfloat16 streams (the
     tensor-core kernel's splits summed by torch), else by torch over a float32 copy."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import lowering, mhc
-from kernels.mhc import reference
+from kernels.mhc import functions, reference
 from kernels.mhc.norm_fn_kernel import (
     backward_chunks,
     get_fn_parts_kernel,
@@ -90,7 +90,7 @@ def test_backward_matches_reference(t, n, d, m, dtype, tf32, seed):
     g_TM = torch.randn(t, m, device="cuda")
     poison_allocator("cuda")
     grad_x, grad_fn = norm_fn_backward(x_TND, fn_MK, mixes_TM, rstd_T, g_TM, tf32)
-    want_x, want_fn = reference.norm_fn_backward(x_TND.double(), fn_MK.double(), mixes_TM.double(),
+    want_x, want_fn = functions.norm_fn_backward(x_TND.double(), fn_MK.double(), mixes_TM.double(),
                                                  rstd_T.double(), g_TM.double(), tf32)
     assert grad_x.dtype == x_TND.dtype and grad_x.shape == x_TND.shape
     w = (reference.round_to_tf32(fn_MK) if tf32 else fn_MK).double()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels import lowering, mhc
-from kernels.mhc import reference
+from kernels.mhc import functions, reference
 from kernels.mhc.split_sinkhorn_kernel import (
     MAX_STREAMS,
     get_split_sinkhorn_backward_kernel,
@@ -66,7 +66,7 @@ def assert_grads_close(got, want, mixes_TM, scale_3):
     two sums over tokens the bound of summing them in another order (module doc)."""
     t, m = mixes_TM.shape
     n = math.isqrt(m + 1) - 1
-    da_TM = want[0].double() / reference._scale_M(scale_3.double(), n)  # grad_mixes = da * scale_M
+    da_TM = want[0].double() / functions.mix_scale(scale_3.double(), n)  # grad_mixes = da * scale_M
     terms_TM = (da_TM * mixes_TM.double()).abs()
     magnitudes = (torch.stack([terms_TM[:, :n].sum(), terms_TM[:, n:2 * n].sum(), terms_TM[:, 2 * n:].sum()]),
                   da_TM.abs().sum(0))
