@@ -52,7 +52,9 @@ import statistics
 from pathlib import Path
 
 from . import StartWorkers, need_start
-from .ep_scaling import _commit, _device_name, _Timer, rows_per_rank
+from .ep_scaling import rows_per_rank
+from .record import device_name, head_commit
+from .timer import EventTimer
 
 BACKENDS = ("all_to_all", "nvlink")
 
@@ -126,7 +128,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
         if on_gpu:
             row["p2p_copy_ms"] = _p2p_copy_ms(median_ms, dispatch_bytes, group, device)
         rows.append(row)
-    result = {"device": _device_name(device), "world_size": world, "rows": rows}
+    result = {"device": device_name(device), "world_size": world, "rows": rows}
     dist.destroy_process_group()
     return result if rank == 0 else None
 
@@ -140,7 +142,7 @@ def timers(group, device, warmup: int, iters: int):
     import torch.distributed as dist
 
     on_gpu, world = device.type == "cuda", dist.get_world_size(group)
-    timer, flag = _Timer(device), torch.zeros(1, device=device)
+    timer, flag = EventTimer(device), torch.zeros(1, device=device)
 
     def align():  # on the stream, after the GPU's head start: every rank's GPU starts the call together
         dist.all_reduce(flag, group=group)
@@ -418,7 +420,7 @@ def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:
         row["bars"] = bars(row) if row["dispatch_bytes_per_rank"] else {}
     return {
         "benchmark": "dispatch", "device": result["device"], "world_size": result["world_size"],
-        "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": a.commit or head_commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": __import__("torch").__version__,
         "spec": {k: v for k, v in vars(a).items() if k not in ("out",)},
         "bytes_counted": "per rank: rows sent to other ranks (one per token per destination rank); dispatch "

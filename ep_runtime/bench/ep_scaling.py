@@ -44,13 +44,13 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import StartWorkers, need_start
+from .record import device_name, head_commit
+from .timer import EventTimer
 
 SHAPES = {
     # DeepSeek-V3's MoE layer: 256 routed experts (8 groups, 4 kept), top-8, one shared expert;
@@ -161,7 +161,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
         if ctx.distributed:
             dist.barrier()
     progress.close()
-    result = {"device": _device_name(ctx.device), "world_size": ctx.world_size, "rows": rows}
+    result = {"device": device_name(ctx.device), "world_size": ctx.world_size, "rows": rows}
     if ctx.distributed:
         dist.destroy_process_group()
     return result if ctx.rank == 0 else None
@@ -190,7 +190,7 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
     g = torch.Generator(device).manual_seed(spec.seed * 7919 + rank)
     x_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)
     grad_TD = torch.randn(tokens, spec.hidden, generator=g, device=device, dtype=dtype)
-    timer = _Timer(device)
+    timer = EventTimer(device)
 
     def sync():
         if group is not None:
@@ -319,54 +319,6 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
             b.zero_()
     layer.load_E = torch.zeros(spec.num_experts, dtype=torch.int32)
     return layer
-
-
-HEAD_START_CYCLES = 2_000_000  # ~1 ms of GPU spin before a timed call (at ~1.8 GHz)
-
-
-class _Timer:
-    """Milliseconds of ``fn()``: CUDA events on GPU (synchronised), ``perf_counter`` on CPU.
-
-    ``head_start``: the GPU spins ~1 ms before the start event, so the host has queued ``fn``'s
-    launches when the GPU reaches them and the time is the GPU's alone (a CUDA graph's replay in the
-    steady state, where the host runs ahead); without it the time includes the host's launches.
-    ``align`` (with ``head_start``), an on-stream collective after the spin: the ranks' GPUs start
-    the timed call together, so a rank's time does not include waiting for a peer whose host left
-    the last host barrier later (session 15: on two H100s every 128-token step, P2P copy and NCCL
-    included, took ~30 us whatever its bytes; lined up, on another pair of two H100s in session 16,
-    the 128-token P2P copy took 22 us and the transport 13)."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def time(self, fn, head_start: bool = False, align=None) -> float:
-        import torch
-
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            if head_start:
-                torch.cuda._sleep(HEAD_START_CYCLES)
-                if align is not None:
-                    align()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(self.device)
-            return start.elapsed_time(end)
-        begin = time.perf_counter()
-        fn()
-        return (time.perf_counter() - begin) * 1e3
-
-
-def _device_name(device) -> str:
-    import platform
-
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads per rank)"
 
 
 class _Quiet:
@@ -507,7 +459,7 @@ def _report(spec: BenchSpec, result: dict, launcher: str, commit: str | None = N
                                               / (scale * (row["dispatch_ms"] + row["combine_ms"])))
     return {
         "benchmark": "ep-scaling", "device": result["device"], "world_size": result["world_size"],
-        "launcher": launcher, "commit": commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "launcher": launcher, "commit": commit or head_commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": __import__("torch").__version__, "spec": asdict(spec),
         "bytes_counted": "per rank: dispatch = token rows sent to other ranks (FP8 bytes + float32 1x128 scales "
                          "with fp8_dispatch, else activation dtype); combine = rows sent back to other ranks "
@@ -515,14 +467,6 @@ def _report(spec: BenchSpec, result: dict, launcher: str, commit: str | None = N
         "timing": "median over iters (after warmup) of the slowest rank per iteration; CUDA events on GPU",
         "rows": rows,
     }
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False,
-                              cwd=Path(__file__).parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def plot(report: dict, png_path: Path) -> Path | None:

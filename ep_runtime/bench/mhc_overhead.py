@@ -35,7 +35,9 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from .ep_scaling import SHAPES, BenchSpec, _build_layer, _commit, _device_name, _Timer
+from .ep_scaling import SHAPES, BenchSpec, _build_layer
+from .record import device_name, head_commit
+from .timer import EventTimer
 
 
 def measure(spec: BenchSpec, *, tokens: int, streams: int, stream_dtype, device, warmup: int, iters: int) -> dict:
@@ -72,7 +74,7 @@ def measure(spec: BenchSpec, *, tokens: int, streams: int, stream_dtype, device,
         "mhc": step(lambda x: hc(x, lambda y: y), x_BSND, grad_BSND),
         "mhc_around_moe": step(lambda x: hc(x, moe), x_BSND, grad_BSND),
     }
-    timer = _Timer(device)
+    timer = EventTimer(device)
     row = {"hidden": spec.hidden, "tokens": tokens, "streams": streams, "stream_dtype": str(stream_dtype)[6:]}
     for name, run in steps.items():
         for _ in range(warmup):
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"mHC {row['mhc_ms']:8.3f} ms "
               f"({row['mhc_fraction_of_moe']:.1%} of the MoE layer) | mHC around MoE {row['mhc_around_moe_ms']:9.3f} ms "
               f"(+{row['added_fraction_of_moe']:.1%})", flush=True)
-    report = {"benchmark": "mhc-overhead", "device": _device_name(device), "commit": a.commit or _commit(),
+    report = {"benchmark": "mhc-overhead", "device": device_name(device), "commit": a.commit or head_commit(),
               "time": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
               "shape": shape, "timing": "forward+backward, median of --iters after --warmup", "rows": rows}
     out = Path(a.out)

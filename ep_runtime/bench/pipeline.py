@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from . import StartWorkers, need_start
-from .ep_scaling import _commit, _device_name
+from .record import device_name, head_commit
 
 
 def bubble_formula(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -108,7 +108,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             del pipe, stage, model
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, rows)
-    result = {"device": _device_name(ctx.device), "world_size": ctx.world_size, "pp": ctx.pp_size,
+    result = {"device": device_name(ctx.device), "world_size": ctx.world_size, "pp": ctx.pp_size,
               "ep": ctx.ep_size, "rows": [r for per_rank in gathered for r in per_rank]}
     dist.destroy_process_group()
     return result if ctx.rank == 0 else None
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
         result = need_start(start, "pipeline")(bench_worker, a, num_workers=a.pp * a.ep)[0]
     rows = summarize(result)
     report = {"benchmark": "pipeline", "device": result["device"], "pp": result["pp"], "ep": result["ep"],
-              "commit": a.commit or _commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
+              "commit": a.commit or head_commit(), "time": datetime.datetime.now().isoformat(timespec="seconds"),
               "spec": {k: v for k, v in vars(a).items() if k != "out"},
               "bubble": "measured: time a stage's ranks waited on a neighbour / step time (median over steps and "
                         "ranks); formula: (P - 1) / (M + P - 1); model: the same for the stages' measured "

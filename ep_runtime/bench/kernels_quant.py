@@ -1,0 +1,112 @@
+"""``bench kernels`` cases of ``kernels.quant``: the FP8 casts (per token, block, channel), the
+cast back, SwiGLU (alone, fused with a per-token cast, and its backward)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from .kernels_cases import Case, Inputs, nbytes, tk_peer
+
+def _cast_case(op: str, inp: Inputs, tk, block: tuple[int, int], tk_call) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TD
+    m, n = x.shape
+    scales = math.ceil(m / block[0]) * math.ceil(n / block[1])
+    ours = {
+        "per_token_cast": lambda: quant.per_token_cast(x),
+        "per_block_cast": lambda: quant.per_block_cast(x),
+        "per_channel_cast": lambda: quant.per_channel_cast(x),
+    }[op]
+    return Case(
+        op, ours, getattr(reference, op), (x,), bytes=nbytes(x) + m * n + scales * 4,
+        bytes_note=f"read x [T,D] bf16; write e4m3 [T,D] + f32 scales per {block[0]}x{block[1]}",
+        peers=tk_peer(tk, f"tile_kernels.{op}", tk_call),
+    )
+
+
+def _case_per_token_cast(inp: Inputs, tk) -> Case:
+    return _cast_case("per_token_cast", inp, tk, (1, 128), lambda tk: tk.quant.per_token_cast(inp.x_TD, "e4m3", 128))
+
+
+def _case_per_block_cast(inp: Inputs, tk) -> Case:
+    return _cast_case(
+        "per_block_cast", inp, tk, (128, 128), lambda tk: tk.quant.per_block_cast(inp.x_TD, "e4m3", (128, 128))
+    )
+
+
+def _case_per_channel_cast(inp: Inputs, tk) -> Case:
+    return _cast_case(
+        "per_channel_cast", inp, tk, (128, 1), lambda tk: tk.quant.per_channel_cast(inp.x_TD, "e4m3", 128)
+    )
+
+
+def _case_cast_back(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    q, sf = inp.q_TD, inp.sf_TG
+
+    def ref(q_TD, sf_TG):
+        return reference.cast_back(q_TD, sf_TG, block=(1, 128))
+
+    return Case(
+        "cast_back", lambda: quant.cast_back(q, sf, block=(1, 128)), ref, (q, sf),
+        bytes=nbytes(q, sf) + q.numel() * 2, bytes_note="read e4m3 [T,D] + f32 scales [T,D/128]; write bf16 [T,D]",
+        peers=tk_peer(tk, "tile_kernels.cast_back", lambda tk: tk.quant.cast_back((q, sf), "bf16", (1, 128))),
+    )
+
+
+def _case_swiglu(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TI2
+    return Case(
+        "swiglu", lambda: quant.swiglu(x), reference.swiglu, (x,), bytes=nbytes(x) + x.numel(),
+        bytes_note="read [T,2I] bf16; write [T,I] bf16",
+        peers=tk_peer(tk, "tile_kernels.swiglu_forward", lambda tk: tk.quant.swiglu_forward(x, "bf16")),
+    )
+
+
+def _case_swiglu_per_token_cast(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x = inp.x_TI2
+    t, i = x.shape[0], x.shape[1] // 2
+    out_bytes = t * i + t * math.ceil(i / 128) * 4
+    return Case(
+        "swiglu_per_token_cast", lambda: quant.swiglu_per_token_cast(x), reference.swiglu_per_token_cast, (x,),
+        bytes=nbytes(x) + out_bytes, bytes_note="read [T,2I] bf16; write e4m3 [T,I] + f32 scales [T,I/128]",
+        peers=tk_peer(tk, "tile_kernels.swiglu_forward_and_per_token_cast",
+                       lambda tk: tk.quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)),
+        unfused=lambda: quant.per_token_cast(quant.swiglu(x)),
+        unfused_bytes=nbytes(x) + t * i * 2 + t * i * 2 + out_bytes,
+        unfused_note="swiglu (writes bf16 [T,I]), then per_token_cast (reads it)",
+    )
+
+
+def _case_swiglu_backward(inp: Inputs, tk) -> Case:
+    from kernels import quant
+    from kernels.quant import reference
+
+    x, g = inp.x_TI2, inp.grad_TI
+    return Case(
+        "swiglu_backward", lambda: quant.swiglu_backward(x, g), reference.swiglu_backward, (x, g),
+        bytes=nbytes(x, g) + nbytes(x), bytes_note="read x [T,2I] + grad [T,I] bf16; write [T,2I] bf16",
+        peers=tk_peer(tk, "tile_kernels.swiglu_backward", lambda tk: tk.quant.swiglu_backward(x, g, "bf16")),
+    )
+
+
+CASES: dict[str, Callable[..., Case]] = {
+    "per_token_cast": _case_per_token_cast,
+    "per_block_cast": _case_per_block_cast,
+    "per_channel_cast": _case_per_channel_cast,
+    "cast_back": _case_cast_back,
+    "swiglu": _case_swiglu,
+    "swiglu_per_token_cast": _case_swiglu_per_token_cast,
+    "swiglu_backward": _case_swiglu_backward,
+}
