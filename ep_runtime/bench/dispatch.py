@@ -34,11 +34,15 @@ every rank under nvlink), the counts and rows a rank keeps are not counted. GB/s
 time. Times: median over ``--iters`` (after ``--warmup``) of the slowest rank per iteration, each
 iteration started from a barrier, measured with CUDA events (host timers on CPU). On GPUs the
 graphs and the peers are timed as the GPU runs them: the GPU spins ~1 ms after the barrier, so
-their launches are queued before it reaches them, as in a model's steady state (session 12;
-before, the graphs' times included their host-side launch, a few microseconds that mattered at 128
-tokens), then an all-reduce of one element on the stream lines the ranks' GPUs up (session 15;
-before, a rank's time included waiting for a peer whose host had left the barrier later). The
-eager entries keep the host's launches in their time: their Python is what an eager call costs.
+their launches are queued before it reaches them, as in a model's steady state (otherwise the
+host-side launch, a few microseconds, would count: much of the time at 128 tokens), then an
+all-reduce of one element on the stream lines the ranks' GPUs up (otherwise a rank's time would
+include waiting for a peer whose host left the barrier later). The eager entries keep the host's
+launches in their time: their Python is what an eager call costs.
+
+Targets, printed per row of a GPU run (``bars`` in the JSON): ``to_buffers`` and combine at >= 90%
+of the P2P copy's rate and >= 1.4x NCCL's on the same bytes (bf16 combine), and dispatch + combine
+as one graph under 40 us at 128 tokens per rank.
 """
 
 from __future__ import annotations
@@ -242,7 +246,7 @@ def _timeline(name: str, step, time_ms, tokens: int, show: bool) -> None:
     replays. What the eager profile cannot show: a chained kernel (``kernels.pdl``) starts before the
     one it waits for ends, so its own time there includes that wait; and work beside the rows
     overlaps them. The graph is captured under the profiler: CUPTI does not see the kernels of a
-    graph instantiated before it started (session 16: only one of a dispatch's 10 kernels)."""
+    graph instantiated before it started (it saw only one of a dispatch's 10 kernels)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -326,10 +330,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--alignment", type=int, default=8,
-                   help="rows per expert segment (default 8, what the bf16 grouped GEMM needs; 128 before session 11)")
+                   help="rows per expert segment (default 8, what the bf16 grouped GEMM needs)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
     p.add_argument("--fp8-combine", action=argparse.BooleanOptionalAction, default=False,
-                   help="FP8 rows home too (issue #9's bars are for a bf16 combine)")
+                   help="FP8 rows home too (the combine targets are for a bf16 combine)")
     p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
     p.add_argument("--profile", action="store_true", help="print a profile of nvlink dispatch + combine (GPU)")
     p.add_argument("--num-workers", type=int, default=2, help="CPU workers without torchrun (default 2)")
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
             print(f"    {name:<28} {ms * 1e3:10.1f} us {rate}".rstrip())
         b = row["bars"]
         if "dispatch_x_nccl" in b and "combine_x_nccl" in b:
-            print(f"    issue #9's bars: to_buffers {b['dispatch_pct_of_p2p_copy']:.0f}% of the P2P copy's rate "
+            print(f"    targets: to_buffers {b['dispatch_pct_of_p2p_copy']:.0f}% of the P2P copy's rate "
                   f"(>= 90), {b['dispatch_x_nccl']:.2f}x NCCL (>= 1.4); combine {b['combine_pct_of_p2p_copy']:.0f}%, "
                   f"{b['combine_x_nccl']:.2f}x; dispatch + combine {b.get('step_us', float('nan')):.1f} us "
                   "(< 40 at 128 tokens per rank)")
@@ -384,7 +388,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
 
 
 def bars(row: dict) -> dict:
-    """Issue #9's bars from one row of a GPU run (empty where the row lacks the graphs or the peers):
+    """The targets from one row of a GPU run (empty where the row lacks the graphs or the peers):
     ``to_buffers`` (dispatch up to where DeepEP's ends) and combine as a percentage of the P2P copy's
     rate (bar 90) and as a multiple of NCCL's rate on the same bytes (bar 1.4), and dispatch +
     combine as one graph in us (bar: under 40 at 128 tokens per rank)."""
