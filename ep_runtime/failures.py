@@ -2,8 +2,9 @@
 collective broke says whose fault it was, a rank that waits on others longer than the job's timeout
 ends the job naming the wait, and a rank that is stuck does not outlive the job.
 
-Reports travel through the job's key-value store (``ParallelContext.store``). The launchers
-(``launch/``) depend on this module alone of the runtime: it imports nothing of it.
+Reports travel through the job's key-value store (``ParallelContext.store``). The Ray launcher
+(``launch/ray.py``) reads its errors to name the rank responsible; it imports nothing else of the
+runtime.
 """
 
 from __future__ import annotations
