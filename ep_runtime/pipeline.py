@@ -366,9 +366,9 @@ def _connect(group: dist.ProcessGroup, device: torch.device) -> None:
     """One message each way between every two ranks of ``group``, all in one batch. NCCL connects
     two ranks on their first message, and that first send blocks the host until the peer's matching
     call: with the overlap schedule's four groups a stage could block on one group's first send
-    while its neighbour blocked on another's (seen on four H200s: a hang from the first step).
-    Connected here, at construction, in one order on every rank, the schedule's sends never block
-    the host."""
+    while its neighbour blocked on another's (the overlap schedule hung so on four H200s).
+    Connected here, at construction, in one order on every rank, the schedule's first sends find
+    their peers connected."""
     me = dist.get_rank()
     peers = [r for r in dist.get_process_group_ranks(group) if r != me]
     out, into = torch.zeros(1, device=device), torch.zeros(len(peers), device=device)

@@ -235,8 +235,9 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         average_gradients(model, ctx)
         sync_replica_gradients(model, ctx)
         norm = clip_grad_norm(model, ctx, t.max_grad_norm) if t.max_grad_norm else grad_norm(model, ctx)
+        lr = learning_rate(step, t)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, t)
+            group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         load_LE = global_expert_load(model, ctx)
@@ -252,7 +253,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
         imbalance_L = load_LE.max(-1).values / load_LE.float().mean(-1)  # max/mean per MoE layer
-        record_ = {"step": step, "loss": losses[-1], "lr": learning_rate(step, t), "grad_norm": float(norm),
+        record_ = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
                    "tokens_per_s": tokens_per_step / elapsed,
                    "step_time_s": elapsed, "expert_load": load_LE.tolist(),
                    "load_imbalance": float(imbalance_L.max())}
@@ -289,7 +290,6 @@ def _progress(total: int, *, initial: int, enabled: bool):
 @record
 def main(argv: list[str] | None = None) -> None:
     """Entry point under torchrun: ``torchrun ... -m ep_runtime.train [train options]``."""
-
     worker(job_config_from_args(train_parser().parse_args(argv)))
 
 

@@ -30,7 +30,7 @@ from kernels.validate import check_positive, check_routes
 
 from .all_to_all import AllToAllDispatcher, TokenRoute
 from .autograd import CombineFn, DispatchFn
-from .nvlink import NVLinkDispatcher, PeerRoute
+from .nvlink import NVLinkDispatcher, PeerRoute, node_sizes
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
@@ -50,6 +50,10 @@ class HierarchicalDispatcher(Dispatcher, name="hierarchical"):
     EP group that spans nodes."""
 
     fp8_combine_capable = True
+
+    @classmethod
+    def from_config(cls, cfg, ctx):
+        return cls(rail_group=ctx.ep_rail_group, node_group=ctx.ep_node_group, **node_sizes(cfg, ctx))
 
     def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
                  device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,

@@ -138,6 +138,12 @@ class PeerRoute:
     num_tokens: int
 
 
+def node_sizes(cfg, ctx) -> dict:
+    """The ``nvlink`` backends' constructor settings from ``model.moe`` and the rank's device."""
+    return dict(num_experts=cfg.num_experts, device=ctx.device, max_tokens_per_rank=cfg.max_tokens_per_rank,
+                alignment=cfg.alignment, fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
+
+
 class NVLinkDispatcher(Dispatcher, name="nvlink"):
     """Dispatch/combine through a symmetric heap over ``group`` (GPUs of one NVLink domain, or CPU
     processes of one host). Experts are placed contiguously, as in ``AllToAllDispatcher``."""
@@ -147,12 +153,9 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
     @classmethod
     def from_config(cls, cfg, ctx):
         """Over the EP group; two-stage (``HierarchicalDispatcher``) when the group spans nodes."""
-        sizes = dict(num_experts=cfg.num_experts, device=ctx.device, max_tokens_per_rank=cfg.max_tokens_per_rank,
-                     alignment=cfg.alignment, fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
         if ctx.ep_rail_group is not None:  # registered by hierarchical.py, which builds on this class
-            return Dispatcher.backends["hierarchical"](rail_group=ctx.ep_rail_group, node_group=ctx.ep_node_group,
-                                                       **sizes)
-        return cls(group=ctx.ep_group, **sizes)
+            return Dispatcher.backends["hierarchical"].from_config(cfg, ctx)
+        return cls(group=ctx.ep_group, **node_sizes(cfg, ctx))
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, device: torch.device, max_tokens_per_rank: int,
                  alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):

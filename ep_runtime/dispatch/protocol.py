@@ -75,10 +75,10 @@ class Dispatcher(abc.ABC):
             Dispatcher.backends[name] = cls
 
     @classmethod
+    @abc.abstractmethod
     def from_config(cls, cfg: MoEConfig, ctx: ParallelContext) -> Dispatcher:
         """This backend over ``ctx``'s EP group, as ``cfg`` asks (raises ``ValueError`` naming the
         setting where the group does not suit it)."""
-        raise NotImplementedError(f"{cls.__name__} is not built from a config")
 
     @abc.abstractmethod
     def dispatch(
