@@ -7,13 +7,13 @@ Each component takes only its own part (the router its ``RouterConfig``, the MoE
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("all_to_all", "nvlink", "deepep")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "overlap")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _require(ok: bool, path: str, expected: str, got: object) -> None:
@@ -164,20 +164,6 @@ class ModelConfig:
                      f"layers in [0, num_layers={self.num_layers})", self.engram.layers)
 
 
-def v4_model_config(**overrides) -> ModelConfig:
-    """A tiny DeepSeek-V4-style model: mHC with 4 streams around every sublayer, Engram memory
-    before the first and the last block, a dense first block, then MoE (8 routed experts, top-2
-    sigmoid routing, one shared expert). Trains on 2 CPU processes in about a minute.
-    ``overrides`` replace top-level ``ModelConfig`` fields."""
-    preset = ModelConfig(vocab_size=256, hidden=64, num_layers=3, num_heads=4, max_seq_len=64, dense_layers=1,
-                         dense_hidden=128,
-                         moe=MoEConfig(num_experts=8, expert_hidden=64, num_shared_experts=1,
-                                       router=RouterConfig(scoring="sigmoid", topk=2)),
-                         mhc=MHCConfig(n=4),
-                         engram=EngramConfig(layers=(0, 2), max_ngram=3, num_heads=2, table_size=1009, head_dim=16))
-    return dataclasses.replace(preset, **overrides)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How ranks are split: ``pp`` pipeline stages, each of ``world / pp`` ranks; within a stage
@@ -226,6 +212,7 @@ class TrainConfig:
     out_dir: str = "runs"
     name: str = "tiny"
     log_every: int = 10
+    log_level: str = "info"  # the terminal's (rank 0's lines); the run's log files keep every level
     checkpoint_every: int = 0  # steps between checkpoints (out_dir/name/ckpt/step_<n>/); 0: none
     resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
 
@@ -242,6 +229,7 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
         _require(self.max_grad_norm >= 0, "train.max_grad_norm", ">= 0", self.max_grad_norm)
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", self.checkpoint_every)
+        _require(self.log_level in LOG_LEVELS, "train.log_level", f"one of {LOG_LEVELS}", self.log_level)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -140,7 +140,8 @@ def report_failure(ctx: RankInJob, exc: BaseException, *, step: int, grace_s: fl
     if own_errors:
         causes = "; ".join(f"{rep['where']} failed at step {rep['step']}: {rep['error']}"
                            for rep in own_errors.values())
-        return RankFailed(f"{message}, because {causes}", rank=ctx.rank, culprits=tuple(own_errors), primary=False)
+        return RankFailed(f"{ctx.where} stopped at step {step}{during}, because {causes}", rank=ctx.rank,
+                          culprits=tuple(own_errors), primary=False)
     if silent:
         names = ", ".join(f"rank {r}" for r in silent)
         return RankFailed(f"{message}: {names} never reported within {grace_s:.0f} s (withheld, hung or dead)",

@@ -1,123 +1,233 @@
-"""The training job's options: the presets, the ``ep-runtime train`` flags (also taken by
-``python -m ep_runtime.train`` under torchrun) and the ``JobConfig`` they make, checked before
-any process starts."""
+"""The training job's options: the ``ep-runtime train`` flags (also taken by ``python -m
+ep_runtime.train`` under torchrun), the config file or preset they start from, and the
+``JobConfig`` they make, checked before any process starts.
+
+A flag overrides its key of the config (``FLAGS``); an error names what the user typed: the flag,
+or the file and key.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import re
+from pathlib import Path
 
-from .config import (PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig,
-                     v4_model_config)
+from .config import (DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig,
+                     RouterConfig, TrainConfig)
+from .config_files import build, preset_names, preset_path, read_toml
 
-PRESETS = {
-    # ~0.3M parameters: trains on 2 CPU processes in about 10 s.
-    "tiny": lambda: ModelConfig(hidden=64, num_layers=2, num_heads=4,
-                                moe=MoEConfig(num_experts=8, expert_hidden=64, router=RouterConfig(topk=2))),
-    "small": lambda: ModelConfig(hidden=256, num_layers=4, num_heads=8,
-                                 moe=MoEConfig(num_experts=16, expert_hidden=256, router=RouterConfig(topk=4))),
-    # DeepSeek-V4 style: mHC streams around every sublayer, Engram memory, a dense first block.
-    "v4": v4_model_config,
-    # DeepSeek-V3's layer widths (hidden 7168, experts of 2048, top-8 in 8 groups keeping 4, one
-    # shared expert) with 32 of its 256 experts, so that a pipeline stage of two blocks fits one GPU
-    # (ep-runtime bench pipeline on two H200s).
-    "v3-layer": lambda: ModelConfig(
-        hidden=7168, num_layers=4, num_heads=56, max_seq_len=4096,
-        moe=MoEConfig(num_experts=32, expert_hidden=2048, num_shared_experts=1,
-                      router=RouterConfig(topk=8, num_groups=8, topk_groups=4, routed_scaling_factor=2.5))),
+# Flag -> the config key it sets. Flags whose value is None (not given) leave the config's.
+FLAGS = {
+    "--layers": "model.num_layers", "--hidden": "model.hidden", "--experts": "model.moe.num_experts",
+    "--topk": "model.moe.router.topk", "--fp8-dispatch": "model.moe.fp8_dispatch",
+    "--dispatcher": "model.moe.dispatcher", "--max-tokens-per-rank": "model.moe.max_tokens_per_rank",
+    "--bias-update-rate": "model.moe.router.bias_update_rate", "--aux-loss-coef": "model.moe.router.aux_loss_coef",
+    "--ep": "parallel.ep", "--pp": "parallel.pp", "--microbatches": "parallel.microbatches",
+    "--schedule": "parallel.schedule", "--virtual-stages": "parallel.virtual_stages",
+    "--ranks-per-node": "parallel.ranks_per_node", "--timeout": "parallel.timeout_s",
+    "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len", "--lr": "train.lr",
+    "--warmup-fraction": "train.warmup_fraction", "--weight-decay": "train.weight_decay",
+    "--max-grad-norm": "train.max_grad_norm", "--seed": "train.seed", "--out": "train.out_dir",
+    "--name": "train.name", "--log-every": "train.log_every", "--log-level": "train.log_level",
+    "--checkpoint-every": "train.checkpoint_every",
+    "--resume": "train.resume",
 }
 
 
 def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="ep-runtime train", description="Train the tiny MoE model.")
-    p.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="size preset (default tiny)")
-    p.add_argument("--layers", type=int, help="override the preset's layer count")
-    p.add_argument("--hidden", type=int, help="override the preset's hidden size")
-    p.add_argument("--experts", type=int, help="override the preset's routed experts")
-    p.add_argument("--topk", type=int, help="override the preset's routes per token")
-    p.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
-    p.add_argument("--pp", type=int, default=ParallelConfig.pp, help="pipeline stages (default 1: none)")
-    p.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default: 2 * pp)")
-    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default=ParallelConfig.schedule,
-                   help="pipeline schedule (default 1f1b; overlap: two lanes of micro-batches at once)")
-    p.add_argument("--virtual-stages", type=int, help="model chunks per stage with --schedule interleaved (default 2)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per rank")
-    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
-    p.add_argument("--lr", type=float, default=TrainConfig.lr,
-                   help=f"peak learning rate, after warmup (default {TrainConfig.lr})")
-    p.add_argument("--warmup-fraction", type=float, default=TrainConfig.warmup_fraction,
-                   help=f"fraction of the steps warming the learning rate up (default {TrainConfig.warmup_fraction}); "
-                        f"then cosine decay to {TrainConfig.min_lr_ratio} x --lr")
-    p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay,
-                   help=f"AdamW's, on matrices only (default {TrainConfig.weight_decay})")
-    p.add_argument("--max-grad-norm", type=float, default=TrainConfig.max_grad_norm,
-                   help=f"clip the whole model's gradient norm to this, 0: off (default {TrainConfig.max_grad_norm})")
-    p.add_argument("--fp8-dispatch", action="store_true", help="tokens travel as FP8 e4m3 (per-token scales)")
-    p.add_argument("--dispatcher", choices=("all_to_all", "nvlink", "deepep"), default=MoEConfig.dispatcher,
-                   help="dispatch/combine backend: all_to_all (default), nvlink (symmetric memory, no host sync; "
-                        "all_to_all between nodes when the EP group spans them) or deepep (needs deep_ep)")
-    p.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer call "
-                   "(default: batch size x sequence length)")
-    p.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer declares "
-                   "more nodes, e.g. 1 for two-stage nvlink dispatch on one host")
-    p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--out", default=TrainConfig.out_dir, help="output directory (default runs/)")
-    p.add_argument("--name", help="run name (default: the preset)")
-    p.add_argument("--timeout", type=float, default=ParallelConfig.timeout_s,
-                   help="collective timeout, s: a rank that does not take part for this long ends the job")
-    p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every, metavar="N",
-                   help="save a checkpoint every N steps under OUT/NAME/ckpt/ (default 0: never)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint (same world size and EP size)")
+    p = parser or argparse.ArgumentParser(prog="ep-runtime train", description="Train an MoE model.")
+    t, par, moe, router = TrainConfig, ParallelConfig, MoEConfig, RouterConfig
+    source = p.add_argument_group("what to train (a flag overrides its key of the config)")
+    source.add_argument("--model", choices=preset_names(), help="a preset: ep_runtime/configs/MODEL.toml (default tiny)")
+    source.add_argument("--config", metavar="FILE", help="a TOML config file instead of a preset "
+                        "(tables [model], [model.moe], [model.moe.router], [parallel], [train]; default: the preset)")
+    source.add_argument("--layers", type=int, help="blocks (default: the config's model.num_layers)")
+    source.add_argument("--hidden", type=int, help="hidden size (default: the config's model.hidden)")
+    source.add_argument("--experts", type=int, help="routed experts (default: the config's model.moe.num_experts)")
+    source.add_argument("--topk", type=int, help="routes per token (default: the config's model.moe.router.topk)")
+    source.add_argument("--bias-update-rate", type=float,
+                        help=f"aux-loss-free balancing's bias step, 0: off (default {router.bias_update_rate})")
+    source.add_argument("--aux-loss-coef", type=float,
+                        help=f"sequence-wise balance loss weight, DeepSeek-V3's alpha (default {router.aux_loss_coef})")
+    par_ = p.add_argument_group("parallelism")
+    par_.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
+    par_.add_argument("--pp", type=int, help=f"pipeline stages (default {par.pp}: none)")
+    par_.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default 2 x --pp)")
+    par_.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help=f"pipeline schedule (default {par.schedule}; "
+                      "overlap: two lanes of micro-batches at once)")
+    par_.add_argument("--virtual-stages", type=int,
+                      help="model chunks per stage with --schedule interleaved (default 2)")
+    par_.add_argument("--dispatcher", choices=DISPATCHERS,
+                      help=f"dispatch/combine backend (default {moe.dispatcher}; nvlink: symmetric memory, no host "
+                           "sync, all_to_all between nodes when the EP group spans them; deepep: needs deep_ep)")
+    par_.add_argument("--fp8-dispatch", action="store_const", const=True,
+                      help="tokens travel as FP8 e4m3 with per-token scales (default: off)")
+    par_.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer "
+                      "call (default: --batch-size x --seq-len)")
+    par_.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer "
+                      "declares more nodes, e.g. 1 for two-stage nvlink dispatch on one host")
+    par_.add_argument("--timeout", type=float, help=f"seconds a rank may wait on the others before the job ends, "
+                      f"naming the wait (default {par.timeout_s:.0f})")
+    run = p.add_argument_group("training")
+    run.add_argument("--steps", type=int, help=f"optimizer steps (default {t.steps})")
+    run.add_argument("--batch-size", type=int, help=f"sequences per data rank and step (default {t.batch_size})")
+    run.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {t.seq_len})")
+    run.add_argument("--lr", type=float, help=f"peak learning rate, after warmup (default {t.lr}; v3-layer 3e-4)")
+    run.add_argument("--warmup-fraction", type=float, help="fraction of the steps warming the learning rate up "
+                     f"(default {t.warmup_fraction}); then cosine decay to {t.min_lr_ratio} x --lr")
+    run.add_argument("--weight-decay", type=float, help=f"AdamW's, on matrices only (default {t.weight_decay})")
+    run.add_argument("--max-grad-norm", type=float,
+                     help=f"clip the whole model's gradient norm to this, 0: off (default {t.max_grad_norm})")
+    run.add_argument("--seed", type=int, help=f"model and data seed (default {t.seed})")
+    run.add_argument("--out", help=f"output directory (default {t.out_dir}/)")
+    run.add_argument("--name", help="run name: the run's folder under --out (default: the preset's or config's name)")
+    run.add_argument("--log-every", type=int, metavar="N", help=f"a log line every N steps (default {t.log_every})")
+    run.add_argument("--log-level", choices=LOG_LEVELS,
+                     help=f"the terminal's log level (default {t.log_level}); the run's log files keep everything")
+    run.add_argument("--checkpoint-every", type=int, metavar="N",
+                     help="save a checkpoint every N steps under OUT/NAME/ckpt/ (default 0: never)")
+    run.add_argument("--resume", action="store_const", const=True,
+                     help="continue from the newest checkpoint (default: start afresh)")
     return p
 
 
+class Origins:
+    """Where each config key's value came from, to name it in errors: the flag the user typed,
+    else the config file, else (a default) the flag that would set it."""
+
+    def __init__(self, source: str, flags: dict[str, str], in_file: set[str]):
+        self.source, self.flags, self.in_file = source, flags, in_file  # flags: config key -> flag
+
+    def name(self, key: str) -> str:
+        if key in self.flags:
+            return self.flags[key]
+        if key in self.in_file:
+            return f"{key} of {self.source}"
+        return next((flag for flag, k in FLAGS.items() if k == key), key)
+
+    def given(self, key: str) -> bool:
+        return key in self.flags
+
+    def explain(self, error: ValueError) -> ValueError:
+        """``error`` (``"model.moe.topk: expected ..."``) with its key named as the user set it."""
+        match = re.match(r"([a-z_]+(?:\.[a-z_]+)+): (.*)", str(error), re.S)
+        if not match:
+            return error
+        return ValueError(f"{self.name(match[1])}: {match[2]}")
+
+
 def job_config_from_args(a: argparse.Namespace) -> JobConfig:
-    model = PRESETS[a.model]()
-    router = dataclasses.replace(model.moe.router, **_given(topk=a.topk))
-    moe = dataclasses.replace(model.moe, router=router, fp8_dispatch=a.fp8_dispatch, dispatcher=a.dispatcher,
-                              max_tokens_per_rank=a.max_tokens_per_rank or a.batch_size * a.seq_len,
-                              **_given(num_experts=a.experts))
-    model = dataclasses.replace(model, moe=moe, max_seq_len=max(model.max_seq_len, a.seq_len),
-                                **_given(num_layers=a.layers, hidden=a.hidden))
-    train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
-                        warmup_fraction=a.warmup_fraction, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
-                        out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
-                        resume=a.resume)
-    default_microbatches = 2 * a.pp if a.pp > 1 else 1
-    parallel = ParallelConfig(ep=a.ep, pp=a.pp, schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout,
-                              microbatches=default_microbatches if a.microbatches is None else a.microbatches,
-                              virtual_stages=(2 if a.schedule == "interleaved" else 1) if a.virtual_stages is None
-                              else a.virtual_stages)
-    return JobConfig(model=model, parallel=parallel, train=train)
+    """The job ``a`` asks for: its preset or config file, then its flags."""
+    return resolve(a)[0]
 
 
-def _given(**options) -> dict:
-    """The command-line overrides the user gave (None: keep the preset's value)."""
-    return {k: v for k, v in options.items() if v is not None}
+def resolve(a: argparse.Namespace) -> tuple[JobConfig, Origins]:
+    if a.model and a.config:
+        raise ValueError(f"--config {a.config}: expected either --model or --config, got --model {a.model} too")
+    path = Path(a.config) if a.config else preset_path(a.model or "tiny")
+    try:
+        table = read_toml(path)
+    except ValueError as error:
+        raise ValueError(f"--config {error}" if a.config else str(error)) from None
+    in_file = set(_keys(table))
+    flags = {}
+    for flag, key in FLAGS.items():
+        value = getattr(a, flag[2:].replace("-", "_"))
+        if value is not None:
+            _set(table, key, value)
+            flags[key] = flag
+    origins = Origins(str(path) if a.config else f"the {a.model or 'tiny'} preset", flags, in_file)
+    try:
+        return _derive(table, default_name=a.model or path.stem), origins
+    except ValueError as error:
+        raise origins.explain(error) from None
 
 
-def check_launch(cfg: JobConfig, nproc: int) -> None:
-    """What the workers would refuse as they start, said before any starts, naming the flags."""
-    pp, microbatches, batch_size = cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.batch_size
+def _derive(table: dict, *, default_name: str) -> JobConfig:
+    """The ``JobConfig`` of ``table``, with the defaults that follow from other keys."""
+    train = build(TrainConfig, {"name": default_name, **table.get("train", {})}, "train")
+    parallel = table.setdefault("parallel", {})
+    pp = parallel.get("pp", ParallelConfig.pp)
+    parallel.setdefault("microbatches", 2 * pp if isinstance(pp, int) and pp > 1 else 1)
+    interleaved = parallel.get("schedule") == "interleaved"
+    parallel.setdefault("virtual_stages", 2 if interleaved else 1)
+    model = table.setdefault("model", {})
+    moe = model.setdefault("moe", {})
+    moe.setdefault("max_tokens_per_rank", train.batch_size * train.seq_len)
+    model["max_seq_len"] = max(model.get("max_seq_len", ModelConfig.max_seq_len), train.seq_len)
+    return build(JobConfig, {**table, "train": dataclasses.asdict(train)})
+
+
+def _keys(table: dict, prefix: str = ""):
+    for name, value in table.items():
+        if isinstance(value, dict):
+            yield from _keys(value, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def _set(table: dict, key: str, value) -> None:
+    *tables, last = key.split(".")
+    for name in tables:
+        table = table.setdefault(name, {})
+    table[last] = value
+
+
+def check_launch(cfg: JobConfig, nproc: int, o: Origins) -> None:
+    """What the workers would refuse as they start, said before any starts, naming what the user
+    typed (``o``: where each value came from)."""
+    pp = cfg.parallel.pp
     if nproc < 1:
         raise ValueError(f"--num-workers: expected at least 1, got {nproc}")
     if nproc % pp:
-        raise ValueError(f"--pp {pp}: expected a divisor of the {nproc} worker processes (--num-workers)")
+        raise ValueError(f"{o.name('parallel.pp')} {pp}: expected a divisor of the {nproc} worker processes "
+                         "(--num-workers)")
     per_stage = nproc // pp
     ep = cfg.parallel.ep or per_stage
     if per_stage % ep:
-        raise ValueError(f"--ep {ep}: expected a divisor of the {per_stage} ranks of a pipeline stage "
-                         f"({nproc} processes, --pp {pp})")
+        raise ValueError(f"{o.name('parallel.ep')} {ep}: expected a divisor of the {per_stage} ranks of a pipeline "
+                         f"stage ({nproc} processes, --pp {pp})")
     if cfg.model.moe.num_experts % ep:
-        raise ValueError(f"--ep {ep}: expected a divisor of the model's {cfg.model.moe.num_experts} experts "
-                         "(--experts)")
-    if pp > 1 and batch_size % microbatches:
-        raise ValueError(f"--microbatches {microbatches}: expected a divisor of --batch-size {batch_size} "
-                         "(the default is 2 x --pp)")
+        raise ValueError(f"{o.name('parallel.ep')} {ep}: expected a divisor of the model's "
+                         f"{cfg.model.moe.num_experts} experts ({o.name('model.moe.num_experts')})")
+    _check_pipeline(cfg, o)
+    _check_dispatcher(cfg, ep, o)
+    if cfg.train.resume:
+        ckpt = Path(cfg.train.out_dir) / cfg.train.name / "ckpt"
+        if not (ckpt.is_dir() and any(ckpt.iterdir())):
+            raise ValueError(f"--resume: no checkpoint under {ckpt} (--out and --name say where the run is)")
+
+
+def _check_pipeline(cfg: JobConfig, o: Origins) -> None:
+    pp, microbatches, batch_size = cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.batch_size
+    layers, chunks = cfg.model.num_layers, cfg.parallel.virtual_stages
+    if pp == 1:
+        return
+    if pp * chunks > layers:
+        what = f"{pp} stages x {chunks} virtual stages" if chunks > 1 else f"{pp} stages"
+        raise ValueError(f"{o.name('parallel.pp')} {pp}: expected at most one stage per block; {what} for "
+                         f"{layers} blocks ({o.name('model.num_layers')})")
+    if batch_size % microbatches:
+        if not o.given("parallel.microbatches"):
+            raise ValueError(f"{o.name('parallel.pp')} {pp}: its default micro-batches, 2 x {pp} = {microbatches}, "
+                             f"do not divide {o.name('train.batch_size')} {batch_size}; give --microbatches, a "
+                             f"divisor of {batch_size}")
+        raise ValueError(f"{o.name('parallel.microbatches')} {microbatches}: expected a divisor of "
+                         f"{o.name('train.batch_size')} {batch_size}")
     if cfg.parallel.schedule == "interleaved" and microbatches % pp:
-        raise ValueError(f"--microbatches {microbatches}: expected a multiple of --pp {pp} with the interleaved "
-                         "schedule")
+        raise ValueError(f"{o.name('parallel.microbatches')} {microbatches}: expected a multiple of "
+                         f"{o.name('parallel.pp')} {pp} with the interleaved schedule")
+    if cfg.model.moe.router.aux_loss_coef > 0:
+        raise ValueError(f"{o.name('model.moe.router.aux_loss_coef')}: expected 0 with pipeline stages "
+                         f"({o.name('parallel.pp')} {pp}; not supported yet), got {cfg.model.moe.router.aux_loss_coef}")
 
 
+def _check_dispatcher(cfg: JobConfig, ep: int, o: Origins) -> None:
+    if cfg.model.moe.dispatcher == "deepep" and importlib.util.find_spec("deep_ep") is None:
+        raise ValueError(f"{o.name('model.moe.dispatcher')} deepep: the deep_ep package is not installed "
+                         "(github.com/deepseek-ai/DeepEP); all_to_all and nvlink need nothing more")
+    per_node = cfg.parallel.ranks_per_node
+    if per_node is not None and ep > per_node and ep % per_node:
+        raise ValueError(f"{o.name('parallel.ranks_per_node')} {per_node}: expected a divisor of the EP size {ep}")

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,9 @@ from .model import TinyDeepSeek
 from .options import job_config_from_args, train_parser
 from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
 from .failures import FailureWatch, report_failure, restart_count
-from .parallel import ParallelContext, init_parallel, node_rank
+from .parallel import ParallelContext, init_parallel
 from .pipeline import PipelineSchedule, PipelineStage
+from .run_log import setup_worker_logging
 
 log = logging.getLogger("ep_runtime.train")
 
@@ -128,34 +130,24 @@ class InjectedFault:
             time.sleep(1)
 
 
-def _setup_logging() -> None:
-    """Every line carries node, rank and local rank (read from the launcher's environment, so the
-    lines before the process group exists carry them too)."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    where = f"node {node_rank()} rank {rank}/{world} local {os.environ.get('LOCAL_RANK', '0')}"
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{where}] %(message)s", datefmt="%H:%M:%S",
-                        force=True)
-    logging.getLogger("ep_runtime").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    logging.getLogger("ep_runtime.parallel").setLevel(logging.INFO)  # one line per rank: where it runs
-
-
 def worker(cfg: JobConfig) -> dict:
     """Trains ``cfg.model`` up to step ``cfg.train.steps``; returns this rank's summary:
     ``{"rank", "node", "host", "restart", "first_step", "losses"}`` (the losses of the steps this
     process ran, from ``first_step``; every rank logs the global mean)."""
-    _setup_logging()
+    terminal = setup_worker_logging(cfg.train)
     ctx = init_parallel(cfg.parallel)
     at = _Position()
     grace_s = min(cfg.parallel.timeout_s, REPORT_GRACE_S)
     try:
         with FailureWatch(ctx, grace_s=grace_s, timeout_s=cfg.parallel.timeout_s, step=lambda: at.step):
-            summary = _train(cfg, ctx, at)
+            summary = _train(cfg, ctx, at, terminal=terminal)
         if ctx.distributed:
             dist.destroy_process_group()
         return summary
     except Exception as exc:
         failure = report_failure(ctx, exc, step=at.step, grace_s=grace_s)
         log.error("%s", failure)
+        log.debug("the traceback of that failure", exc_info=exc)  # the rank's log file only
         raise failure from exc
 
 
@@ -164,7 +156,7 @@ class _Position:
     step: int = 0  # the step in progress (0: setting up), for failure reports
 
 
-def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
+def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: TextIO = sys.stderr) -> dict:
     if ctx.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     t = cfg.train
@@ -215,7 +207,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
                 metrics.write(record_)
     log.info("training %s: %d ranks, EP %d, %d experts, steps %d..%d -> %s", t.name, ctx.world_size, ctx.ep_size,
              cfg.model.moe.num_experts, first_step, t.steps, run_dir)
-    progress = _progress(t.steps, initial=first_step - 1, enabled=ctx.rank == 0)
+    progress = _progress(t.steps, initial=first_step - 1, terminal=terminal if ctx.rank == 0 else None)
     losses = []
     tokens_per_step = t.batch_size * t.seq_len * data_ranks
     for step in range(first_step, t.steps + 1):
@@ -262,10 +254,9 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         progress.update(1)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % t.log_every == 0 or step == t.steps:
-            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f max/mean expert load %.2f (worst of "
-                     "%d MoE layers: number %d; every load in metrics.jsonl)", step, losses[-1], record_["lr"],
-                     record_["grad_norm"], record_["tokens_per_s"], record_["load_imbalance"], len(imbalance_L),
-                     int(imbalance_L.argmax()) + 1)
+            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f expert load max/mean %.2f (MoE layer "
+                     "%d of %d)", step, losses[-1], record_["lr"], record_["grad_norm"], record_["tokens_per_s"],
+                     record_["load_imbalance"], int(imbalance_L.argmax()) + 1, len(imbalance_L))
     progress.close()
     summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
                "first_step": first_step, "losses": losses}
@@ -279,12 +270,12 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     return summary
 
 
-def _progress(total: int, *, initial: int, enabled: bool):
+def _progress(total: int, *, initial: int, terminal: TextIO | None):
     from tqdm import tqdm
 
     # A bar on a terminal only: in log files and Ray's log stream the step lines show progress.
-    return tqdm(total=total, initial=initial, desc="train", disable=not (enabled and sys.stderr.isatty()),
-                file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", disable=not (terminal and terminal.isatty()),
+                file=terminal, dynamic_ncols=True)
 
 
 @record

@@ -13,44 +13,47 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ep_runtime.options import check_launch, job_config_from_args, train_parser
+from ep_runtime.failures import RankFailed
+from ep_runtime.options import check_launch, resolve, train_parser
+from ep_runtime.run_log import log_dir, log_path
 
 from .start import start_workers
 
 
-def launch_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """How ``ep-runtime train`` starts its workers (not used under torchrun, which starts them)."""
-    p.add_argument("--launcher", choices=("local", "ray"), default="local",
+    g = parser.add_argument_group("launching (torchrun starts its own workers)")
+    g.add_argument("--launcher", choices=("local", "ray"), default="local",
                    help="local processes (default), or Ray actors on a Ray cluster")
-    p.add_argument("--num-workers", "--nproc", dest="num_workers", type=int,
+    g.add_argument("--num-workers", "--nproc", dest="num_workers", type=int,
                    help="worker processes (default: one per GPU; on the CPU the local launcher starts "
                         "max(2, pp x ep), Ray 2)")
-    p.add_argument("--max-restarts", type=int, default=0,
+    g.add_argument("--max-restarts", type=int, default=0,
                    help="restart the job this many times after a worker failure, from the newest checkpoint "
                         "(default 0: fail at once, naming the rank)")
-    ray = p.add_argument_group("ray launcher")
+    ray = parser.add_argument_group("ray launcher")
     ray.add_argument("--address", help="Ray cluster: auto, or HOST:PORT (default: RAY_ADDRESS, else a local Ray)")
     ray.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default: 1 if the cluster has GPUs)")
     ray.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default 1)")
-    return p
+    return parser
 
 
-def _root_cause(failure) -> str:
-    """The cause, out of torch elastic's report: the earliest failure that recorded an error (a
-    process that was killed, or ended by another rank's report, records none), else the first."""
+def _root_cause(failure) -> tuple[int, str]:
+    """The failed rank and its error, out of torch elastic's report: the earliest failure that
+    recorded an error (a process that was killed, or ended by another rank's report, records
+    none), else the first."""
     recorded = {rank: f for rank, f in failure.failures.items() if isinstance(f.message, dict)}
     if recorded:
         rank = min(recorded, key=lambda r: recorded[r].timestamp)
         lines = [line.strip() for line in recorded[rank].message.get("message", "").splitlines() if line.strip()]
-        return f"rank {rank}: {lines[0] if lines else f'exit code {recorded[rank].exitcode}'}"
+        message = lines[0] if lines else f"exit code {recorded[rank].exitcode}"
+        return rank, message.removeprefix(f"{RankFailed.__name__}: ")
     rank, first = failure.get_first_failure()
-    return f"rank {rank}: exit code {first.exitcode} (no error recorded: killed, or ended by another rank's failure)"
+    return rank, f"rank {rank}: exit code {first.exitcode} (no error recorded: killed, or ended by another rank's failure)"
 
 
 def _train(a: argparse.Namespace) -> None:
     import logging
-
-    from ep_runtime.train import worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [launcher] %(message)s", datefmt="%H:%M:%S")
     if a.launcher != "ray":
@@ -58,35 +61,58 @@ def _train(a: argparse.Namespace) -> None:
                                           ("--cpus-per-worker", a.cpus_per_worker)) if value is not None]
         if given:
             raise SystemExit(f"ep-runtime train: {', '.join(given)}: only with --launcher ray")
-    num_workers = a.num_workers
-    if num_workers is None and a.launcher == "local":  # Ray's default depends on the cluster: it decides
-        import torch
-
-        num_workers = torch.cuda.device_count() or max(2, a.pp * (a.ep or 1))
     try:
-        cfg = job_config_from_args(a)
+        cfg, origins = resolve(a)
+        num_workers = a.num_workers
+        if num_workers is None and a.launcher == "local":  # Ray's default depends on the cluster: it decides
+            import torch
+
+            num_workers = torch.cuda.device_count() or max(2, cfg.parallel.pp * (cfg.parallel.ep or 1))
         if num_workers is not None:
-            check_launch(cfg, num_workers)
+            check_launch(cfg, num_workers, origins)
     except ValueError as error:
         raise SystemExit(f"ep-runtime train: {error}") from None
+    _quiet_torch_launcher_logs()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ep_runtime.train import worker
 
     from .ray import WorkerFailed
 
+    logs = log_dir(cfg.train)
     try:
         results = start_workers(worker, cfg, launcher=a.launcher, num_workers=num_workers,
                                 max_restarts=a.max_restarts, address=a.address, gpus_per_worker=a.gpus_per_worker,
                                 cpus_per_worker=a.cpus_per_worker)
     except WorkerFailed as failure:
-        raise SystemExit(f"ep-runtime train: {failure}") from None
+        raise SystemExit(f"ep-runtime train: {failure} (logs: {logs}/)") from None
     except ChildFailedError as failure:
-        raise SystemExit(f"ep-runtime train: {failure.format_msg()}\n"
-                         f"ep-runtime train: failed: {_root_cause(failure)}") from None
+        rank, cause = _root_cause(failure)
+        raise SystemExit(f"ep-runtime train: {cause} (log: {log_path(cfg.train, rank)})") from None
+    except (KeyboardInterrupt, SignalException) as stop:
+        what = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else getattr(stop.sigval, "name", "a signal")
+        print(f"ep-runtime train: stopped by {what}; every worker ended (logs: {logs}/)", file=sys.stderr)
+        raise SystemExit(130) from None
     first = results[0]
     losses, resumed = first["losses"], first["first_step"] > 1
     where = f" (resumed at step {first['first_step']})" if resumed else ""
     summary = f": loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
     print(f"trained {len(losses)} steps on {len(results)} processes{where}{summary}")
+
+
+def _quiet_torch_launcher_logs() -> None:
+    """torch elastic logs every worker's traceback, and each worker it stops; the workers' own
+    log files hold the tracebacks, and the last line here names the cause."""
+    import importlib
+    import logging
+
+    importlib.import_module("torch.distributed.launcher.api")  # creates its loggers, some with levels of their own
+
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    for name in [*prefixes, *logging.root.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 BENCHMARKS = {

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from . import StartWorkers, need_start
 from .record import device_name, head_commit
+from ..config_files import preset_names
 
 
 def bubble_formula(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -56,7 +57,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from ..options import PRESETS
+    from ..config_files import preset
     from ..config import ParallelConfig
     from ..dispatch import make_dispatcher
     from ..model import TinyDeepSeek
@@ -66,7 +67,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     ctx = init_parallel(ParallelConfig(pp=a.pp, ep=a.ep))
     if ctx.device.type == "cpu":  # the workers share the machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
-    cfg = dataclasses.replace(PRESETS[a.model](), max_seq_len=a.seq_len)
+    cfg = dataclasses.replace(preset(a.model).model, max_seq_len=a.seq_len)
     on_gpu = ctx.device.type == "cuda"
     # The ranks of one pp group read the same batch (every stage needs it).
     g = torch.Generator().manual_seed(ctx.rank % (ctx.world_size // ctx.pp_size))
@@ -145,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--model", default="small", help="model preset of ep-runtime train (default small: 4 blocks, "
+    p.add_argument("--model", default="small", choices=preset_names(), help="model preset of ep-runtime train (default small: 4 blocks, "
                    "enough for 2 stages x 2 virtual stages)")
     p.add_argument("--schedules", type=lambda s: s.split(","), default=["1f1b", "gpipe", "interleaved", "overlap"])
     p.add_argument("--virtual-stages", type=int, default=2, help="model chunks per stage, interleaved (default 2)")

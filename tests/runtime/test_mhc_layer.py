@@ -10,7 +10,8 @@ import torch
 from torch.func import functional_call
 
 from ep_runtime import mhc
-from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig, v4_model_config
+from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig
+from ep_runtime.config_files import preset
 from ep_runtime.dispatch import AllToAllDispatcher
 from ep_runtime.engram import Engram
 from ep_runtime.model import TinyDeepSeek
@@ -147,7 +148,7 @@ def _model(cfg: ModelConfig, seed: int = 3) -> TinyDeepSeek:
 
 def _small_v4(**overrides) -> ModelConfig:
     small = {"hidden": 32, "num_layers": 2, "max_seq_len": 16, "engram": EngramConfig(layers=(0, 1), table_size=211)}
-    return v4_model_config(**{**small, **overrides})
+    return dataclasses.replace(preset("v4").model, **{**small, **overrides})
 
 
 def _forward_backward(model, tokens):
@@ -248,8 +249,8 @@ def test_config_errors_name_the_path():
     with pytest.raises(ValueError, match="model.engram.layers"):
         EngramConfig(layers=(1, 1))
     with pytest.raises(ValueError, match="model.engram.layers"):
-        v4_model_config(num_layers=2)  # the preset's Engram sits on layer 2
-    cfg = v4_model_config()
+        dataclasses.replace(preset("v4").model, num_layers=2)  # the preset's Engram sits on layer 2
+    cfg = preset("v4").model
     assert cfg.mhc.n == 4 and cfg.engram.layers == (0, 2)
     assert EngramConfig(layers=[2, 0]).layers == (2, 0)
     assert dataclasses.asdict(cfg)["engram"]["layers"] == (0, 2)

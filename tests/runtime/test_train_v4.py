@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from ep_runtime.config import JobConfig, MHCConfig, TrainConfig, v4_model_config
+from ep_runtime.config import JobConfig, MHCConfig, TrainConfig
+from ep_runtime.config_files import preset
 from ep_runtime.train import worker
 from launch.local import launch_local
 
@@ -14,7 +15,7 @@ from launch.local import launch_local
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="2 worker processes need 2 GPUs on a GPU machine")
 def test_v4_preset_loss_falls(tmp_path):
-    model = v4_model_config()
+    model = preset("v4").model
     assert model.mhc is not None and model.mhc.n == 4 and model.engram is not None
     # recompute on: the checkpointed mHC regions run inside the distributed step too
     model = dataclasses.replace(model, mhc=MHCConfig(n=4, recompute=True))

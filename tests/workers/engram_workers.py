@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 import ep_runtime.engram as engram_module
-from ep_runtime.config import EngramConfig, MHCConfig, ParallelConfig, v4_model_config
+from ep_runtime.config import EngramConfig, MHCConfig, ParallelConfig
+from ep_runtime.config_files import preset
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.engram import Engram
 from ep_runtime.model import TinyDeepSeek
@@ -135,9 +138,9 @@ def _model_matches_single_process(ctx) -> dict:
     logits, and gradients reduced the way the training step must reduce them — dense parameters
     summed over ranks, expert and sharded (table) parameters gathered from their owners."""
     world = ctx.world_size
-    cfg = v4_model_config(hidden=32, num_layers=2, max_seq_len=16, vocab_size=64,
-                          mhc=MHCConfig(n=2, sinkhorn_iters=5),
-                          engram=EngramConfig(layers=(0, 1), table_size=101, head_dim=4))
+    cfg = dataclasses.replace(preset("v4").model, hidden=32, num_layers=2, max_seq_len=16, vocab_size=64,
+                              mhc=MHCConfig(n=2, sinkhorn_iters=5),
+                              engram=EngramConfig(layers=(0, 1), table_size=101, head_dim=4))
     torch.manual_seed(3)
     model = TinyDeepSeek(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank, seed=3).to(ctx.device)
     torch.manual_seed(3)
