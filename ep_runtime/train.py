@@ -135,6 +135,8 @@ def worker(cfg: JobConfig) -> dict:
     ``{"rank", "node", "host", "restart", "first_step", "losses"}`` (the losses of the steps this
     process ran, from ``first_step``; every rank logs the global mean)."""
     terminal = setup_worker_logging(cfg.train)
+    if restart_count():
+        log.warning("restart %d: every worker started again after a failure", restart_count())
     ctx = init_parallel(cfg.parallel)
     at = _Position()
     grace_s = min(cfg.parallel.timeout_s, REPORT_GRACE_S)

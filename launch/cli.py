@@ -91,7 +91,8 @@ def _train(a: argparse.Namespace) -> None:
         rank, cause = _root_cause(failure)
         raise SystemExit(f"ep-runtime train: {cause} (log: {log_path(cfg.train, rank)})") from None
     except (KeyboardInterrupt, SignalException) as stop:
-        what = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else getattr(stop.sigval, "name", "a signal")
+        signal_name = getattr(getattr(stop, "sigval", None), "name", "SIGINT")
+        what = "Ctrl-C (SIGINT)" if signal_name == "SIGINT" else signal_name
         print(f"ep-runtime train: stopped by {what}; every worker ended (logs: {logs}/)", file=sys.stderr)
         raise SystemExit(130) from None
     first = results[0]
