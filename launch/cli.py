@@ -99,7 +99,10 @@ def _train(a: argparse.Namespace) -> None:
     losses, resumed = first["losses"], first["first_step"] > 1
     where = f" (resumed at step {first['first_step']})" if resumed else ""
     summary = f": loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""
-    print(f"trained {len(losses)} steps on {len(results)} processes{where}{summary}")
+    # Said here, not only by rank 0: Ray's log stream may lose a worker's last lines.
+    run_dir = logs.parent
+    print(f"trained {len(losses)} steps on {len(results)} processes{where}{summary} (metrics: "
+          f"{run_dir / 'metrics.jsonl'}, logs: {logs}/)")
 
 
 def _quiet_torch_launcher_logs() -> None:

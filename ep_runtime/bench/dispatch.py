@@ -120,6 +120,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             with torch.no_grad():
                 row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, (median_ms, time_ms), a,
                                          rank == 0))
+        collective = dist.get_backend(group)  # nccl on GPUs, gloo on the CPU: the label says which ran
         recv_t = torch.tensor(sent, device=device)
         got_t = torch.empty_like(recv_t)
         dist.all_to_all_single(got_t, recv_t, group=group)
@@ -127,7 +128,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
         for name, nbytes in (("dispatch", token_bytes), ("combine", home_bytes)):
             send_buf = torch.empty(sum(sent) * nbytes, dtype=torch.uint8, device=device)
             recv_buf = torch.empty(sum(recv) * nbytes, dtype=torch.uint8, device=device)
-            row[f"nccl_a2a_{name}_ms"] = median_ms(lambda s=send_buf, r=recv_buf, n=nbytes: dist.all_to_all_single(
+            row[f"{collective}_a2a_{name}_ms"] = median_ms(lambda s=send_buf, r=recv_buf, n=nbytes: dist.all_to_all_single(
                 r, s, [x * n for x in recv], [x * n for x in sent], group=group))
         if on_gpu:
             row["p2p_copy_ms"] = _p2p_copy_ms(median_ms, dispatch_bytes, group, device)

@@ -44,11 +44,11 @@ import math
 import os
 import signal
 import statistics
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import StartWorkers, need_start
+from .progress import Progress
 from .record import device_name, head_commit
 from .timer import EventTimer
 
@@ -137,7 +137,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     sizes = spec.ep_sizes(ctx.world_size)
     points = [(mode, size) for mode in spec.modes for size in sizes]
-    progress = _progress(len(points), enabled=ctx.rank == 0)
+    progress = Progress("ep-scaling", len(points), enabled=ctx.rank == 0)
     rows = []
     groups = {size: block_group(size) if ctx.distributed else None for size in sizes}  # collective: all ranks
     def tokens_per_rank(mode: str, size: int) -> int:
@@ -155,9 +155,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
                 torch.cuda.empty_cache()  # the layer of this size is gone; the next one may be larger
             row["mode"] = mode
             rows.append(row)
-            if ctx.rank == 0:
-                progress.write(_row_line(row))
-        progress.update(1)
+        progress.advance(f"{mode} EP {size}")
         if ctx.distributed:
             dist.barrier()
     progress.close()
@@ -319,36 +317,6 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
             b.zero_()
     layer.load_E = torch.zeros(spec.num_experts, dtype=torch.int32)
     return layer
-
-
-class _Quiet:
-    """No progress (ranks other than 0)."""
-
-    def write(self, line: str) -> None:
-        pass
-
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Lines(_Quiet):
-    """Progress without tqdm (GPU machines may lack it): the per-point lines only."""
-
-    def write(self, line: str) -> None:
-        print(line, flush=True)
-
-
-def _progress(total: int, *, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _Lines() if enabled else _Quiet()
-
-    return tqdm(total=total, desc="ep-scaling", disable=not (enabled and sys.stderr.isatty()), file=sys.stderr,
-                dynamic_ncols=True)
 
 
 def _row_line(r: dict) -> str:

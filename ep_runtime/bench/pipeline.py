@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import StartWorkers, need_start
+from .progress import Progress
 from .record import device_name, head_commit
 from ..config_files import preset_names
 
@@ -72,6 +73,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     # The ranks of one pp group read the same batch (every stage needs it).
     g = torch.Generator().manual_seed(ctx.rank % (ctx.world_size // ctx.pp_size))
     rows = []
+    progress = Progress("pipeline", len(a.schedules) * len(a.microbatches), enabled=ctx.rank == 0)
     for schedule in a.schedules:
         for m in a.microbatches:
             torch.manual_seed(0)
@@ -107,6 +109,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             rows.append({"schedule": schedule, "microbatches": m, "virtual_stages": stage.chunks, "rank": ctx.rank,
                          "stage": ctx.pp_rank, "step_s": step_s, "wait_s": wait_s, "peak_memory_bytes": peak})
             del pipe, stage, model
+            progress.advance(f"{schedule} M={m}")
+    progress.close()
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, rows)
     result = {"device": device_name(ctx.device), "world_size": ctx.world_size, "pp": ctx.pp_size,

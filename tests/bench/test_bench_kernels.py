@@ -21,7 +21,10 @@ def test_cpu_quick_run_writes_the_report(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     cli_main(["bench", "kernels", "--device", "cpu", "--quick", "--out", str(out)])
     report = json.loads(out.read_text())
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote" in printed
+    # The bars are GPU targets: on the CPU they are neither met nor missed.
+    assert "MISSED" not in printed and "bars: not judged here" in printed
 
     assert report["device_type"] == "cpu" and report["device"]
     assert {"torch", "tilelang", "tile_kernels", "python"} <= set(report["versions"])
@@ -38,7 +41,7 @@ def test_cpu_quick_run_writes_the_report(tmp_path, capsys):
         assert r["peers"] == {}  # the CPU runs the references only
         if "fusion" in r:
             assert r["fusion"]["unfused_time_us"] > 0 and r["fusion"]["bytes_ratio"] > 1
-    assert set(report["bars"]) >= {"memory_bound_ge_90pct_of_copy", "ratio_vs_fastest_peer_ge_1", "fusion"}
+    assert report["bars"] == {}
     assert report["complete"] and report["wall_s"] > 0
 
 

@@ -4,6 +4,7 @@ plots) written."""
 
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -62,29 +63,37 @@ def run_bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_ep_scaling_with_the_nvlink_backend(tmp_path):
-    run_bench(tmp_path, "ep-scaling", "--num-workers", "2", "--dispatcher", "nvlink", "--modes", "weak",
-              "--warmup", "1", "--iters", "1")
+    done = run_bench(tmp_path, "ep-scaling", "--num-workers", "2", "--dispatcher", "nvlink", "--modes", "weak",
+                     "--warmup", "1", "--iters", "1")
     report = json.loads((tmp_path / "ep_scaling_small_nvlink.json").read_text())
+    lines = done.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("ep-scaling: ")]  # a line a point as it ends
+    assert len(progress) == 2 and all(re.match(r"ep-scaling: \d/\d weak EP [12] \(\d+ s\)$", p) for p in progress)
+    assert sum(bool(re.match(r"\s*weak EP\s+2 ", line)) for line in lines) == 1  # each row once
     assert report["spec"]["dispatcher"] == "nvlink"
     assert [r["ep"] for r in report["rows"]] == [1, 2] and all(r["layer_ms"] > 0 for r in report["rows"])
 
 
 def test_dispatch_bench_times_every_backend_and_peer(tmp_path):
-    """CPU: all_to_all and nvlink (shared-memory heap), its transport, NCCL's stand-in (gloo a2a)."""
+    """CPU: all_to_all and nvlink (shared-memory heap), its transport, and the collective all-to-all of the
+    same bytes, labelled with the backend that ran it (gloo here, nccl on GPUs)."""
     done = run_bench(tmp_path, "dispatch", "--tokens", "64", "--hidden", "256", "--warmup", "1", "--iters", "2")
     report = json.loads((tmp_path / "dispatch.json").read_text())
     (row,) = report["rows"]
     for key in ("all_to_all_dispatch", "all_to_all_combine", "nvlink_dispatch", "nvlink_combine", "nvlink_transport",
-                "nccl_a2a_dispatch", "nccl_a2a_combine"):
+                "gloo_a2a_dispatch", "gloo_a2a_combine"):
         assert row[f"{key}_ms"] > 0 and row[f"{key}_gbps"] > 0, key
+    assert not any(key.startswith("nccl") for key in row)
     # about half of 64 tokens go to the other rank: 256 FP8 bytes + 2 float32 scales each
     assert 0.3 * 64 * 264 < row["dispatch_bytes_per_rank"] <= 64 * 264
     assert "nvlink_transport" in done.stdout
 
 
 def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
-    run_bench(tmp_path, "pipeline", "--microbatches", "2,4", "--batch-size", "4", "--seq-len", "8",
-              "--warmup", "1", "--steps", "2")
+    done = run_bench(tmp_path, "pipeline", "--microbatches", "2,4", "--batch-size", "4", "--seq-len", "8",
+                     "--warmup", "1", "--steps", "2")
+    assert re.search(r"^pipeline: 1/8 1f1b M=2 \(\d+ s\)$", done.stdout, re.M)  # progress while it runs
+    assert re.search(r"^pipeline: 8/8 overlap M=4 ", done.stdout, re.M)
     report = json.loads((tmp_path / "pipeline.json").read_text())
     rows = {(r["schedule"], r["microbatches"], r["stage"]): r for r in report["rows"]}
     assert sorted(rows) == [(s, m, st) for s in ("1f1b", "gpipe", "interleaved", "overlap") for m in (2, 4)
