@@ -12,6 +12,11 @@ Counting, as DeepEP's internode dispatch sends a token (combine sends the same b
 * NVLink (intra-node; PCIe where the node has no NVLink): one transfer per destination GPU that is
   neither the sender nor, on a remote node, the RDMA landing GPU (which forwards over NVLink).
 
+The same count judges a plan: :meth:`topology.Plan.evaluate` runs it on routes the plan was not
+built from (a second sample, or the next window of real routes) and adds the routes each GPU
+received, whose max/mean is the balance those tokens saw. Judged on the routes it was built from, a
+plan only shows how well it fits their noise.
+
 Shape suffixes: L layers, T tokens, K top-k, E experts, R replica slots, N nodes, G GPUs.
 """
 
@@ -69,14 +74,16 @@ class Traffic:
         remote_nodes_per_token_L: [L] mean RDMA transfers (destination nodes other than its own) per token.
         intra_node_copies_per_token_L: [L] mean NVLink/PCIe transfers per token.
         inter_node_bytes_L, intra_node_bytes_L: [L] bytes per step per layer over RDMA / NVLink.
+        gpu_routes_LG: [L, G] routes of the sample each GPU received (the replica rule's picks).
         tokens_per_step: tokens dispatched per layer per step (all GPUs).
-        sampled_tokens: routes the estimate counted per layer.
+        sampled_tokens: tokens the estimate counted per layer.
     """
 
     remote_nodes_per_token_L: torch.Tensor
     intra_node_copies_per_token_L: torch.Tensor
     inter_node_bytes_L: torch.Tensor
     intra_node_bytes_L: torch.Tensor
+    gpu_routes_LG: torch.Tensor
     tokens_per_step: int
     sampled_tokens: int
 
@@ -87,6 +94,17 @@ class Traffic:
     @property
     def intra_node_copies_per_token(self) -> float:
         return float(self.intra_node_copies_per_token_L.mean())
+
+    @property
+    def balance_L(self) -> torch.Tensor:
+        """[L] max / mean routes per GPU in the sample (1.0 for a layer without routes)."""
+        mean_L = self.gpu_routes_LG.double().mean(-1)
+        return torch.where(mean_L > 0, self.gpu_routes_LG.max(-1).values / mean_L.clamp(min=1e-300), 1.0)
+
+    @property
+    def balance(self) -> float:
+        """Mean over layers of :attr:`balance_L`."""
+        return float(self.balance_L.mean())
 
     @property
     def inter_node_bytes(self) -> float:
@@ -136,8 +154,11 @@ def count_traffic(
     new_node_LTK[..., 1:] = node_LTK[..., 1:] != node_LTK[..., :-1]
     remote_LTK = new_node_LTK & (node_LTK >= 0) & (node_LTK != src_node_T.view(1, T, 1))
     remote_L = remote_LTK.sum(-1).double().mean(-1)
+    valid_LTK = gpu_LTK >= 0
+    gpu_routes_LG = torch.zeros(L, G, dtype=torch.float64).scatter_add_(
+        1, dst_LTK.view(L, -1), valid_LTK.view(L, -1).double())
     tokens_per_step = tokens_per_gpu * G
     return Traffic(remote_nodes_per_token_L=remote_L, intra_node_copies_per_token_L=nvlink_L,
                    inter_node_bytes_L=remote_L * tokens_per_step * token_bytes,
                    intra_node_bytes_L=nvlink_L * tokens_per_step * token_bytes,
-                   tokens_per_step=tokens_per_step, sampled_tokens=T)
+                   gpu_routes_LG=gpu_routes_LG, tokens_per_step=tokens_per_step, sampled_tokens=T)
