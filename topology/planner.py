@@ -280,8 +280,8 @@ class Plan:
         for name, value in (("tokens_per_gpu", tokens_per_gpu), ("token_bytes", token_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        return count_traffic(self.log2phy_LER, self.experts_per_gpu, self.topology, routes_LTK,
-                             tokens_per_gpu=tokens_per_gpu, token_bytes=token_bytes)
+        return count_traffic(self.phy2log_LP, self.experts_per_gpu, self.topology, routes_LTK,
+                             num_experts=self.num_experts, tokens_per_gpu=tokens_per_gpu, token_bytes=token_bytes)
 
     # ------------------------------------------------------------------------------------ output
     def summary(self) -> str:
@@ -453,7 +453,7 @@ def plan_from_phy2log(
                                      topk_groups=topk_groups, seed=traffic.seed)
         else:
             routes_LTK = _check_routes(routes_LTK, L, E, "traffic.routes_LTK")
-        traffic_out = count_traffic(log2phy_LER, P // G, topology, routes_LTK,
+        traffic_out = count_traffic(phy2log_LP, P // G, topology, routes_LTK, num_experts=E,
                                     tokens_per_gpu=traffic.tokens_per_gpu, token_bytes=traffic.token_bytes)
     return Plan(phy2log_LP=phy2log_LP, log2phy_LER=log2phy_LER, replica_counts_LE=counts_LE, load_LE=load_LE,
                 gpu_load_LG=gpu_load_LG, topology=topology, policy=policy, expert_groups=expert_groups,

@@ -11,9 +11,9 @@ group now), or, for an expert with at least one replica per node, a second repli
 While the busiest GPU is above the target, a move lowers it:
 
 * **swap** two replicas between the busiest GPU and another one;
-* **re-purpose** a replica on the busiest GPU: one of an expert with spare replicas becomes a new
-  replica of another expert (replica counts change, so every GPU holding either expert sees its
-  load change, and the move is judged on the whole layer).
+* **re-purpose** a replica of an expert with spare replicas, on any GPU, into one more replica of an
+  expert of the busiest GPU (replica counts change, so every GPU holding either expert sees its
+  load change, and the move is judged on the whole layer): an expert turned hot gets replicas.
 
 It takes the move that reaches the target with the fewest moved slots (then the least locality
 lost), else the best load reduction per moved slot; moves that would take locality past its bar
@@ -251,26 +251,24 @@ def _balance_move(phy, gpu_P, node_P, hi, top, load_G, weight_E, load_E, count_E
     lost = np.where(same_node, 0.0, away(ea[:, None], nb[None, :], False) - away(ea, np.full_like(ea, n_hi), True)[:, None]
                     + away(eb, np.full_like(eb, n_hi), False)[None, :] - away(eb, nb, True)[None, :])
     candidates.append((("swap", a, b), new_max, cost, lost))
-    # Re-purpose: replica x (on hi, its expert has spare replicas) becomes one of expert f.
-    x = a[count_E[ea] >= 2]
+    # Re-purpose: replica x (of an expert with spare replicas, on any GPU) becomes one more of an
+    # expert f of the busiest GPU, which then sheds part of f's load.
+    x = np.nonzero(count_E[phy] >= 2)[0]
+    f = np.unique(ea)
     if len(x):
-        ex = phy[x]
-        held_XG = np.zeros((len(x), len(load_G)))
-        for k, e in enumerate(ex):
-            np.add.at(held_XG[k], gpu_P[phy == e], 1)
-        delta_XG = held_XG * (load_E[ex] / (count_E[ex] - 1) - load_E[ex] / count_E[ex])[:, None]
-        delta_XG[:, hi] -= load_E[ex] / (count_E[ex] - 1)
+        ex, gx = phy[x], gpu_P[x]
         held_EG = np.zeros((E, len(load_G)))
         np.add.at(held_EG, (phy, gpu_P), 1)
-        delta_EG = held_EG * (load_E / (count_E + 1) - load_E / count_E)[:, None]
-        delta_EG[:, hi] += load_E / (count_E + 1)
-        new_max_XE = (load_G + delta_XG[:, None, :] + delta_EG[None, :, :]).max(-1)
-        new_max_XE[np.arange(len(x)), ex] = np.inf
-        all_E = np.arange(E)
-        cost_XE = moved(all_E, np.full(E, hi))[None, :] - moved(ex, np.full_like(ex, hi))[:, None]
-        lost_XE = (away(all_E, np.full(E, n_hi), False)[None, :] * count_E / (count_E + 1)
-                   - away(ex, np.full_like(ex, n_hi), True)[:, None])
-        candidates.append((("repurpose", x, all_E), new_max_XE, cost_XE, lost_XE))
+        delta_XG = held_EG[ex] * (load_E[ex] / (count_E[ex] - 1) - load_E[ex] / count_E[ex])[:, None]
+        delta_XG[np.arange(len(x)), gx] -= load_E[ex] / (count_E[ex] - 1)
+        delta_FG = held_EG[f] * (load_E[f] / (count_E[f] + 1) - load_E[f] / count_E[f])[:, None]
+        new_XFG = load_G + delta_XG[:, None, :] + delta_FG[None, :, :]
+        new_XFG[np.arange(len(x))[:, None], np.arange(len(f))[None, :], gx[:, None]] += load_E[f] / (count_E[f] + 1)
+        new_max_XF = np.where(ex[:, None] == f[None, :], np.inf, new_XFG.max(-1))
+        cost_XF = moved(f[None, :], gx[:, None]) - moved(ex, gx)[:, None]
+        lost_XF = (away(f[None, :], node_P[x][:, None], False) * (count_E[f] / (count_E[f] + 1))[None, :]
+                   - away(ex, node_P[x], True)[:, None])
+        candidates.append((("repurpose", x, f), new_max_XF, cost_XF, lost_XF))
     best = None
     for where, new_max_, cost_, lost_ in candidates:
         useful = (new_max_ < top * (1 - 1e-12)) & (cost_ <= budget_left)

@@ -67,8 +67,10 @@ def draw_routes(
         score_LTGM = score_LTE.view(L, num_tokens, expert_groups, E // expert_groups)
         group_score_LTG = score_LTGM.topk(min(2, E // expert_groups), dim=-1).values.sum(-1)
         keep_LTg = group_score_LTG.topk(topk_groups, dim=-1).indices
-        mask_LTG = torch.ones_like(group_score_LTG, dtype=torch.bool).scatter_(-1, keep_LTg, False)
-        score_LTE = score_LTGM.masked_fill(mask_LTG.unsqueeze(-1), float("-inf")).view(L, num_tokens, E)
+        size = E // expert_groups
+        kept_LTgM = score_LTGM.gather(2, keep_LTg.unsqueeze(-1).expand(L, num_tokens, topk_groups, size))
+        pick_LTK = kept_LTgM.view(L, num_tokens, -1).topk(topk, dim=-1).indices  # among the kept groups' experts
+        return keep_LTg.gather(2, pick_LTK // size) * size + pick_LTK % size
     return score_LTE.topk(topk, dim=-1).indices
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from topology import Topology, migration, plan, replan
+from topology.drift import drift_run
 from topology.synthetic import draw_routes, route_load, zipf_popularity
 
 
@@ -104,3 +105,18 @@ def test_replan_errors():
         replan(current, torch.ones(2, 16), max_moved=2, traffic=None)
     with pytest.raises(TypeError, match="current"):
         replan("plan", torch.ones(2, 16))
+
+
+def test_replan_under_drift_judged_on_the_next_window():
+    """40 re-plans of a load drifting 10% a step, each judged with a fresh plan on the next window
+    of routes: never more than 8% of the slots moved; held-out balance and remote nodes per token
+    near the fresh plan's. These bars are looser than the goal (0.5% and 2%, see docs/performance.md)
+    : they are what the re-plan holds now."""
+    steps = drift_run(Topology.uniform(2, 4), steps=40, layers=2, experts=64, physical=80, groups=8, topk=4,
+                      topk_groups=4, tokens=4096)
+    assert all(s.moved <= 0.08 for s in steps)
+    assert sum(s.fresh_moved for s in steps) / len(steps) > 0.5  # a fresh plan moves most weights
+    balance = sum(s.balance / s.fresh_balance for s in steps) / len(steps) - 1
+    remote = sum(s.remote / s.fresh_remote for s in steps) / len(steps) - 1
+    assert balance <= 0.015, balance
+    assert remote <= 0.03, remote
