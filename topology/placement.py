@@ -90,7 +90,7 @@ def home_nodes(load_LE: torch.Tensor, topology: Topology, num_physical: int, exp
 def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int,
                     expert_groups: int | None) -> torch.Tensor:
     """Places replicas for balance first and node-local traffic second; returns phy2log_LP."""
-    L = load_LE.shape[0]
+    L, E = load_LE.shape
     N, G = topology.num_nodes, topology.num_gpus
     slots = num_physical // N
     per_gpu = num_physical // G
@@ -100,10 +100,11 @@ def locality_policy(load_LE: torch.Tensor, topology: Topology, num_physical: int
     counts_np = counts_LE.numpy()
     home_np = home_LE.numpy()
     # Phases 2-3, per layer: the replicas of each node; [L, P] expert ids, node-major.
-    expert_LI = np.empty((L, num_physical), dtype=np.int64)
+    expert_LI, node_LI = _nodes_of_replicas(weight_LE, counts_np, home_np, N, slots)
+    fair_L = (weight_LE * counts_np).sum(-1) / N
     for layer in range(L):
-        expert_I, node_I = _nodes_of_replicas(weight_LE[layer], counts_np[layer], home_np[layer], N, slots)
-        expert_LI[layer] = expert_I[np.argsort(node_I, kind="stable")]
+        _balance_nodes(expert_LI[layer], node_LI[layer], weight_LE[layer], home_np[layer], E, N, float(fair_L[layer]))
+    expert_LI = np.take_along_axis(expert_LI, np.argsort(node_LI, axis=-1, kind="stable"), -1)
     # Phase 4, all layers and nodes at once: longest-processing-time onto each node's GPUs.
     weight_LI = np.take_along_axis(weight_LE, expert_LI, 1)
     gpu_in_node_BS, _ = pack_equal(torch.from_numpy(weight_LI).view(L * N, slots), topology.gpus_per_node)
@@ -155,37 +156,40 @@ def _separate_duplicates(gpu_I: np.ndarray, weight_I: np.ndarray, expert_I: np.n
         load_G[g] -= shift_J[j]
 
 
-def _nodes_of_replicas(weight_E: np.ndarray, counts_E: np.ndarray, home_E: np.ndarray, N: int,
+def _nodes_of_replicas(weight_LE: np.ndarray, counts_LE: np.ndarray, home_LE: np.ndarray, N: int,
                        slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Phases 2 and 3 of one layer: (expert, node) of every replica."""
-    E = len(weight_E)
-    fair = float((weight_E * counts_E).sum()) / N
+    """Phases 2 and 3a, all layers at once: (expert_LI, node_LI) of every replica, first replicas
+    (at home) then the extra ones, heaviest first."""
+    L, E = weight_LE.shape
+    rows_L = np.arange(L)
+    fair_L = (weight_LE * counts_LE).sum(-1) / N
     # Phase 2: first replicas at home.
-    node_load_N = np.bincount(home_E, weights=weight_E, minlength=N)
-    fill_N = np.bincount(home_E, minlength=N)
-    expert_I = [*range(E)]
-    node_I = [*home_E.tolist()]
-    holds_EN = np.zeros((E, N), dtype=bool)
-    holds_EN[np.arange(E), home_E] = True
-    # Phase 3a: extra replicas, heaviest first.
-    extra = np.repeat(np.arange(E), counts_E - 1)
-    extra = extra[np.argsort(-weight_E[extra], kind="stable")]
-    slack = _SPREAD_TOLERANCE * fair
-    for e in extra.tolist():
-        room_N = fill_N < slots
-        lightest = node_load_N[room_N].min()
-        spread = counts_E[e] >= N
-        preferred_N = room_N & (holds_EN[e] != spread) & (node_load_N <= lightest + slack)
-        n = int(np.where(preferred_N if preferred_N.any() else room_N, node_load_N, np.inf).argmin())
-        expert_I.append(e)
-        node_I.append(n)
-        node_load_N[n] += weight_E[e]
-        fill_N[n] += 1
-        holds_EN[e, n] = True
-    expert_I = np.array(expert_I)
-    node_I = np.array(node_I)
-    _balance_nodes(expert_I, node_I, weight_E, home_E, E, N, fair)
-    return expert_I, node_I
+    node_load_LN = np.zeros((L, N))
+    np.add.at(node_load_LN, (rows_L[:, None], home_LE), weight_LE)
+    fill_LN = np.zeros((L, N), dtype=np.int64)
+    np.add.at(fill_LN, (rows_L[:, None], home_LE), 1)
+    holds_LEN = np.zeros((L, E, N), dtype=bool)
+    holds_LEN[rows_L[:, None], np.arange(E), home_LE] = True
+    # Phase 3a: extra replicas, heaviest first (every layer has as many).
+    extra_LX = np.stack([np.repeat(np.arange(E), counts_LE[layer] - 1) for layer in range(L)])
+    extra_LX = np.take_along_axis(extra_LX, np.argsort(-np.take_along_axis(weight_LE, extra_LX, 1), axis=-1,
+                                                       kind="stable"), 1)
+    node_LX = np.empty_like(extra_LX)
+    slack_L1 = (_SPREAD_TOLERANCE * fair_L)[:, None]
+    for x in range(extra_LX.shape[1]):
+        e_L = extra_LX[:, x]
+        room_LN = fill_LN < slots
+        load_LN = np.where(room_LN, node_load_LN, np.inf)
+        spread_L1 = (counts_LE[rows_L, e_L] >= N)[:, None]
+        preferred_LN = room_LN & (holds_LEN[rows_L, e_L] != spread_L1) & (node_load_LN <= load_LN.min(-1, keepdims=True)
+                                                                          + slack_L1)
+        n_L = np.where(preferred_LN.any(-1, keepdims=True) & ~preferred_LN, np.inf, load_LN).argmin(-1)
+        node_LX[:, x] = n_L
+        node_load_LN[rows_L, n_L] += weight_LE[rows_L, e_L]
+        fill_LN[rows_L, n_L] += 1
+        holds_LEN[rows_L, e_L, n_L] = True
+    expert_LI = np.concatenate([np.broadcast_to(np.arange(E), (L, E)), extra_LX], 1)
+    return expert_LI, np.concatenate([home_LE, node_LX], 1)
 
 
 def _refine_node(gpu_I: np.ndarray, weight_I: np.ndarray, items: slice, gpus: np.ndarray) -> None:

@@ -21,7 +21,7 @@ from .placement import locality_policy
 from .routing import choose_replicas, replica_fractions
 from .traffic import DEFAULT_TRAFFIC, Traffic, TrafficModel, count_traffic
 
-__all__ = ["POLICIES", "Migration", "Plan", "migration", "plan", "plan_from_phy2log"]
+__all__ = ["POLICIES", "Migration", "Plan", "ReplanCheck", "migration", "plan", "plan_from_phy2log"]
 
 
 def _global(load_LE, topology, num_physical, expert_groups):
@@ -84,6 +84,71 @@ class Migration:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReplanCheck:
+    """How a re-plan (:func:`topology.replan`) compares with a fresh plan of the same load.
+
+    Fields:
+        balance_L, fresh_balance_L: [L] max/mean GPU load of the re-plan and of the fresh plan.
+        off_home_L, fresh_off_home_L: [L] fraction of the load placed against locality (replicas off
+            their group's home node; second replicas on one node of experts spread over all nodes).
+        remote_nodes, fresh_remote_nodes: expected remote nodes per token of both, counted on the same
+            routes (None when the re-plan skipped the traffic estimate).
+        moved_slots_L, fresh_moved_slots_L: [L] slots that receive weights from another GPU, for the
+            re-plan and for switching to the fresh plan instead.
+        num_physical_experts: P.
+        tolerance, locality_tolerance, max_moved: the re-plan's bars.
+    """
+
+    balance_L: torch.Tensor
+    fresh_balance_L: torch.Tensor
+    off_home_L: torch.Tensor
+    fresh_off_home_L: torch.Tensor
+    remote_nodes: float | None
+    fresh_remote_nodes: float | None
+    moved_slots_L: torch.Tensor
+    fresh_moved_slots_L: torch.Tensor
+    num_physical_experts: int
+    tolerance: float
+    locality_tolerance: float
+    max_moved: float
+
+    @property
+    def balance_excess(self) -> float:
+        """Worst layer's relative excess of max/mean GPU load over the fresh plan's."""
+        return float((self.balance_L / self.fresh_balance_L).max()) - 1
+
+    @property
+    def remote_excess(self) -> float | None:
+        """Relative excess of expected remote nodes per token over the fresh plan's."""
+        if self.remote_nodes is None or not self.fresh_remote_nodes:
+            return None
+        return self.remote_nodes / self.fresh_remote_nodes - 1
+
+    @property
+    def within(self) -> bool:
+        """Every layer within the balance tolerance and the locality bar, and the remote nodes per token
+        within 2% of the fresh plan's when estimated."""
+        slack = self.fresh_off_home_L * self.locality_tolerance + 0.002 + 1e-9
+        remote = self.remote_excess
+        return (self.balance_excess <= self.tolerance + 1e-9 and bool((self.off_home_L <= self.fresh_off_home_L + slack).all())
+                and (remote is None or remote <= 0.02))
+
+    def describe(self) -> str:
+        """One line: within the bars, or how far from them, and what a full re-plan would move."""
+        P = self.num_physical_experts
+        moved = float(self.moved_slots_L.double().mean()) / P
+        fresh = float(self.fresh_moved_slots_L.double().mean()) / P
+        remote = self.remote_excess
+        far = (f"balance {100 * self.balance_excess:+.2f}% (worst layer), load off home "
+               f"{100 * float((self.off_home_L - self.fresh_off_home_L).max()):+.2f} points"
+               + (f", remote nodes per token {100 * remote:+.2f}%" if remote is not None else ""))
+        if self.within:
+            return f"re-plan as good as a fresh plan ({far}), moving {100 * moved:.1f}% of the slots"
+        return (f"re-plan short of a fresh plan: {far}, moving {100 * moved:.1f}% of the slots (at most "
+                f"{100 * self.max_moved:.0f}%); a full re-plan moves {100 * fresh:.1f}%")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A placement of replicated experts onto GPUs, with the load and traffic it expects.
 
@@ -98,6 +163,7 @@ class Plan:
         expert_groups: groups of group-limited routing the plan assumed (None: no groups).
         traffic: expected dispatch traffic (None when not estimated).
         migration: weights copied from the plan this one replaced (set by :func:`replan`).
+        replan_check: how the re-plan compares with a fresh plan (set by :func:`replan`).
 
     A token's route to logical expert ``e`` picks a replica with :meth:`physical_route`.
     """
@@ -112,6 +178,7 @@ class Plan:
     expert_groups: int | None = None
     traffic: Traffic | None = None
     migration: Migration | None = None
+    replan_check: ReplanCheck | None = None
 
     # ------------------------------------------------------------------------------------- sizes
     @property
@@ -194,6 +261,28 @@ class Plan:
         physical_TK = choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T.cpu(), source_gpu)
         return physical_TK.to(device)
 
+    # ---------------------------------------------------------------------------------- judging
+    def evaluate(self, routes_LTK: torch.Tensor, *, tokens_per_gpu: int = 4096,
+                 token_bytes: int = 7168 * 2) -> Traffic:
+        """Judges the plan on routes it was not built from: a second sample, or the next window of
+        measured routes (judged on its own, a plan fits the noise of its load). Every route picks its
+        replica by :meth:`physical_route`'s rule, token ``t`` sitting on GPU ``t % G``.
+
+        Args:
+            routes_LTK: [L, T, K] int logical expert ids, -1 = no route.
+            tokens_per_gpu, token_bytes: scale the counts to bytes per step.
+
+        Returns:
+            A :class:`Traffic` of those routes: ``balance`` / ``balance_L`` (max/mean routes a GPU
+            received), remote nodes and intra-node copies per token, bytes per step.
+        """
+        routes_LTK = _check_routes(routes_LTK, self.num_layers, self.num_experts, "routes_LTK")
+        for name, value in (("tokens_per_gpu", tokens_per_gpu), ("token_bytes", token_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        return count_traffic(self.phy2log_LP, self.experts_per_gpu, self.topology, routes_LTK,
+                             num_experts=self.num_experts, tokens_per_gpu=tokens_per_gpu, token_bytes=token_bytes)
+
     # ------------------------------------------------------------------------------------ output
     def summary(self) -> str:
         """A few lines: sizes, replicas, balance, traffic (and migration when replanned)."""
@@ -204,14 +293,15 @@ class Plan:
              f"{t.gpus_per_node} GPUs; groups: {self.expert_groups}"),
             (f"  replicas: max {int(self.replica_counts_LE.max())}, experts with >1: "
              f"{float((self.replica_counts_LE > 1).sum(-1).double().mean()):.1f} per layer"),
-            (f"  balance (max/mean GPU load): mean over layers {self.balance:.4f}, worst layer "
-             f"{float(self.balance_L.max()):.4f}"),
+            (f"  balance (max/mean GPU load) on the load it was built from: mean over layers {self.balance:.4f}, "
+             f"worst layer {float(self.balance_L.max()):.4f} (fitted; judge it with evaluate(held-out routes))"),
         ]
         if self.traffic is not None:
             tr = self.traffic
             inter = t.inter_node.kind if t.inter_node is not None else "none"
             lines.append(
-                f"  traffic per token: {tr.remote_nodes_per_token:.3f} remote nodes ({inter}), "
+                f"  expected traffic per token ({tr.sampled_tokens} sampled tokens a layer): "
+                f"{tr.remote_nodes_per_token:.3f} remote nodes ({inter}), "
                 f"{tr.intra_node_copies_per_token:.3f} intra-node copies ({t.intra_node.kind})")
             lines.append(
                 f"  dispatch bytes per step ({tr.tokens_per_step} tokens x {self.num_layers} layers): "
@@ -219,6 +309,8 @@ class Plan:
         if self.migration is not None:
             m = self.migration
             lines.append(f"  migration: {m.experts_moved} expert copies ({m.bytes_moved / 1e9:.2f} GB)")
+        if self.replan_check is not None:
+            lines.append(f"  {self.replan_check.describe()}")
         return "\n".join(lines)
 
 
@@ -229,6 +321,16 @@ def _describe(x: object) -> str:
 
 
 # ------------------------------------------------------------------------------------- validation
+def _check_routes(routes_LTK: object, L: int, E: int, name: str) -> torch.Tensor:
+    if (not isinstance(routes_LTK, torch.Tensor) or routes_LTK.dim() != 3 or routes_LTK.shape[0] != L
+            or routes_LTK.dtype.is_floating_point or routes_LTK.dtype == torch.bool):
+        raise ValueError(f"{name}: expected an integer [{L}, T, K] tensor, got {_describe(routes_LTK)}")
+    if routes_LTK.numel() and (int(routes_LTK.min()) < -1 or int(routes_LTK.max()) >= E):
+        raise ValueError(f"{name}: expected entries in -1 or [0, {E}), got values in "
+                         f"[{int(routes_LTK.min())}, {int(routes_LTK.max())}]")
+    return routes_LTK.long().cpu()
+
+
 def _check_load(load: object, name: str = "load") -> torch.Tensor:
     if not isinstance(load, torch.Tensor):
         try:
@@ -349,13 +451,9 @@ def plan_from_phy2log(
             routes_LTK = draw_routes(popularity_LE, traffic.sample_tokens, min(traffic.topk, reachable),
                                      expert_groups=expert_groups,
                                      topk_groups=topk_groups, seed=traffic.seed)
-        elif (not isinstance(routes_LTK, torch.Tensor) or routes_LTK.dim() != 3 or routes_LTK.shape[0] != L
-              or routes_LTK.dtype.is_floating_point):
-            raise ValueError(f"traffic.routes_LTK: expected an integer [{L}, T, K] tensor, got {_describe(routes_LTK)}")
-        elif routes_LTK.numel() and (int(routes_LTK.min()) < -1 or int(routes_LTK.max()) >= E):
-            raise ValueError(f"traffic.routes_LTK: expected entries in -1 or [0, {E}), got values in "
-                             f"[{int(routes_LTK.min())}, {int(routes_LTK.max())}]")
-        traffic_out = count_traffic(log2phy_LER, P // G, topology, routes_LTK.long().cpu(),
+        else:
+            routes_LTK = _check_routes(routes_LTK, L, E, "traffic.routes_LTK")
+        traffic_out = count_traffic(phy2log_LP, P // G, topology, routes_LTK, num_experts=E,
                                     tokens_per_gpu=traffic.tokens_per_gpu, token_bytes=traffic.token_bytes)
     return Plan(phy2log_LP=phy2log_LP, log2phy_LER=log2phy_LER, replica_counts_LE=counts_LE, load_LE=load_LE,
                 gpu_load_LG=gpu_load_LG, topology=topology, policy=policy, expert_groups=expert_groups,

@@ -1,11 +1,16 @@
-"""``ep-runtime plan``: plan a placement from a topology and a load file, print it, compare, draw it.
+"""``ep-runtime plan``: plan a placement from a topology and a load file, judge it on held-out
+routes, print it, compare, draw it.
 
-    ep-runtime plan --topology cluster.yaml --load load.json [--png placement.png] [--compare]
+    ep-runtime plan --topology cluster.yaml --load load.json [--held-out next.json] [--png placement.png] [--compare]
     python -m topology.report --topology topology/examples/h100-4x8.yaml --load load.json --compare
 
 The load file is JSON: ``load`` ([layers][experts]), optional ``expert_groups``, ``topk``,
-``topk_groups``, ``num_physical_experts`` and ``routes`` (a .pt file of [layers, tokens, topk] routes,
-relative to the JSON) for an exact traffic count; ``python -m topology.synthetic`` writes one.
+``topk_groups``, ``num_physical_experts``, and .pt files of [layers, tokens, topk] routes relative to
+the JSON: ``routes`` (the tokens the load counts) and ``held_out_routes`` (other tokens);
+``python -m topology.synthetic`` writes one. Every figure of the report is measured on routes the
+plan was not built from, the first of: ``--held-out``'s routes (e.g. the next window of a training
+run), the file's ``held_out_routes``, the second half of its ``routes`` (the plan then uses the
+first half's counts), else routes drawn from the load itself (said to be not held out).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from pathlib import Path
 import torch
 
 from .cluster import Topology
-from .planner import POLICIES, Plan, plan, plan_from_phy2log
-from .traffic import TrafficModel
+from .planner import POLICIES, Plan, plan
+from .traffic import Traffic, TrafficModel
 
-__all__ = ["compare", "draw", "main"]
+__all__ = ["compare", "draw", "judging_routes", "main"]
 
 COMPARED = ("locality", "eplb_global", "eplb_hierarchical", "greedy", "none")
 
@@ -39,16 +44,43 @@ def _read_load(path: str) -> dict:
     doc["load"] = torch.tensor(doc["load"], dtype=torch.float64)
     if doc["load"].dim() == 1:
         doc["load"] = doc["load"].unsqueeze(0)
-    if doc.get("routes"):
-        doc["routes"] = torch.load(p.parent / doc["routes"]).long()
+    for key in ("routes", "held_out_routes"):
+        if doc.get(key):
+            doc[key] = torch.load(p.parent / doc[key]).long()
     return doc
 
 
+def judging_routes(doc: dict, held_out: dict | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(load to plan from, routes to judge on, where those routes come from) for a load file and an
+    optional second one (``--held-out``); see the module docstring for the order."""
+    from .synthetic import draw_routes, route_load
+
+    load_LE = doc["load"]
+    if held_out is not None and held_out.get("routes") is not None:
+        return load_LE, held_out["routes"], "held out: the routes of --held-out"
+    if doc.get("held_out_routes") is not None:
+        return load_LE, doc["held_out_routes"], "held out: the file's held_out_routes"
+    routes = doc.get("routes")
+    if routes is not None and routes.shape[1] >= 2:
+        half = routes.shape[1] // 2
+        return (route_load(routes[:, :half], load_LE.shape[1]), routes[:, half:],
+                f"held out: the second half of the file's routes (the plan counts the first {half} tokens)")
+    groups = doc.get("expert_groups")
+    topk_groups = doc.get("topk_groups") or (max(1, groups // 2) if groups else None)
+    E = load_LE.shape[1]
+    topk = min(int(doc.get("topk", 8)), E if groups is None else topk_groups * (E // groups))
+    drawn = draw_routes(load_LE + 1e-9 * load_LE.sum(-1, keepdim=True).clamp(min=1) / E, 4096, topk,
+                        expert_groups=groups, topk_groups=topk_groups, seed=1)
+    return load_LE, drawn, "NOT held out: 4096 tokens a layer drawn from the planned load (give routes)"
+
+
 def compare(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert_groups: int | None,
-            traffic: TrafficModel, policies: tuple[str, ...] = COMPARED) -> dict[str, tuple[Plan, float] | str]:
-    """Plans with each policy: (plan, seconds spent placing), or a string saying why the policy does
-    not apply. ``none`` runs with P = E (it does not replicate)."""
-    out: dict[str, tuple[Plan, float] | str] = {}
+            routes_LTK: torch.Tensor, *, tokens_per_gpu: int, token_bytes: int,
+            policies: tuple[str, ...] = COMPARED) -> dict[str, tuple[Plan, Traffic, float] | str]:
+    """Plans with each policy and judges it on ``routes_LTK``: (plan, the routes' traffic and
+    balance, seconds spent planning, the expected-traffic estimate included), or a string saying why the policy does not apply. ``none`` runs
+    with P = E (it does not replicate)."""
+    out: dict[str, tuple[Plan, Traffic, float] | str] = {}
     E = load_LE.shape[1]
     for name in policies:
         physical = E if name == "none" else num_physical
@@ -58,30 +90,30 @@ def compare(load_LE: torch.Tensor, topology: Topology, num_physical: int, expert
         if name == "eplb_hierarchical" and (expert_groups is None or expert_groups % topology.num_nodes):
             out[name] = f"needs expert groups ({expert_groups}) divisible by nodes ({topology.num_nodes})"
             continue
-        start = time.perf_counter()
-        p = plan(load_LE, topology, physical, expert_groups, name, traffic=None)
+        start = time.perf_counter()  # as a job plans: placement and the expected-traffic estimate
+        p = plan(load_LE, topology, physical, expert_groups, name,
+                 traffic=TrafficModel(tokens_per_gpu=tokens_per_gpu, token_bytes=token_bytes))
         seconds = time.perf_counter() - start
-        out[name] = (plan_from_phy2log(p.phy2log_LP, load_LE, topology, policy=name, expert_groups=expert_groups,
-                                       traffic=traffic), seconds)
+        out[name] = (p, p.evaluate(routes_LTK, tokens_per_gpu=tokens_per_gpu, token_bytes=token_bytes), seconds)
     return out
 
 
-def _table(results: dict[str, tuple[Plan, float] | str]) -> str:
-    head = (f"{'policy':<18} {'P':>5} {'balance':>8} {'worst':>8} {'remote nodes':>13} {'intra copies':>13} "
-            f"{'inter GB':>9} {'intra GB':>10} {'plan s':>7}")
+def _table(results: dict[str, tuple[Plan, Traffic, float] | str]) -> str:
+    head = (f"{'policy':<18} {'P':>5} {'balance':>8} {'worst':>8} {'fitted':>8} {'remote nodes':>13} "
+            f"{'intra copies':>13} {'inter GB':>9} {'intra GB':>10} {'plan s':>7}")
     lines = [head, "-" * len(head)]
     for name, result in results.items():
         if isinstance(result, str):
             lines.append(f"{name:<18} {'-':>5}  ({result})")
             continue
-        p, seconds = result
-        tr = p.traffic
+        p, tr, seconds = result
         lines.append(
-            f"{name:<18} {p.num_physical_experts:>5} {p.balance:>8.4f} {float(p.balance_L.max()):>8.4f} "
-            f"{tr.remote_nodes_per_token:>13.3f} {tr.intra_node_copies_per_token:>13.3f} "
+            f"{name:<18} {p.num_physical_experts:>5} {tr.balance:>8.4f} {float(tr.balance_L.max()):>8.4f} "
+            f"{p.balance:>8.4f} {tr.remote_nodes_per_token:>13.3f} {tr.intra_node_copies_per_token:>13.3f} "
             f"{tr.inter_node_bytes / 1e9:>9.2f} {tr.intra_node_bytes / 1e9:>10.2f} {seconds:>7.3f}")
-    lines.append("balance = mean over layers of max/mean GPU load; remote nodes = inter-node (RDMA) transfers "
-                 "per token; GB = dispatch bytes per step over inter-/intra-node links, all layers")
+    lines.append("judged on the routes above: balance = mean over layers of max/mean routes a GPU received (worst: "
+                 "the worst layer); fitted = the same on the load planned for; remote nodes = inter-node (RDMA) "
+                 "transfers per token; GB = dispatch bytes per step over inter-/intra-node links, all layers")
     return "\n".join(lines)
 
 
@@ -102,16 +134,18 @@ def _placement_text(p: Plan, layer: int, max_gpus: int = 64) -> str:
     return "\n".join(lines)
 
 
-def draw(plans: list[Plan], layer: int, path: str) -> None:
-    """Stacked per-GPU load bars for one layer, one panel per plan, coloured by expert group."""
+def draw(judged: list[tuple[Plan, Traffic]], layer: int, path: str) -> None:
+    """Stacked per-GPU load bars (the load planned for) for one layer, one panel per plan, coloured by
+    expert group; titles give the balance and traffic judged on held-out routes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plans = [p for p, _ in judged]
     fig, axes = plt.subplots(len(plans), 1, figsize=(min(30, max(8, plans[0].topology.num_gpus * 0.28)), 2.6 * len(plans)),
                              squeeze=False)
-    for ax, p in zip(axes[:, 0], plans):
+    for ax, (p, held_out) in zip(axes[:, 0], judged):
         t = p.topology
         per = p.experts_per_gpu
         groups = p.expert_groups or 1
@@ -130,8 +164,9 @@ def draw(plans: list[Plan], layer: int, path: str) -> None:
         for n in range(1, t.num_nodes):
             ax.axvline(n * t.gpus_per_node - 0.5, color="grey", linestyle=":", linewidth=1)
         ax.axhline(1.0, color="black", linewidth=0.6)
-        tr = f", {p.traffic.remote_nodes_per_token:.2f} remote nodes/token" if p.traffic is not None else ""
-        ax.set_title(f"{p.policy}: max/mean {float(p.balance_L[layer]):.3f}{tr} (layer {layer})", fontsize=9)
+        ax.set_title(f"{p.policy}, layer {layer}, held out: max/mean {float(held_out.balance_L[layer]):.3f}, "
+                     f"{float(held_out.remote_nodes_per_token_L[layer]):.2f} remote nodes/token (fitted max/mean "
+                     f"{float(p.balance_L[layer]):.3f})", fontsize=9)
         ax.set_ylabel("load / mean")
         ax.set_xlim(-0.6, t.num_gpus - 0.4)
     axes[-1, 0].set_xlabel("GPU (dotted lines: node boundaries; colour: expert group; black edge: replicated expert)")
@@ -154,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ep-runtime plan", description="Plan expert placement for a cluster.")
     ap.add_argument("--topology", required=True, help="cluster description (.yaml/.yml/.json)")
     ap.add_argument("--load", required=True, help="load JSON ({'load': [[...]], ...}); see topology.synthetic")
+    ap.add_argument("--held-out", help="a load JSON whose routes judge the plan (e.g. the next window of a run)")
     ap.add_argument("--physical", type=int, help="physical experts per layer, a multiple of the GPUs (default: the "
                     "file's, else the experts rounded up to whole GPUs plus one replica slot a GPU)")
     ap.add_argument("--groups", type=int, help="expert groups of group-limited routing (default: the file's)")
@@ -163,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer", type=int, default=0, help="layer to print and draw")
     ap.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step, for bytes")
     ap.add_argument("--token-bytes", type=int, default=7168 * 2, help="bytes per dispatched token")
-    ap.add_argument("--json", help="write the plan (phy2log, counts, balance, traffic) here")
+    ap.add_argument("--json", help="write the plan (phy2log, counts, held-out balance and traffic) here")
     args = ap.parse_args(argv)
 
     topology = _read_arg("--topology", args.topology, Topology.from_file)
     doc = _read_arg("--load", args.load, _read_load)
-    load_LE = doc["load"]
-    L, E = load_LE.shape
+    held_out = _read_arg("--held-out", args.held_out, _read_load) if args.held_out else None
+    L, E = doc["load"].shape
     groups = args.groups if args.groups is not None else doc.get("expert_groups")
     gpus = topology.num_gpus
     # default: the logical experts rounded up to whole GPUs, plus one replica slot a GPU
@@ -179,38 +215,41 @@ def main(argv: list[str] | None = None) -> int:
                          f"got {physical}")
     if not 0 <= args.layer < L:
         raise SystemExit(f"--layer: expected 0..{L - 1}, got {args.layer}")
-    traffic = TrafficModel(routes_LTK=doc.get("routes"), topk=int(doc.get("topk", 8)),
-                           topk_groups=doc.get("topk_groups"), tokens_per_gpu=args.tokens_per_gpu,
-                           token_bytes=args.token_bytes)
     print(topology.describe())
-    source = "measured routes" if doc.get("routes") is not None else "routes drawn from the load"
-    print(f"load: {L} layers x {E} experts from {args.load}; traffic from {source}")
     try:
-        results = compare(load_LE, topology, physical, groups, traffic,
-                          tuple(dict.fromkeys((args.policy,) + (COMPARED if args.compare else ()))))
+        load_LE, routes_LTK, source = judging_routes(doc, held_out)
+        print(f"load: {L} layers x {E} experts from {args.load}; judged on {routes_LTK.shape[1]} tokens a layer, "
+              f"{source}")
+        results = compare(load_LE, topology, physical, groups, routes_LTK, tokens_per_gpu=args.tokens_per_gpu,
+                          token_bytes=args.token_bytes,
+                          policies=tuple(dict.fromkeys((args.policy,) + (COMPARED if args.compare else ()))))
     except ValueError as error:  # the planner's checks name what is wrong (the load's values, the groups)
         raise SystemExit(f"ep-runtime plan: {error}") from None
     if isinstance(results[args.policy], str):
         raise SystemExit(f"--policy {args.policy}: {results[args.policy]}")
-    main_plan = results[args.policy][0]
+    main_plan, judged, seconds = results[args.policy]
     print(main_plan.summary())
+    print(f"  judged on the routes above ({source.split(':')[0]}): balance {judged.balance:.4f} (worst layer "
+          f"{float(judged.balance_L.max()):.4f}), {judged.remote_nodes_per_token:.3f} remote nodes and "
+          f"{judged.intra_node_copies_per_token:.3f} intra-node copies per token; planned in {seconds:.3f} s")
     print(_placement_text(main_plan, args.layer))
     if args.compare:
         print()
         print(_table(results))
     if args.png:
         others = ("eplb_global", "eplb_hierarchical") if args.compare else ()
-        drawn = [main_plan] + [results[n][0] for n in others
-                               if n != args.policy and not isinstance(results[n], str)]
+        drawn = [(main_plan, judged)] + [results[n][:2] for n in others
+                                         if n != args.policy and not isinstance(results[n], str)]
         draw(drawn, args.layer, args.png)
         print(f"wrote {args.png}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "policy": main_plan.policy, "phy2log": main_plan.phy2log_LP.tolist(),
-            "replica_counts": main_plan.replica_counts_LE.tolist(), "balance_per_layer": main_plan.balance_L.tolist(),
-            "remote_nodes_per_token": main_plan.traffic.remote_nodes_per_token,
-            "inter_node_bytes_per_step": main_plan.traffic.inter_node_bytes,
-            "intra_node_bytes_per_step": main_plan.traffic.intra_node_bytes,
+            "replica_counts": main_plan.replica_counts_LE.tolist(), "judged_on": source,
+            "balance_per_layer": judged.balance_L.tolist(), "fitted_balance_per_layer": main_plan.balance_L.tolist(),
+            "remote_nodes_per_token": judged.remote_nodes_per_token,
+            "inter_node_bytes_per_step": judged.inter_node_bytes,
+            "intra_node_bytes_per_step": judged.intra_node_bytes, "plan_seconds": seconds,
             "topology": topology.to_dict()}))
         print(f"wrote {args.json}")
     return 0

@@ -24,15 +24,48 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["choose_replicas", "replica_fractions"]
+__all__ = ["choose_replicas", "replica_draws", "replica_fractions", "slot_fractions"]
 
 _PHI = 0.6180339887498949  # golden ratio conjugate: consecutive token indices spread evenly
 _PSI = 0.7548776662466927  # plastic-number conjugate: decorrelates experts
 _THETA = 0.4142135623730951  # sqrt(2) - 1: decorrelates source GPUs
 
 
+def slot_fractions(phy2log_LP: torch.Tensor, node_of_physical: torch.Tensor, num_experts: int,
+                   num_nodes: int) -> torch.Tensor:
+    """Share of each source node's routes to a slot's expert that the slot takes (the rule above).
+
+    Args:
+        phy2log_LP: [L, P] logical expert of each physical slot.
+        node_of_physical: [P] node holding each physical slot.
+        num_experts, num_nodes: E, N.
+
+    Returns:
+        fraction_LNP: [L, N, P] float64; for every (l, n, e) the slots of e sum to 1.
+    """
+    L, P = phy2log_LP.shape
+    N, E = num_nodes, num_experts
+    node_LP = node_of_physical.expand(L, P)
+    count_LE = torch.zeros(L, E, dtype=torch.float64).scatter_add_(1, phy2log_LP, torch.ones(L, P, dtype=torch.float64))
+    cell_LP = node_LP * E + phy2log_LP  # (node, expert) of each slot
+    local_LC = torch.zeros(L, N * E, dtype=torch.float64).scatter_add_(1, cell_LP, torch.ones(L, P, dtype=torch.float64))
+    count_LC = count_LE.repeat(1, N)
+    # Step 1: each node's 1/N share served by its own replicas, each replica holding 1/count.
+    local_flow_LC = torch.minimum(torch.full_like(local_LC, 1.0 / N), local_LC / count_LC.clamp(min=1))
+    own_LP = (local_flow_LC / local_LC.clamp(min=1)).gather(1, cell_LP)
+    spare_LP = (1.0 / count_LE.gather(1, phy2log_LP) - own_LP).clamp(min=0)
+    spare_total_LE = torch.zeros(L, E, dtype=torch.float64).scatter_add_(1, phy2log_LP, spare_LP)
+    spread_LP = torch.where(spare_total_LE.gather(1, phy2log_LP) > 0,
+                            spare_LP / spare_total_LE.gather(1, phy2log_LP).clamp(min=1e-300), 0.0)
+    # Step 2: what is left of each node's share spreads over the spare capacity, proportionally.
+    left_LNE = 1.0 / N - local_flow_LC.view(L, N, E)
+    fraction_LNP = left_LNE.gather(2, phy2log_LP.unsqueeze(1).expand(L, N, P)) * spread_LP.unsqueeze(1)
+    fraction_LNP[:, node_LP[0], torch.arange(P)] += own_LP
+    return fraction_LNP * N
+
+
 def replica_fractions(log2phy_ER: torch.Tensor, node_of_physical: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """Share of each source node's routes to expert e that each replica slot takes.
+    """:func:`slot_fractions` per expert's replica list.
 
     Args:
         log2phy_ER: [E, R] physical ids of each expert's replicas, -1 padded (or [L, E, R]).
@@ -43,22 +76,25 @@ def replica_fractions(log2phy_ER: torch.Tensor, node_of_physical: torch.Tensor, 
         fraction_NER: [N, E, R] float64 (or [L, N, E, R]); sums over R are 1 for every (n, e);
         0 on padding.
     """
-    valid_ER = log2phy_ER >= 0
-    count_E1 = valid_ER.sum(-1, keepdim=True).to(torch.float64)
-    node_ER = torch.where(valid_ER, node_of_physical[log2phy_ER.clamp(min=0)], -1)
-    onehot_NER = (node_ER.unsqueeze(-3) == torch.arange(num_nodes).view(num_nodes, 1, 1)).to(torch.float64)
-    local_count_NE1 = onehot_NER.sum(-1, keepdim=True)
-    # Step 1: each node's 1/N share served by its own replicas, each replica holding 1/count.
-    local_flow_NE1 = torch.minimum(torch.full_like(local_count_NE1, 1.0 / num_nodes),
-                                   local_count_NE1 / count_E1.unsqueeze(-3))
-    per_replica_local_NE1 = local_flow_NE1 / local_count_NE1.clamp(min=1)
-    local_NER = onehot_NER * per_replica_local_NE1
-    spare_ER = torch.where(valid_ER, 1.0 / count_E1 - local_NER.sum(-3), 0.0).clamp(min=0)
-    left_NE1 = 1.0 / num_nodes - local_flow_NE1
-    # Step 2: what is left of each node's share spreads over the spare capacity, proportionally.
-    spare_total_E1 = spare_ER.sum(-1, keepdim=True)
-    spread_ER = torch.where(spare_total_E1 > 0, spare_ER / spare_total_E1.clamp(min=1e-300), 0.0)
-    return (local_NER + left_NE1 * spread_ER.unsqueeze(-3)) * num_nodes
+    layered = log2phy_ER.dim() == 3
+    log2phy_LER = log2phy_ER if layered else log2phy_ER.unsqueeze(0)
+    L, E, R = log2phy_LER.shape
+    P = node_of_physical.numel()
+    valid_LER = log2phy_LER >= 0
+    slot_LER = torch.where(valid_LER, log2phy_LER, P)  # padding lands in a spare column, dropped
+    phy2log_LP = torch.zeros(L, P + 1, dtype=torch.int64).scatter_(
+        1, slot_LER.view(L, -1), torch.arange(E).view(1, E, 1).expand(L, E, R).reshape(L, -1))[:, :P]
+    fraction_LNP = slot_fractions(phy2log_LP, node_of_physical, E, num_nodes)
+    index = log2phy_LER.clamp(min=0).view(L, 1, E * R).expand(L, num_nodes, E * R)
+    fraction_LNER = torch.where(valid_LER.unsqueeze(1), fraction_LNP.gather(2, index).view(L, num_nodes, E, R), 0.0)
+    return fraction_LNER if layered else fraction_LNER[0]
+
+
+def replica_draws(expert: torch.Tensor, token_index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The number ``u`` in [0, 1) a route looks up in its expert's cumulative fractions
+    (broadcasting expert ids, token indices and source GPUs)."""
+    start = token_index.to(torch.float64) * _PHI + source.to(torch.float64) * _THETA
+    return torch.frac(start + expert.to(torch.float64) * _PSI)
 
 
 def choose_replicas(
@@ -73,10 +109,8 @@ def choose_replicas(
 
     Returns physical_idx_TK (int64).
     """
-    e_TK = topk_idx_TK.clamp(min=0).to(torch.float64)
-    start_T = token_index_T.to(torch.float64) * _PHI + torch.as_tensor(source_T, dtype=torch.float64,
-                                                                         device=token_index_T.device) * _THETA
-    u_TK = torch.frac(start_T.unsqueeze(-1) + e_TK * _PSI)
+    u_TK = replica_draws(topk_idx_TK.clamp(min=0), token_index_T.unsqueeze(-1),
+                         torch.as_tensor(source_T, device=token_index_T.device).unsqueeze(-1))
     cdf_TKR = fraction_TKR.cumsum(-1)
     # Scaling u by the total (1 up to rounding) never lands past the last replica with a share.
     pick_TK = ((u_TK * cdf_TKR[..., -1]).unsqueeze(-1) >= cdf_TKR).sum(-1)

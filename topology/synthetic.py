@@ -67,8 +67,10 @@ def draw_routes(
         score_LTGM = score_LTE.view(L, num_tokens, expert_groups, E // expert_groups)
         group_score_LTG = score_LTGM.topk(min(2, E // expert_groups), dim=-1).values.sum(-1)
         keep_LTg = group_score_LTG.topk(topk_groups, dim=-1).indices
-        mask_LTG = torch.ones_like(group_score_LTG, dtype=torch.bool).scatter_(-1, keep_LTg, False)
-        score_LTE = score_LTGM.masked_fill(mask_LTG.unsqueeze(-1), float("-inf")).view(L, num_tokens, E)
+        size = E // expert_groups
+        kept_LTgM = score_LTGM.gather(2, keep_LTg.unsqueeze(-1).expand(L, num_tokens, topk_groups, size))
+        pick_LTK = kept_LTgM.view(L, num_tokens, -1).topk(topk, dim=-1).indices  # among the kept groups' experts
+        return keep_LTg.gather(2, pick_LTK // size) * size + pick_LTK % size
     return score_LTE.topk(topk, dim=-1).indices
 
 
@@ -83,24 +85,32 @@ def route_load(topk_idx_LTK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def write_load_file(path: str, *, layers: int, experts: int, s: float, expert_groups: int | None, topk: int,
-                    topk_groups: int | None, tokens: int, seed: int = 0, routes_path: str | None = None) -> dict:
-    """Draws routes, writes their per-expert load as JSON (and the routes as a .pt file when asked).
+                    topk_groups: int | None, tokens: int, seed: int = 0, routes_path: str | None = None,
+                    held_out_path: str | None = None) -> dict:
+    """Draws routes, writes their per-expert load as JSON (and the routes as a .pt file when asked);
+    ``held_out_path``: also a second, independent sample of as many tokens from the same popularity,
+    the routes ``ep-runtime plan`` judges the plan on.
 
     The JSON holds ``load`` ([layers][experts] routed tokens), ``expert_groups``, ``topk``,
-    ``topk_groups``, ``tokens`` and, when written, ``routes`` (the .pt path relative to the JSON).
+    ``topk_groups``, ``tokens`` and, when written, ``routes`` and ``held_out_routes`` (.pt paths
+    relative to the JSON).
     """
     import json
     import os
     from pathlib import Path
 
     popularity_LE = zipf_popularity(layers, experts, s, seed=seed)
-    topk_idx_LTK = draw_routes(popularity_LE, tokens, topk, expert_groups=expert_groups,
-                               topk_groups=topk_groups, seed=seed + 1)
-    doc = {"load": route_load(topk_idx_LTK, experts).tolist(), "expert_groups": expert_groups, "topk": topk,
-           "topk_groups": topk_groups, "tokens": tokens, "zipf_s": s, "seed": seed}
-    if routes_path is not None:
-        torch.save(topk_idx_LTK.to(torch.int16 if experts < 2**15 else torch.int32), routes_path)
-        doc["routes"] = os.path.relpath(routes_path, start=os.path.dirname(os.path.abspath(path)))
+    doc = {"expert_groups": expert_groups, "topk": topk, "topk_groups": topk_groups, "tokens": tokens, "zipf_s": s,
+           "seed": seed}
+    for key, out, draw_seed in (("routes", routes_path, seed + 1), ("held_out_routes", held_out_path, seed + 2)):
+        if key == "routes" or out is not None:
+            topk_idx_LTK = draw_routes(popularity_LE, tokens, topk, expert_groups=expert_groups,
+                                       topk_groups=topk_groups, seed=draw_seed)
+        if key == "routes":
+            doc["load"] = route_load(topk_idx_LTK, experts).tolist()
+        if out is not None:
+            torch.save(topk_idx_LTK.to(torch.int16 if experts < 2**15 else torch.int32), out)
+            doc[key] = os.path.relpath(out, start=os.path.dirname(os.path.abspath(path)))
     Path(path).write_text(json.dumps(doc))
     return doc
 
@@ -112,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m topology.synthetic", description=main.__doc__)
     ap.add_argument("--out", required=True, help="load JSON to write")
     ap.add_argument("--routes", help="also write the drawn routes here (.pt), for an exact traffic count")
+    ap.add_argument("--held-out", help="also write a second, independent sample of routes here (.pt): the tokens "
+                    "ep-runtime plan judges the plan on")
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent s of expert popularity")
@@ -124,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     groups = args.groups or None
     write_load_file(args.out, layers=args.layers, experts=args.experts, s=args.zipf, expert_groups=groups,
                     topk=args.topk, topk_groups=args.topk_groups if groups else None, tokens=args.tokens,
-                    seed=args.seed, routes_path=args.routes)
+                    seed=args.seed, routes_path=args.routes, held_out_path=args.held_out)
     print(f"wrote {args.out}: {args.layers} layers x {args.experts} experts, Zipf s={args.zipf}, "
-          f"groups={groups}, top-{args.topk}" + (f", routes in {args.routes}" if args.routes else ""))
+          f"groups={groups}, top-{args.topk}" + (f", routes in {args.routes}" if args.routes else "")
+          + (f", held-out routes in {args.held_out}" if args.held_out else ""))
     return 0
 
 

@@ -101,24 +101,28 @@ def test_hierarchical_keeps_groups_on_nodes(seed):
 
 
 @pytest.mark.parametrize("kind", ["zipf0.8", "zipf1.0", "zipf1.2", "hot"])
-def test_balance_on_skewed_loads(kind, seed):
+def test_balance_on_held_out_tokens(kind, seed):
+    """Planned from one sample of routes, judged on a second one from the same router: the held-out
+    balance, of locality near EPLB global's and well ahead of the simpler policies."""
     topology = Topology.uniform(4, 8)
     if kind == "hot":
-        load = torch.ones(4, 256, dtype=torch.float64) * 100
+        popularity = torch.ones(4, 256, dtype=torch.float64)
         g = torch.Generator().manual_seed(seed)
         for layer in range(4):
-            load[layer, torch.randperm(256, generator=g)[:4]] = 6000  # a few experts take most tokens
+            popularity[layer, torch.randperm(256, generator=g)[:4]] = 60  # a few experts take many tokens
     else:
-        s = float(kind[4:])
-        load = route_load(draw_routes(zipf_popularity(4, 256, s, seed=seed), 2048, 8, expert_groups=8,
-                                      topk_groups=4, seed=seed + 1), 256)
-    ours = plan(load, topology, 288, 8, traffic=None).balance
-    greedy = plan(load, topology, 288, 8, "greedy", traffic=None).balance
-    none = plan(load, topology, 256, 8, "none", traffic=None).balance
-    eplb = plan(load, topology, 288, 8, "eplb_global", traffic=None).balance
-    assert ours < 0.9 * greedy and ours < 0.5 * none
-    assert ours <= eplb * 1.01
-    assert ours < 1.02
+        popularity = zipf_popularity(4, 256, float(kind[4:]), seed=seed)
+    fit, held_out = (draw_routes(popularity, 16384, 8, expert_groups=8, topk_groups=4, seed=seed + k)
+                     for k in (1, 2))
+    load = route_load(fit, 256)
+    judged = {policy: plan(load, topology, 256 if policy == "none" else 288, 8, policy, traffic=None)
+              .evaluate(held_out).balance for policy in ("locality", "greedy", "none", "eplb_global")}
+    ours = judged["locality"]
+    assert ours < 0.9 * judged["greedy"] and ours < 0.7 * judged["none"]
+    assert ours <= judged["eplb_global"] * 1.01
+    # 16384 tokens: 4096 routes a GPU, whose own noise is a few percent; four experts at 60x the others
+    # pack less evenly (fitted 1.01-1.07)
+    assert ours < (1.12 if kind == "hot" else 1.06)
 
 
 def test_plan_from_phy2log_rejects_missing_expert():

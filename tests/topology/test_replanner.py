@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from topology import Topology, migration, plan, replan
+from topology.drift import drift_run
 from topology.synthetic import draw_routes, route_load, zipf_popularity
 
 
@@ -17,9 +18,11 @@ def _drifted(seed, layers=3, experts=64, groups=8):
 
 @pytest.mark.parametrize("topology", [Topology.uniform(2, 4), Topology.uniform(4, 2)], ids=["2x4", "4x2"])
 def test_replan_within_tolerance_moving_less(topology, seed):
+    """Given the moves it needs, a re-plan matches a fresh plan's balance moving well under half its
+    weights; held to 8% of the slots, it stays within that and says how far it is."""
     before, after = _drifted(seed)
     current = plan(before, topology, 80, 8, traffic=None)
-    new = replan(current, after, traffic=None, expert_bytes=10)
+    new = replan(current, after, traffic=None, expert_bytes=10, tolerance=0.02, max_moved=1.0)
     fresh = plan(after, topology, 80, 8, traffic=None)
     assert (new.balance_L <= fresh.balance_L * 1.02 + 1e-9).all()
     # invariants
@@ -28,15 +31,26 @@ def test_replan_within_tolerance_moving_less(topology, seed):
     fresh_moves = migration(current, fresh).experts_moved
     assert 0 < new.migration.experts_moved < fresh_moves / 2
     assert new.migration.bytes_moved == 10 * new.migration.experts_moved
+    held = replan(current, after, traffic=None)  # the default budget: 8% of the slots, 6 of 80
+    assert (held.migration.moved_LP.sum(-1) <= 6).all()
+    check = held.replan_check
+    assert torch.equal(check.moved_slots_L, held.migration.moved_LP.sum(-1))
+    assert torch.equal(check.fresh_moved_slots_L, migration(current, fresh).moved_LP.sum(-1))
+    assert torch.allclose(check.fresh_balance_L, fresh.balance_L)
+    if not check.within:
+        assert check.describe().startswith("re-plan short of a fresh plan: balance +")
+        assert f"a full re-plan moves {100 * float(check.fresh_moved_slots_L.double().mean()) / 80:.1f}%" in \
+            check.describe()
+    assert check.describe() in held.summary()
 
 
 def test_replan_of_experts_turned_hot_still_meets_the_tolerance(seed):
     """Experts 0-3 twenty times hotter: the moves on the busiest GPU stall (their spare replicas sit
-    on cold GPUs), and the stalled layer takes the fresh plan's."""
+    on cold GPUs); with the budget to do it, the stalled layer takes the fresh plan's."""
     before, after = _drifted(seed)
     after[:, :4] *= 20
     current = plan(before, Topology.uniform(2, 4), 80, 8, traffic=None)
-    new = replan(current, after, traffic=None)
+    new = replan(current, after, traffic=None, tolerance=0.02, max_moved=1.0)
     fresh = plan(after, Topology.uniform(2, 4), 80, 8, traffic=None)
     assert (new.balance_L <= fresh.balance_L * 1.02 + 1e-9).all()
 
@@ -85,5 +99,24 @@ def test_replan_errors():
         replan(current, torch.ones(2, 16), Topology.uniform(4, 2), traffic=None)
     with pytest.raises(ValueError, match="tolerance"):
         replan(current, torch.ones(2, 16), tolerance=-0.1, traffic=None)
+    with pytest.raises(ValueError, match="locality_tolerance"):
+        replan(current, torch.ones(2, 16), locality_tolerance=1.5, traffic=None)
+    with pytest.raises(ValueError, match="max_moved"):
+        replan(current, torch.ones(2, 16), max_moved=2, traffic=None)
     with pytest.raises(TypeError, match="current"):
         replan("plan", torch.ones(2, 16))
+
+
+def test_replan_under_drift_judged_on_the_next_window():
+    """40 re-plans of a load drifting 10% a step, each judged with a fresh plan on the next window
+    of routes: never more than 8% of the slots moved; held-out balance and remote nodes per token
+    near the fresh plan's. These bars are looser than the goal (0.5% and 2%, see docs/performance.md)
+    : they are what the re-plan holds now."""
+    steps = drift_run(Topology.uniform(2, 4), steps=40, layers=2, experts=64, physical=80, groups=8, topk=4,
+                      topk_groups=4, tokens=4096)
+    assert all(s.moved <= 0.08 for s in steps)
+    assert sum(s.fresh_moved for s in steps) / len(steps) > 0.5  # a fresh plan moves most weights
+    balance = sum(s.balance / s.fresh_balance for s in steps) / len(steps) - 1
+    remote = sum(s.remote / s.fresh_remote for s in steps) / len(steps) - 1
+    assert balance <= 0.015, balance
+    assert remote <= 0.03, remote
