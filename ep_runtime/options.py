@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
+from .checkpoint_verify import fresh_run_refusal
 from .config import (PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, TrainConfig,
                      v4_model_config)
 
@@ -69,7 +71,11 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--checkpoint-every", type=int, default=TrainConfig.checkpoint_every, metavar="N",
                    help="save a checkpoint every N steps under OUT/NAME/ckpt/ (default 0: never)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint (same world size and EP size)")
+                   help="continue from the newest valid checkpoint (at any world size, EP size or PP size)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a fresh run deletes the checkpoints under OUT/NAME/ckpt/ (without it, it refuses to start)")
+    p.add_argument("--profile", action="store_true",
+                   help="write a torch profiler trace of a few steps into OUT/NAME/profile/")
     return p
 
 
@@ -84,7 +90,7 @@ def job_config_from_args(a: argparse.Namespace) -> JobConfig:
     train = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, seed=a.seed,
                         warmup_fraction=a.warmup_fraction, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
                         out_dir=a.out, name=a.name or a.model, checkpoint_every=a.checkpoint_every,
-                        resume=a.resume)
+                        resume=a.resume, overwrite=a.overwrite, profile=a.profile)
     default_microbatches = 2 * a.pp if a.pp > 1 else 1
     parallel = ParallelConfig(ep=a.ep, pp=a.pp, schedule=a.schedule, ranks_per_node=a.ranks_per_node, timeout_s=a.timeout,
                               microbatches=default_microbatches if a.microbatches is None else a.microbatches,
@@ -119,5 +125,7 @@ def check_launch(cfg: JobConfig, nproc: int) -> None:
     if cfg.parallel.schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"--microbatches {microbatches}: expected a multiple of --pp {pp} with the interleaved "
                          "schedule")
-
-
+    if not (cfg.train.resume or cfg.train.overwrite):
+        refusal = fresh_run_refusal(Path(cfg.train.out_dir) / cfg.train.name / "ckpt")
+        if refusal:
+            raise ValueError(refusal)

@@ -175,9 +175,6 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     model.to(ctx.device)
     pipe = None
     if ctx.pp_size > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)
-        if t.checkpoint_every or t.resume:
-            raise ValueError("train.checkpoint_every: checkpoints of a pipeline (parallel.pp > 1) are not "
-                             "supported yet")
         stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size, chunks=cfg.parallel.virtual_stages)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
@@ -190,20 +187,28 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     run_dir = Path(t.out_dir) / t.name
     ckpt_dir = run_dir / "ckpt"
     first_step = 1
-    if pipe is None and (t.resume or restart_count() > 0):
-        saved = checkpoint.latest_step(ckpt_dir, ctx)
-        if saved is None and t.resume:
-            raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
-        if saved is not None:
-            checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, ctx=ctx)
+    resuming = t.resume or restart_count() > 0
+    saver = checkpoint.Checkpointer(ckpt_dir, ctx) if t.checkpoint_every or resuming else None
+    if resuming:
+        found = saver.latest()
+        if found is None and t.resume:
+            raise FileNotFoundError(f"train.resume: no valid checkpoint under {ckpt_dir}")
+        if found is not None:
+            saved, marker = found
             if t.resume and restart_count() == 0 and saved >= t.steps:
                 raise ValueError(f"train.steps: expected more than the checkpoint's step {saved} to resume, "
                                  f"got {t.steps}")
-            log.info("resumed from %s (restart %d)", checkpoint.step_dir(ckpt_dir, saved), restart_count())
+            saver.load(saved, marker, model=model, optimizer=optimizer)
+            was = marker["saved_with"]
+            log.info("resumed from %s (saved at world size %d, EP %d, PP %d; this job %d, EP %d, PP %d; restart %d)",
+                     checkpoint.step_dir(ckpt_dir, saved), was["world_size"], was["ep_size"], was["pp_size"],
+                     ctx.world_size, ctx.ep_size, ctx.pp_size, restart_count())
             first_step = saved + 1
-    elif ckpt_dir.is_dir():  # a fresh run must never resume from an older run's files
-        log.info("a fresh run: deleting earlier checkpoints under %s", ckpt_dir)
-        checkpoint.clear(ckpt_dir, ctx)
+    else:  # a fresh run: earlier checkpoints are refused, or deleted with --overwrite
+        if ctx.rank == 0:
+            checkpoint.existing_checkpoints(ckpt_dir, overwrite=t.overwrite)
+        if ctx.distributed:
+            dist.barrier()
 
     metrics = None
     if ctx.rank == 0:
@@ -223,7 +228,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         if fault:
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
-        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=(t.seed * 1_000_003 + step) * 4099 + ctx.rank % data_ranks)
+        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=t.seed * 1_000_003 + step,
+                               first=ctx.rank % data_ranks * t.batch_size)  # this rank's slice of the global batch
         if pipe is None:
             with autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
@@ -251,7 +257,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
-            checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
+            saver.save(step, model=model, optimizer=optimizer)
         imbalance_L = load_LE.max(-1).values / load_LE.float().mean(-1)  # max/mean per MoE layer
         record_ = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
                    "tokens_per_s": tokens_per_step / elapsed,
@@ -267,6 +273,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
                      record_["grad_norm"], record_["tokens_per_s"], record_["load_imbalance"], len(imbalance_L),
                      int(imbalance_L.argmax()) + 1)
     progress.close()
+    if saver:
+        saver.wait()
     summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
                "first_step": first_step, "losses": losses}
     if metrics:
