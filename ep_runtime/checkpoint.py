@@ -60,6 +60,10 @@ from .parallel import ParallelContext
 log = logging.getLogger("ep_runtime.checkpoint")
 
 KEEP = 2  # complete steps kept on disk; older ones are deleted once a save is complete
+# Model options a resumed job may change: how tokens travel and what is recomputed, not the tensors
+# or the function they compute. Every other ``model.*`` option must be the one saved.
+RUNTIME_OPTIONS = frozenset({"model.moe.dispatcher", "model.moe.max_tokens_per_rank", "model.moe.fp8_dispatch",
+                             "model.moe.fp8_combine", "model.mhc.recompute"})
 _ROWS = re.compile(r"\[rows (\d+):(\d+)\]$")
 
 
@@ -244,7 +248,7 @@ class Checkpointer:
         saved_config, config = marker.get("model_config", {}), _config_fields(model)
         differ = "; ".join(f"{name} saved {saved_config[name]!r}, this job {config.get(name)!r}"
                            for name in sorted(set(saved_config) | set(config))
-                           if saved_config.get(name) != config.get(name))
+                           if saved_config.get(name) != config.get(name) and name not in RUNTIME_OPTIONS)
         if differ:
             raise ValueError(f"checkpoint {folder}: {differ}: resume with the model options it was saved with")
         for name, layer in model.named_modules():
