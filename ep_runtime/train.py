@@ -13,7 +13,8 @@ newest checkpoint, if there is one; ``--resume`` asks for that explicitly.
 Fault injection, for tests: ``EP_RUNTIME_FAIL_AT_STEP=RANK:STEP[:HOW]`` makes rank RANK, at the
 start of step STEP of the job's first attempt (restart count 0), ``raise`` a RuntimeError (the
 default), ``kill`` itself (SIGKILL, no report), or ``hang`` (stop taking part in collectives: the
-others time out, and the failure watch or the launcher ends it). It is read in ``InjectedFault.from_env`` and nowhere else.
+others time out, and the failure watch or the launcher ends it), once the checkpoint being saved, if any,
+is complete. It is read in ``InjectedFault.from_env`` and nowhere else.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
 from .replicas import sync_replica_gradients
-from .metrics import MetricsLog, plot_loss, read_metrics
-from .model import TinyDeepSeek
+from .metrics import MetricsLog, StepTimes, peak_tflops, plot_loss, read_metrics, train_flops_per_token
+from .experts import GroupedExperts
+from .model import Attention, TinyDeepSeek
 from .options import job_config_from_args, train_parser
 from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
 from .failures import FailureWatch, report_failure, restart_count
@@ -221,11 +223,19 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
     log.info("training %s: %d ranks, EP %d, %d experts, steps %d..%d -> %s", t.name, ctx.world_size, ctx.ep_size,
              cfg.model.moe.num_experts, first_step, t.steps, run_dir)
     progress = _progress(t.steps, initial=first_step - 1, enabled=ctx.rank == 0)
+    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len * data_ranks
+    peak = peak_tflops(ctx.device)
+    times = StepTimes(model, ctx.device, attention=Attention, experts=GroupedExperts)
+    profiler = _profiler(run_dir, ctx) if t.profile else None
+    if profiler:
+        profiler.start()
     losses = []
     tokens_per_step = t.batch_size * t.seq_len * data_ranks
     for step in range(first_step, t.steps + 1):
         at.step = step
         if fault:
+            if saver:  # a test's fault comes after the previous save is complete
+                saver.wait()
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
         tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=t.seed * 1_000_003 + step,
@@ -259,20 +269,29 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             saver.save(step, model=model, optimizer=optimizer)
         imbalance_L = load_LE.max(-1).values / load_LE.float().mean(-1)  # max/mean per MoE layer
+        tflops = flops_per_step / ctx.world_size / elapsed / 1e12  # model FLOPs per GPU (metrics.py)
+        parts = times.collect() | ({"pipeline_wait": pipe.wait_s} if pipe is not None else {})
         record_ = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
-                   "tokens_per_s": tokens_per_step / elapsed,
-                   "step_time_s": elapsed, "expert_load": load_LE.tolist(),
+                   "tokens_per_s": tokens_per_step / elapsed, "tflops_per_gpu": tflops,
+                   "mfu_percent": None if peak is None else 100 * tflops / peak,
+                   "step_time_s": elapsed, "time_s": parts, "expert_load": load_LE.tolist(),
                    "load_imbalance": float(imbalance_L.max())}
         if metrics:
             metrics.write(record_)
+        if profiler:
+            profiler.step()
         progress.update(1)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % t.log_every == 0 or step == t.steps:
-            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f max/mean expert load %.2f (worst of "
-                     "%d MoE layers: number %d; every load in metrics.jsonl)", step, losses[-1], record_["lr"],
-                     record_["grad_norm"], record_["tokens_per_s"], record_["load_imbalance"], len(imbalance_L),
-                     int(imbalance_L.argmax()) + 1)
+            mfu = "" if peak is None else f" MFU {record_['mfu_percent']:.1f}%"
+            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f TFLOP/s per GPU %.3g%s%s max/mean "
+                     "expert load %.2f (worst of %d MoE layers: number %d; every load in metrics.jsonl)", step,
+                     losses[-1], record_["lr"], record_["grad_norm"], record_["tokens_per_s"], tflops, mfu,
+                     "".join(f" {k} {v * 1e3:.1f} ms" for k, v in parts.items()), record_["load_imbalance"],
+                     len(imbalance_L), int(imbalance_L.argmax()) + 1)
     progress.close()
+    if profiler:
+        profiler.stop()
     if saver:
         saver.wait()
     summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
@@ -285,6 +304,23 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position) -> dict:
             log.info("loss %.3f -> %.3f (the data's floor %.3f, uniform %.3f); wrote %s and %s", losses[0],
                      losses[-1], floor, data.uniform_loss, metrics.path, png)
     return summary
+
+
+def _profiler(run_dir: Path, ctx: ParallelContext):
+    """``--profile``: a torch profiler over the run's second to fourth steps (the first warms up), its trace in
+    ``<run>/profile/rank_<r>.json`` (chrome://tracing, Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    path = run_dir / "profile" / f"rank_{ctx.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(prof) -> None:
+        prof.export_chrome_trace(str(path))
+        log.info("wrote the profiler trace %s", path)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    return profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=3, repeat=1),
+                   on_trace_ready=write, record_shapes=True)
 
 
 def _progress(total: int, *, initial: int, enabled: bool):

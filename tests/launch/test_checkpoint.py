@@ -41,7 +41,8 @@ def test_resume_continues_with_identical_losses(tmp_path, reference_losses, monk
     assert read_losses(tmp_path / "job") == reference_losses[:4]
     ckpt = tmp_path / "job" / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
-    assert sorted(p.name for p in (ckpt / "step_4").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    assert sorted(p.name for p in (ckpt / "step_4").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                   "complete.json"]
 
     resumed = launch_local(worker, job(tmp_path, "--steps", str(STEPS), "--checkpoint-every", "2", "--resume"),
                            nproc=2)
