@@ -269,20 +269,20 @@ class Checkpointer:
                 for full in [f"model/{key}"] + sorted(k for k in metadata if k.startswith(f"optim/{key}/")):
                     meta = metadata[full]
                     template[full] = torch.empty(meta.size, dtype=meta.properties.dtype)
-                    copies.append((piece, rows, full))
+                    copies.append((piece, rows, key, full))
         for key in ("rng/cpu", "rng/cuda") if self.ctx.device.type == "cuda" else ("rng/cpu",):
             if key in metadata:
                 template[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
         dcp.load(template, storage_reader=dcp.FileSystemReader(folder), process_group=self.group,
                  no_dist=self.group is None)
         with torch.no_grad():
-            for piece, rows, full in copies:
+            for piece, rows, key, full in copies:
                 loaded = template[full]
                 if full.startswith("model/"):
                     _place(piece, rows, piece.tensor, loaded)
                     continue
                 state, name = optimizer.state[piece.tensor], full.rsplit("/", 1)[1]
-                if loaded.shape != piece.of(piece.tensor).shape:  # a scalar such as AdamW's step
+                if loaded.shape != template[f"model/{key}"].shape:  # a scalar such as AdamW's step
                     state[name] = loaded.clone()
                     continue
                 if name not in state:

@@ -234,3 +234,13 @@ def test_a_fresh_run_refuses_earlier_checkpoints_unless_overwrite(tmp_path, monk
     assert sorted(p.name for p in ckpt.iterdir()) == ["step_1", "step_2"]
     worker(job(tmp_path, "--steps", "1", "--overwrite"))
     assert not list(ckpt.iterdir())
+
+
+def test_engram_table_shards_reshard(tmp_path):
+    """The v4 preset's Engram tables, split over 2 EP ranks when saved, are whole at 1 (with their
+    AdamW moments): the resumed steps' losses are the uninterrupted run's."""
+    args = ["--model", "v4", "--steps", "4"]
+    uninterrupted = launch_local(worker, job(tmp_path, *args, "--checkpoint-every", "2"), nproc=2)[0]["losses"]
+    shutil.rmtree(tmp_path / "job" / "ckpt" / "step_4")
+    resumed = launch_local(worker, job(tmp_path, *args, "--resume", "--batch-size", "16"), nproc=1)[0]
+    assert resumed["first_step"] == 3 and _close(resumed["losses"], uninterrupted[2:]), resumed["losses"]
