@@ -1,200 +1,326 @@
-"""Checkpoints: one file per rank, loadable by a job of the same world size and EP size.
+"""Checkpoints in torch.distributed.checkpoint (DCP) format, keyed by what each tensor is in the
+whole model rather than where it sits, so a job of another world size, EP size or pipeline depth
+loads them (experts resharded).
 
-    <out_dir>/<name>/ckpt/step_<n>/rank_<r>.pt
+    <out_dir>/<name>/ckpt/step_<n>/.metadata, __<rank>_<i>.distcp    DCP's files
+    <out_dir>/<name>/ckpt/step_<n>/complete.json                       the completion marker, written last
 
-A rank's file holds the model's config, its model state (the dense parameters every rank has, the
-experts this rank holds, the router biases), its optimizer state, the step, the RNG state and the expert placement
-it was saved under (world size, EP size and rank; the logical expert in each of its slots and each
-MoE layer's run-time placement, which ``load`` restores before the weights). A step is complete when every
-rank has its file: resuming picks the newest step that is complete on all ranks (they agree
-through one all-gather), so a job killed while saving resumes from the step before, and a job of
-another world size, EP size or model is told what differs instead of loading the wrong tensors
-(options that leave the tensors as they were, such as the dispatcher, may change).
+Keys: ``model/<key>`` for weights and buffers, ``optim/<key>/<state>`` for the optimizer's state of
+each (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``), where ``<key>`` is
 
-Each rank writes and deletes only its own files, so the directory need not be shared between
-nodes as long as each rank resumes where it saved (a shared filesystem lets it resume anywhere).
+* a dense parameter's or buffer's name in the whole model (router biases included): a pipeline
+  stage keeps the whole model's names, so a block is keyed by its global layer index,
+  ``blocks.<layer>.attn.qkv.weight``. Every rank of a stage holds them; DCP writes each once;
+* ``<experts>.w13_EDI2[<e>]``: logical expert ``e``'s slice of its layer's ``[E_local, ...]``
+  parameter, whichever rank and slot holds it (replicas are identical: one is written). A loading
+  rank reads the experts its own placement puts in its slots;
+* ``<table>.weight_LE[rows <lo>:<hi>]``: an Engram table shard by its global rows; a loading rank
+  reads the saved shards that overlap its rows;
+* and ``rng/cpu`` (``rng/cuda`` on GPUs): the generators' state. A step draws nothing from them
+  (the data is a pure function of the step and the sequence's index, ``data.MarkovText.batch``),
+  so they are the same on every rank.
+
+Saving does not stall the step: ``Checkpointer.save`` copies the state into CPU memory (all the
+step waits for), then a background thread runs DCP's ``save`` over a gloo group of its own (its
+collectives never meet the training's), each rank hashes the files it wrote, and rank 0 writes
+``complete.json`` with every file's size and sha256 (``checkpoint_verify``), logs a line, and
+deletes all but the newest ``KEEP`` complete steps. The next save, a load and the end of training
+wait for the thread.
+
+Loading: rank 0 picks the newest valid step (skipping, with a line naming the file at fault, any
+partial, truncated or corrupt one), every rank checks the model config it was saved with, puts
+each MoE layer back on its saved placement when the EP size is the one it was saved at (else the
+layer keeps its default placement), and reads its tensors. Every rank must be able to read the
+folder (a shared filesystem across nodes).
 """
 
 from __future__ import annotations
 
-import os
+import json
+import logging
 import re
+import shutil
+import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from .checkpoint_verify import (MARKER, digest, fresh_run_refusal, newest_valid, prune, step_dir, steps_on_disk,
+                                write_marker)
+from .engram import ShardedTable
+from .experts import GroupedExperts
+from .moe import MoELayer
 from .parallel import ParallelContext
 
-KEEP = 2  # complete steps kept on disk; older ones are deleted after a save completes
+log = logging.getLogger("ep_runtime.checkpoint")
+
+KEEP = 2  # complete steps kept on disk; older ones are deleted once a save is complete
+# Model options a resumed job may change: how tokens travel and what is recomputed, not the tensors
+# or the function they compute. Every other ``model.*`` option must be the one saved.
+RUNTIME_OPTIONS = frozenset({"model.moe.dispatcher", "model.moe.max_tokens_per_rank", "model.moe.fp8_dispatch",
+                             "model.moe.fp8_combine", "model.mhc.recompute"})
+_ROWS = re.compile(r"\[rows (\d+):(\d+)\]$")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Which experts this rank holds: as EP rank ``ep_rank`` of ``ep_size`` (in a job of
-    ``world_size``), for every MoE layer the logical expert in each local slot
-    (``local_experts``) and the layer's run-time placement (``phy2log``: the logical expert of every
-    physical slot of the EP group, ``node_of_rank``; None: expert ``e`` in slot ``e``)."""
+@dataclass(frozen=True)
+class _Piece:
+    """One saved tensor: its ``key``, the live parameter or buffer it is part of, and which part:
+    the whole, one logical expert (the local ``slots`` holding it; the first is saved), or the
+    ``rows`` ``[lo, hi)`` of a table that the shard's first ``hi - lo`` rows hold."""
 
-    world_size: int
-    ep_size: int
-    ep_rank: int
-    num_experts: int
-    local_experts: tuple[tuple[int, ...], ...]
-    phy2log: tuple[tuple[int, ...] | None, ...]
-    node_of_rank: tuple[tuple[int, ...] | None, ...]
+    key: str
+    tensor: torch.Tensor
+    slots: tuple[int, ...] = ()
+    rows: tuple[int, int] | None = None
 
-    @staticmethod
-    def of(model: nn.Module, ctx: ParallelContext) -> Placement:
-        layers = model.moe_layers
-        placements = [layer.placement for layer in layers]
-        return Placement(world_size=ctx.world_size, ep_size=ctx.ep_size, ep_rank=ctx.ep_rank,
-                         num_experts=layers[0].cfg.num_experts if layers else 0,
-                         local_experts=tuple(tuple(layer.experts.logical_ids) for layer in layers),
-                         phy2log=tuple(None if p is None else tuple(p.phy2log_P.tolist()) for p in placements),
-                         node_of_rank=tuple(None if p is None else p.node_of_rank for p in placements))
-
-    def describe(self) -> str:
-        experts = self.local_experts[0] if self.local_experts else ()
-        contiguous = experts == tuple(range(experts[0], experts[0] + len(experts))) if experts else True
-        held = f"{experts[0]}..{experts[-1]}" if experts and contiguous else ", ".join(map(str, experts))
-        return (f"world size {self.world_size}, EP {self.ep_size} (EP rank {self.ep_rank} holds experts {held} of "
-                f"{self.num_experts}{' in its first MoE layer' if len(self.local_experts) > 1 else ''})")
-
-    def same_job(self, other: Placement) -> bool:
-        """The same ranks in the same EP groups (the experts may have moved since)."""
-        return (self.world_size, self.ep_size, self.ep_rank, self.num_experts, len(self.local_experts)) == (
-            other.world_size, other.ep_size, other.ep_rank, other.num_experts, len(other.local_experts))
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full``, a tensor shaped like ``tensor`` (the parameter or a moment)."""
+        if self.slots:
+            return full[self.slots[0]]
+        if self.rows:
+            return full[: self.rows[1] - self.rows[0]]
+        return full
 
 
-def step_dir(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step_{step}"
+def _pieces(model: nn.Module) -> list[_Piece]:
+    """Every tensor this rank saves or loads, keyed as the module docstring says."""
+    owner: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            owner.update({id(p): module for p in module.parameters(recurse=False)})
+        elif isinstance(module, ShardedTable):
+            owner[id(module.weight_LE)] = module
+    pieces = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        module = owner.get(id(tensor))
+        if isinstance(module, GroupedExperts):
+            ids = module.logical_ids
+            for e in dict.fromkeys(ids):  # each logical expert once, in slot order
+                pieces.append(_Piece(f"{name}[{e}]", tensor, slots=tuple(s for s, x in enumerate(ids) if x == e)))
+        elif isinstance(module, ShardedTable):
+            lo, hi = module.first_row, min(module.first_row + module.rows_per_rank, module.num_rows)
+            if hi > lo:  # a shard wholly past the table holds padding only
+                pieces.append(_Piece(f"{name}[rows {lo}:{hi}]", tensor, rows=(lo, hi)))
+        else:
+            pieces.append(_Piece(name, tensor))
+    return pieces
 
 
-def rank_file(directory: Path, step: int, rank: int) -> Path:
-    return step_dir(directory, step) / f"rank_{rank}.pt"
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
-def save(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         ctx: ParallelContext) -> Path:
-    """Writes this rank's file for ``step`` (atomically: a temporary file renamed), waits for every
-    rank's, then deletes this rank's files of all but the newest ``KEEP`` steps. Collective."""
-    path = rank_file(directory, step, ctx.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model_config": _config_fields(model), "placement": asdict(Placement.of(model, ctx)),
-             "model": model.state_dict(),
-             "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    if ctx.distributed:
-        dist.barrier()  # every rank has this step now: older ones may go
-    for old in _own_steps(directory, ctx.rank)[:-KEEP]:
-        rank_file(directory, old, ctx.rank).unlink(missing_ok=True)
-        _remove_if_empty(step_dir(directory, old))
-    return path
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    """The state to save, copied into CPU memory (training may change the live tensors at once)."""
+    state = {}
+    for piece in _pieces(model):
+        state[f"model/{piece.key}"] = _cpu(piece.of(piece.tensor))
+        for name, value in optimizer.state.get(piece.tensor, {}).items():
+            if torch.is_tensor(value):
+                whole = value.shape == piece.tensor.shape  # a moment; else a scalar such as the step
+                state[f"optim/{piece.key}/{name}"] = _cpu(piece.of(value) if whole else value)
+    state["rng/cpu"] = torch.get_rng_state()
+    if device.type == "cuda":
+        state["rng/cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def latest_step(directory: Path, ctx: ParallelContext) -> int | None:
-    """The newest step with a file on every rank (None if there is none). Collective.
-
-    Raises ValueError if some ranks have checkpoint files and others none: the checkpoint was saved
-    by a job of another world size."""
-    mine = set(_own_steps(directory, ctx.rank))
-    every = [mine]
-    if ctx.distributed:
-        every = [set() for _ in range(ctx.world_size)]
-        dist.all_gather_object(every, mine)
-    common = set.intersection(*every)
-    if common:
-        return max(common)
-    with_files = [r for r, steps in enumerate(every) if steps]
-    if with_files:
-        raise ValueError(f"checkpoint {directory}: ranks {with_files} have checkpoint files but ranks "
-                         f"{[r for r in range(ctx.world_size) if r not in with_files]} of this job of "
-                         f"{ctx.world_size} have none, so no step is complete: resume with the world size "
-                         "it was saved with")
-    return None
-
-
-def load(directory: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         ctx: ParallelContext) -> None:
-    """Restores this rank's state of ``step``: checks it was saved by the same ranks in the same
-    EP groups, puts every MoE layer back on the placement it was saved under, then loads the
-    tensors."""
-    from .placement import ExpertPlacement
-
-    path = rank_file(directory, step, ctx.rank)
-    state = torch.load(path, map_location=ctx.device, weights_only=False)
-    saved_config, config = state.get("model_config", {}), _config_fields(model)
-    differ = "; ".join(f"{name} saved {saved_config[name]!r}, this job {config.get(name)!r}"
-                       for name in saved_config if saved_config[name] != config.get(name))
-    saved = Placement(**{k: _tuples(v) for k, v in state["placement"].items()})
-    here = Placement.of(model, ctx)
-    if not saved.same_job(here):
-        sizes_differ = (saved.world_size, saved.ep_size) != (here.world_size, here.ep_size)
-        fix = "the world size and EP size" if sizes_differ or not differ else "the model options"
-        raise ValueError(f"checkpoint {path}: saved with {saved.describe()}; this job has {here.describe()}"
-                         f"{f' ({differ})' if differ else ''}: resume with {fix} it was saved with")
-    for layer, phy2log, nodes in zip(model.moe_layers, saved.phy2log, saved.node_of_rank):
-        if phy2log is not None:
-            layer.set_placement(ExpertPlacement(phy2log_P=torch.tensor(phy2log), num_experts=saved.num_experts,
-                                                ep_size=saved.ep_size, node_of_rank=nodes))
-    if Placement.of(model, ctx).local_experts != saved.local_experts:
-        raise ValueError(f"checkpoint {path}: its MoE layers hold experts {saved.local_experts} on this rank, the "
-                         f"model {Placement.of(model, ctx).local_experts}")
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as error:  # torch's message lists every tensor: name the options instead
-        first = str(error).splitlines()[0]
-        raise ValueError(f"checkpoint {path}: {differ or first}: resume with the model options it was saved "
-                         "with") from error
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"].cpu())
-    if state["cuda_rng"] is not None and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), ctx.device)
+def _placements(model: nn.Module) -> dict:
+    """Each MoE layer's run-time placement by its name in the whole model (those that have one)."""
+    return {name: {"phy2log": m.placement.phy2log_P.tolist(), "ep_size": m.placement.ep_size,
+                   "node_of_rank": m.placement.node_of_rank}
+            for name, m in model.named_modules() if isinstance(m, MoELayer) and m.placement is not None}
 
 
 def _config_fields(model: nn.Module) -> dict:
-    """The model's config (``model.cfg``, a dataclass) as dotted names: ``{"model.moe.num_experts": 8, ...}``."""
+    """The model's config (``model.cfg``, a dataclass) as dotted names, as JSON gives them back:
+    ``{"model.moe.num_experts": 8, ...}``."""
     def flat(prefix: str, value) -> dict:
         if isinstance(value, dict):
             return {k: v for key, item in value.items() for k, v in flat(f"{prefix}.{key}", item).items()}
         return {prefix: value}
 
     config = getattr(model, "cfg", None)
-    return flat("model", asdict(config)) if config is not None else {}
+    return json.loads(json.dumps(flat("model", asdict(config)))) if config is not None else {}
 
 
-def _tuples(value):
-    """JSON-ish lists from ``asdict`` back to the tuples ``Placement`` holds."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list | tuple) else value
+def existing_checkpoints(directory: Path, *, overwrite: bool) -> None:
+    """What a fresh run (no ``--resume``) does with a folder that holds checkpoints: raises
+    FileExistsError, or with ``overwrite`` deletes them. Call on one rank, then meet the others."""
+    refusal = fresh_run_refusal(directory)
+    if refusal is None:
+        return
+    if not overwrite:
+        raise FileExistsError(refusal)
+    steps = steps_on_disk(directory)
+    log.warning("--overwrite: deleting the checkpoints of steps %s under %s", ", ".join(map(str, steps)), directory)
+    for step in steps:
+        shutil.rmtree(step_dir(directory, step))
 
 
-def clear(directory: Path, ctx: ParallelContext) -> None:
-    """Deletes this rank's checkpoint files (a fresh run must never resume from an older run's)."""
-    for step in _own_steps(directory, ctx.rank):
-        rank_file(directory, step, ctx.rank).unlink(missing_ok=True)
-        _remove_if_empty(step_dir(directory, step))
+class Checkpointer:
+    """Saves and loads one run's checkpoints under ``directory`` (see the module docstring).
+    Collective to make (it makes the gloo group of the background saves), as are ``save``,
+    ``latest`` and ``load``: every rank calls them at the same step."""
+
+    def __init__(self, directory: Path, ctx: ParallelContext):
+        self.directory, self.ctx = Path(directory), ctx
+        self.group = dist.new_group(backend="gloo") if ctx.distributed else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Copies the state to CPU and returns; a background thread writes and verifies it."""
+        self.wait()
+        start = time.perf_counter()
+        state = _snapshot(model, optimizer, self.ctx.device)
+        marker = {"step": step, "model_config": _config_fields(model), "placements": _placements(model),
+                  "saved_with": {"world_size": self.ctx.world_size, "ep_size": self.ctx.ep_size,
+                                 "pp_size": self.ctx.pp_size}}
+        log.info("checkpoint step %d: copied to CPU in %.3f s, writing %s in the background", step,
+                 time.perf_counter() - start, step_dir(self.directory, step))
+        self._thread = threading.Thread(target=self._background, args=(step, state, marker), daemon=True,
+                                        name=f"checkpoint step {step}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the save in progress; raises if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint under {self.directory}: the background save failed: {error}") from error
+
+    def _background(self, step: int, state: dict, marker: dict) -> None:
+        try:
+            self._write(step, state, marker)
+        except BaseException as error:  # raised by the next wait(), on the training thread
+            self._error = error
+
+    def _write(self, step: int, state: dict, marker: dict) -> None:
+        start, rank = time.perf_counter(), self.ctx.rank
+        folder = step_dir(self.directory, step)
+        if rank == 0 and folder.exists():  # a partial or stale save of this step (the others wait in save)
+            shutil.rmtree(folder)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), process_group=self.group,
+                 no_dist=self.group is None)
+        mine = ({f.name: digest(f) for f in folder.glob(f"__{rank}_*.distcp")}, marker["placements"])
+        every = [mine]
+        if self.group is not None:
+            every = [None] * self.ctx.world_size
+            dist.all_gather_object(every, mine, group=self.group)
+        if rank != 0:
+            return
+        files = {".metadata": digest(folder / ".metadata")}
+        for rank_files, placements in every:
+            files.update(rank_files)
+            marker["placements"].update(placements)  # each pipeline stage has its own layers
+        write_marker(folder, {**marker, "files": files})
+        prune(self.directory, KEEP)
+        size = sum(f["bytes"] for f in files.values())
+        log.info("checkpoint step %d: saved %s (%d files, %.1f MB, sha256 in %s) in %.2f s in the background",
+                 step, folder, len(files), size / 1e6, MARKER, time.perf_counter() - start)
+
+    def latest(self) -> tuple[int, dict] | None:
+        """``(step, marker)`` of the newest valid checkpoint, None if there is none. Rank 0 checks
+        (logging each one it skips) and tells the others."""
+        self.wait()
+        found = newest_valid(self.directory) if self.ctx.rank == 0 else None
+        if self.group is not None:
+            box = [found]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            found = box[0]
+        return found
+
+    def load(self, step: int, marker: dict, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Restores ``step`` (``marker``: its ``complete.json``, from ``latest``) into ``model``, a
+        fresh ``optimizer`` over its parameters and the generators."""
+        from .placement import ExpertPlacement
+
+        self.wait()
+        folder = step_dir(self.directory, step)
+        saved_config, config = marker.get("model_config", {}), _config_fields(model)
+        differ = "; ".join(f"{name} saved {saved_config[name]!r}, this job {config.get(name)!r}"
+                           for name in sorted(set(saved_config) | set(config))
+                           if saved_config.get(name) != config.get(name) and name not in RUNTIME_OPTIONS)
+        if differ:
+            raise ValueError(f"checkpoint {folder}: {differ}: resume with the model options it was saved with")
+        for name, layer in model.named_modules():
+            saved = marker.get("placements", {}).get(name)
+            if saved is None or not isinstance(layer, MoELayer):
+                continue
+            if saved["ep_size"] == layer.ep_size and len(saved["phy2log"]) == layer.dispatcher.num_experts:
+                nodes = tuple(saved["node_of_rank"]) if saved["node_of_rank"] is not None else None
+                layer.set_placement(ExpertPlacement(phy2log_P=torch.tensor(saved["phy2log"]), ep_size=layer.ep_size,
+                                                    num_experts=layer.cfg.num_experts, node_of_rank=nodes))
+            else:
+                log.info("checkpoint %s: %s was placed for EP %d, this job runs EP %d: its experts take the "
+                         "default placement", folder, name, saved["ep_size"], layer.ep_size)
+        metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        template, copies = {}, []
+        for piece in _pieces(model):
+            for key, rows in _saved_parts(piece, metadata, folder):
+                for full in [f"model/{key}"] + sorted(k for k in metadata if k.startswith(f"optim/{key}/")):
+                    meta = metadata[full]
+                    template[full] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                    copies.append((piece, rows, key, full))
+        for key in ("rng/cpu", "rng/cuda") if self.ctx.device.type == "cuda" else ("rng/cpu",):
+            if key in metadata:
+                template[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
+        dcp.load(template, storage_reader=dcp.FileSystemReader(folder), process_group=self.group,
+                 no_dist=self.group is None)
+        with torch.no_grad():
+            for piece, rows, key, full in copies:
+                loaded = template[full]
+                if full.startswith("model/"):
+                    _place(piece, rows, piece.tensor, loaded)
+                    continue
+                state, name = optimizer.state[piece.tensor], full.rsplit("/", 1)[1]
+                if loaded.shape != template[f"model/{key}"].shape:  # a scalar such as AdamW's step
+                    state[name] = loaded.clone()
+                    continue
+                if name not in state:
+                    state[name] = torch.zeros_like(piece.tensor)
+                _place(piece, rows, state[name], loaded)
+        torch.set_rng_state(template["rng/cpu"])
+        if "rng/cuda" in template:
+            torch.cuda.set_rng_state(template["rng/cuda"], self.ctx.device)
 
 
-def _own_steps(directory: Path, rank: int) -> list[int]:
-    """Steps for which this rank has a file, ascending."""
-    if not Path(directory).is_dir():
-        return []
-    steps = []
-    for entry in Path(directory).iterdir():
-        match = re.fullmatch(r"step_(\d+)", entry.name)
-        if match and (entry / f"rank_{rank}.pt").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+def _saved_parts(piece: _Piece, metadata: dict, folder: Path) -> list[tuple[str, tuple[int, int] | None]]:
+    """The saved keys ``piece`` loads from: itself, or for table rows every saved shard that
+    overlaps them (with that shard's rows). Raises ValueError naming what is missing."""
+    if piece.rows is None:
+        if f"model/{piece.key}" not in metadata:
+            raise ValueError(f"checkpoint {folder}: holds no {piece.key}: resume with the model options it was "
+                             "saved with")
+        return [(piece.key, None)]
+    base, (lo, hi) = _ROWS.sub("", piece.key), piece.rows
+    parts, covered = [], 0
+    for key in metadata:
+        match = _ROWS.search(key) if key.startswith(f"model/{base}[rows ") else None
+        if match and int(match.group(1)) < hi and int(match.group(2)) > lo:
+            parts.append((key[len("model/"):], (int(match.group(1)), int(match.group(2)))))
+            covered += min(hi, parts[-1][1][1]) - max(lo, parts[-1][1][0])
+    if covered != hi - lo:
+        raise ValueError(f"checkpoint {folder}: its shards of {base} cover {covered} of rows {lo}:{hi}")
+    return parts
 
 
-def _remove_if_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:  # other ranks' files are still there (shared filesystem), or it is gone
-        pass
+def _place(piece: _Piece, rows: tuple[int, int] | None, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copies a loaded piece into ``target`` (the parameter or its moment): every slot of an expert,
+    or the rows a saved shard shares with this rank's."""
+    if piece.slots:
+        for slot in piece.slots:
+            target[slot].copy_(loaded)
+    elif piece.rows is not None and rows is not None:
+        lo, hi = max(piece.rows[0], rows[0]), min(piece.rows[1], rows[1])
+        target[lo - piece.rows[0]: hi - piece.rows[0]].copy_(loaded[lo - rows[0]: hi - rows[0]])
+    else:
+        target.copy_(loaded)

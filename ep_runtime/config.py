@@ -215,6 +215,8 @@ class TrainConfig:
     log_level: str = "info"  # the terminal's (rank 0's lines); the run's log files keep every level
     checkpoint_every: int = 0  # steps between checkpoints (out_dir/name/ckpt/step_<n>/); 0: none
     resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
+    overwrite: bool = False  # a fresh run deletes the checkpoints it finds (else it refuses to start)
+    profile: bool = False  # write a torch profiler trace of a few steps into out_dir/name/profile/
 
     @property
     def warmup_steps(self) -> int:

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+_MASK63 = 2**63 - 1
+
 
 class MarkovText:
     def __init__(self, vocab_size: int, *, successors: int = 4, seed: int = 0):
@@ -16,6 +18,7 @@ class MarkovText:
         self.vocab_size = vocab_size
         self.next_VN = torch.randint(vocab_size, (vocab_size, successors), generator=g)
         self.probs_VN = torch.softmax(2.0 * torch.randn(vocab_size, successors, generator=g), -1)
+        self.cumulative_VN = self.probs_VN.double().cumsum(-1)
 
     def loss_floor(self, seq_len: int) -> float:
         """The next-token loss (nats) of a model that knows the chain, on :meth:`batch`'s sequences:
@@ -31,13 +34,22 @@ class MarkovText:
             state_V = state_V @ next_VV
         return total / max(seq_len - 1, 1)
 
-    def batch(self, batch_size: int, seq_len: int, *, seed: int) -> torch.Tensor:
-        """``[batch_size, seq_len]`` int64 token ids, a pure function of ``seed``."""
-        g = torch.Generator().manual_seed(seed)
+    def batch(self, batch_size: int, seq_len: int, *, seed: int, first: int = 0) -> torch.Tensor:
+        """``[batch_size, seq_len]`` int64 token ids: sequences ``first .. first + batch_size - 1`` of
+        the stream ``seed``. Each sequence is a pure function of ``(seed, its index)`` (its own
+        generator), so a step's global batch is the same however many ranks read its slices: rank
+        ``d`` of ``n`` data ranks reading ``first = d * batch_size`` gives, together, what one rank
+        reading ``n * batch_size`` from 0 gets."""
+        uniform_BS = torch.empty(batch_size, seq_len, dtype=torch.float64)
+        for row in range(batch_size):
+            g = torch.Generator().manual_seed((seed * 1_000_003 + first + row) & _MASK63)
+            uniform_BS[row] = torch.rand(seq_len, generator=g, dtype=torch.float64)
         tokens = torch.empty(batch_size, seq_len, dtype=torch.long)
-        tokens[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=g)
-        for s in range(1, seq_len):
-            choice = torch.multinomial(self.probs_VN[tokens[:, s - 1]], 1, generator=g).squeeze(1)
+        tokens[:, 0] = (uniform_BS[:, 0] * self.vocab_size).long().clamp(max=self.vocab_size - 1)
+        last = self.cumulative_VN.shape[1] - 1
+        for s in range(1, seq_len):  # inverse CDF: the first successor whose cumulative probability passes u
+            cumulative_BN = self.cumulative_VN[tokens[:, s - 1]]
+            choice = (uniform_BS[:, s, None] > cumulative_BN).sum(-1).clamp(max=last)
             tokens[:, s] = self.next_VN[tokens[:, s - 1], choice]
         return tokens
 

@@ -14,6 +14,7 @@ import importlib.util
 import re
 from pathlib import Path
 
+from .checkpoint_verify import fresh_run_refusal, steps_on_disk
 from .config import (DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig,
                      RouterConfig, TrainConfig)
 from .config_files import build, preset_names, preset_path, read_toml
@@ -31,8 +32,8 @@ FLAGS = {
     "--warmup-fraction": "train.warmup_fraction", "--weight-decay": "train.weight_decay",
     "--max-grad-norm": "train.max_grad_norm", "--seed": "train.seed", "--out": "train.out_dir",
     "--name": "train.name", "--log-every": "train.log_every", "--log-level": "train.log_level",
-    "--checkpoint-every": "train.checkpoint_every",
-    "--resume": "train.resume",
+    "--checkpoint-every": "train.checkpoint_every", "--resume": "train.resume", "--overwrite": "train.overwrite",
+    "--profile": "train.profile",
 }
 
 
@@ -89,7 +90,12 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     run.add_argument("--checkpoint-every", type=int, metavar="N",
                      help="save a checkpoint every N steps under OUT/NAME/ckpt/ (default 0: never)")
     run.add_argument("--resume", action="store_const", const=True,
-                     help="continue from the newest checkpoint (default: start afresh)")
+                     help="continue from the newest valid checkpoint, at any world, EP or PP size (default: start "
+                          "afresh)")
+    run.add_argument("--overwrite", action="store_const", const=True,
+                     help="a fresh run deletes the checkpoints under OUT/NAME/ckpt/ (default: it refuses to start)")
+    run.add_argument("--profile", action="store_const", const=True,
+                     help="write a torch profiler trace of a few steps into OUT/NAME/profile/ (default: off)")
     return p
 
 
@@ -194,10 +200,13 @@ def check_launch(cfg: JobConfig, nproc: int, o: Origins) -> None:
                          f"{cfg.model.moe.num_experts} experts ({o.name('model.moe.num_experts')})")
     _check_pipeline(cfg, o)
     _check_dispatcher(cfg, ep, o)
-    if cfg.train.resume:
-        ckpt = Path(cfg.train.out_dir) / cfg.train.name / "ckpt"
-        if not (ckpt.is_dir() and any(ckpt.iterdir())):
-            raise ValueError(f"--resume: no checkpoint under {ckpt} (--out and --name say where the run is)")
+    ckpt = Path(cfg.train.out_dir) / cfg.train.name / "ckpt"
+    if cfg.train.resume and not steps_on_disk(ckpt):
+        raise ValueError(f"--resume: no checkpoint under {ckpt} (--out and --name say where the run is)")
+    if not (cfg.train.resume or cfg.train.overwrite):
+        refusal = fresh_run_refusal(ckpt)
+        if refusal:
+            raise ValueError(refusal)
 
 
 def _check_pipeline(cfg: JobConfig, o: Origins) -> None:

@@ -13,7 +13,8 @@ newest checkpoint, if there is one; ``--resume`` asks for that explicitly.
 Fault injection, for tests: ``EP_RUNTIME_FAIL_AT_STEP=RANK:STEP[:HOW]`` makes rank RANK, at the
 start of step STEP of the job's first attempt (restart count 0), ``raise`` a RuntimeError (the
 default), ``kill`` itself (SIGKILL, no report), or ``hang`` (stop taking part in collectives: the
-others time out, and the failure watch or the launcher ends it). It is read in ``InjectedFault.from_env`` and nowhere else.
+others time out, and the failure watch or the launcher ends it), once the checkpoint being saved, if any,
+is complete. It is read in ``InjectedFault.from_env`` and nowhere else.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
 from .replicas import sync_replica_gradients
-from .metrics import MetricsLog, plot_loss, read_metrics
-from .model import TinyDeepSeek
+from .metrics import MetricsLog, StepTimes, peak_tflops, plot_loss, read_metrics, train_flops_per_token
+from .experts import GroupedExperts
+from .model import Attention, TinyDeepSeek
 from .options import job_config_from_args, train_parser
 from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
 from .failures import FailureWatch, report_failure, restart_count
@@ -169,9 +171,6 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     model.to(ctx.device)
     pipe = None
     if ctx.pp_size > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)
-        if t.checkpoint_every or t.resume:
-            raise ValueError("train.checkpoint_every: checkpoints of a pipeline (parallel.pp > 1) are not "
-                             "supported yet")
         stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size, chunks=cfg.parallel.virtual_stages)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
@@ -184,20 +183,28 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     run_dir = Path(t.out_dir) / t.name
     ckpt_dir = run_dir / "ckpt"
     first_step = 1
-    if pipe is None and (t.resume or restart_count() > 0):
-        saved = checkpoint.latest_step(ckpt_dir, ctx)
-        if saved is None and t.resume:
-            raise FileNotFoundError(f"train.resume: no checkpoint under {ckpt_dir}")
-        if saved is not None:
-            checkpoint.load(ckpt_dir, saved, model=model, optimizer=optimizer, ctx=ctx)
+    resuming = t.resume or restart_count() > 0
+    saver = checkpoint.Checkpointer(ckpt_dir, ctx) if t.checkpoint_every or resuming else None
+    if resuming:
+        found = saver.latest()
+        if found is None and t.resume:
+            raise FileNotFoundError(f"train.resume: no valid checkpoint under {ckpt_dir}")
+        if found is not None:
+            saved, marker = found
             if t.resume and restart_count() == 0 and saved >= t.steps:
                 raise ValueError(f"train.steps: expected more than the checkpoint's step {saved} to resume, "
                                  f"got {t.steps}")
-            log.info("resumed from %s (restart %d)", checkpoint.step_dir(ckpt_dir, saved), restart_count())
+            saver.load(saved, marker, model=model, optimizer=optimizer)
+            was = marker["saved_with"]
+            log.info("resumed from %s (saved at world size %d, EP %d, PP %d; this job %d, EP %d, PP %d; restart %d)",
+                     checkpoint.step_dir(ckpt_dir, saved), was["world_size"], was["ep_size"], was["pp_size"],
+                     ctx.world_size, ctx.ep_size, ctx.pp_size, restart_count())
             first_step = saved + 1
-    elif ckpt_dir.is_dir():  # a fresh run must never resume from an older run's files
-        log.info("a fresh run: deleting earlier checkpoints under %s", ckpt_dir)
-        checkpoint.clear(ckpt_dir, ctx)
+    else:  # a fresh run: earlier checkpoints are refused, or deleted with --overwrite
+        if ctx.rank == 0:
+            checkpoint.existing_checkpoints(ckpt_dir, overwrite=t.overwrite)
+        if ctx.distributed:
+            dist.barrier()
 
     metrics = None
     if ctx.rank == 0:
@@ -210,14 +217,23 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     log.info("training %s: %d ranks, EP %d, %d experts, steps %d..%d -> %s", t.name, ctx.world_size, ctx.ep_size,
              cfg.model.moe.num_experts, first_step, t.steps, run_dir)
     progress = _progress(t.steps, initial=first_step - 1, terminal=terminal if ctx.rank == 0 else None)
+    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len * data_ranks
+    peak = peak_tflops(ctx.device)
+    times = StepTimes(model, ctx.device, attention=Attention, experts=GroupedExperts)
+    profiler = _profiler(run_dir, ctx) if t.profile else None
+    if profiler:
+        profiler.start()
     losses = []
     tokens_per_step = t.batch_size * t.seq_len * data_ranks
     for step in range(first_step, t.steps + 1):
         at.step = step
         if fault:
+            if saver:  # a test's fault comes after the previous save is complete
+                saver.wait()
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
-        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=(t.seed * 1_000_003 + step) * 4099 + ctx.rank % data_ranks)
+        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=t.seed * 1_000_003 + step,
+                               first=ctx.rank % data_ranks * t.batch_size)  # this rank's slice of the global batch
         if pipe is None:
             with autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
@@ -245,21 +261,32 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
         losses.append(float(mean_loss))
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
-            checkpoint.save(ckpt_dir, step, model=model, optimizer=optimizer, ctx=ctx)
+            saver.save(step, model=model, optimizer=optimizer)
         imbalance_L = load_LE.max(-1).values / load_LE.float().mean(-1)  # max/mean per MoE layer
+        tflops = flops_per_step / ctx.world_size / elapsed / 1e12  # model FLOPs per GPU (metrics.py)
+        parts = times.collect() | ({"pipeline_wait": pipe.wait_s} if pipe is not None else {})
         record_ = {"step": step, "loss": losses[-1], "lr": lr, "grad_norm": float(norm),
-                   "tokens_per_s": tokens_per_step / elapsed,
-                   "step_time_s": elapsed, "expert_load": load_LE.tolist(),
+                   "tokens_per_s": tokens_per_step / elapsed, "tflops_per_gpu": tflops,
+                   "mfu_percent": None if peak is None else 100 * tflops / peak,
+                   "step_time_s": elapsed, "time_s": parts, "expert_load": load_LE.tolist(),
                    "load_imbalance": float(imbalance_L.max())}
         if metrics:
             metrics.write(record_)
+        if profiler:
+            profiler.step()
         progress.update(1)
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
         if step % t.log_every == 0 or step == t.steps:
-            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f expert load max/mean %.2f (MoE layer "
-                     "%d of %d)", step, losses[-1], record_["lr"], record_["grad_norm"], record_["tokens_per_s"],
+            mfu = "" if peak is None else f" MFU {record_['mfu_percent']:.1f}%"
+            log.info("step %d loss %.4f lr %.2e grad norm %.3f tokens/s %.0f TFLOP/s per GPU %.3g%s%s expert load "
+                     "max/mean %.2f (MoE layer %d of %d)", step, losses[-1], record_["lr"], record_["grad_norm"],
+                     record_["tokens_per_s"], tflops, mfu, "".join(f" {k} {v * 1e3:.1f} ms" for k, v in parts.items()),
                      record_["load_imbalance"], int(imbalance_L.argmax()) + 1, len(imbalance_L))
     progress.close()
+    if profiler:
+        profiler.stop()
+    if saver:
+        saver.wait()
     summary = {"rank": ctx.rank, "node": ctx.node_rank, "host": socket.gethostname(), "restart": restart_count(),
                "first_step": first_step, "losses": losses}
     if metrics:
@@ -270,6 +297,23 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
             log.info("loss %.3f -> %.3f (the data's floor %.3f, uniform %.3f); wrote %s and %s", losses[0],
                      losses[-1], floor, data.uniform_loss, metrics.path, png)
     return summary
+
+
+def _profiler(run_dir: Path, ctx: ParallelContext):
+    """``--profile``: a torch profiler over the run's second to fourth steps (the first warms up), its trace in
+    ``<run>/profile/rank_<r>.json`` (chrome://tracing, Perfetto)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    path = run_dir / "profile" / f"rank_{ctx.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(prof) -> None:
+        prof.export_chrome_trace(str(path))
+        log.info("wrote the profiler trace %s", path)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    return profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=3, repeat=1),
+                   on_trace_ready=write, record_shapes=True)
 
 
 def _progress(total: int, *, initial: int, terminal: TextIO | None):

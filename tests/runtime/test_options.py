@@ -77,6 +77,6 @@ def test_help_states_every_default():
     assert not undocumented, undocumented
     text = parser.format_help()
     for field in dataclasses.fields(TrainConfig):
-        if field.name in ("min_lr_ratio", "resume", "name", "out_dir"):
+        if field.name in ("min_lr_ratio", "resume", "overwrite", "profile", "name", "out_dir"):  # said in words
             continue
         assert f"(default {field.default}" in text, field.name

@@ -36,6 +36,11 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 41))
     assert [r["loss"] for r in records] == losses
     assert all(sum(map(sum, r["expert_load"])) == 8 * 64 * 2 * 2 * 2 for r in records)  # B*S*ranks*topk*layers
+    for r in records:  # model FLOPs: 793,344 a token (tests/runtime/test_flops.py), 8 x 64 tokens a rank
+        assert r["tflops_per_gpu"] == pytest.approx(793_344 * 8 * 64 / r["step_time_s"] / 1e12, rel=1e-9)
+        assert (r["mfu_percent"] is None) == (not torch.cuda.is_available())  # no peak for a CPU
+        assert r["time_s"] == {} if not torch.cuda.is_available() else {"attention", "experts", "dispatch",
+                                                                        "combine"} == set(r["time_s"])
     assert (tmp_path / "a" / "loss.png").stat().st_size > 1000
 
 
