@@ -27,3 +27,5 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+# The independent specifications (tests/spec/moe_spec.py, model_spec.py), imported by tests and workers.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spec"))
