@@ -21,6 +21,25 @@ def seed(request):
     return s
 
 
+@pytest.fixture
+def stub_kernel(monkeypatch):
+    """``stub_kernel(module, name, result)``: ``module.name`` (a TileLang kernel's entry point)
+    replaced by a stub that records its calls and returns ``result``; returns the list of calls.
+    A test of an op's selection then sees which implementation ran without a GPU."""
+
+    def stub(module, name, result):
+        calls = []
+
+        def kernel(*args, **kwargs):
+            calls.append((args, kwargs))
+            return result
+
+        monkeypatch.setattr(module, name, kernel)
+        return calls
+
+    return stub
+
+
 # Worker functions for multi-process tests live in tests/workers/ and are imported by name in the
 # spawned processes, so that directory must be importable there too.
 import os
