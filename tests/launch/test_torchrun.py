@@ -49,8 +49,8 @@ RANK0, RANK1 = "rank 0 (node 0, local 0, pp 0, ep 0)", "rank 1 (node 1, local 0,
 
 
 def stamped(log: str, rank: int, pattern: str) -> float:
-    """The time (seconds since midnight) of the line of ``rank``'s log (``HH:MM:SS [node N rank R/2 local 0] ...``) whose
-    message matches ``pattern`` in full; fails naming the pattern when none does."""
+    """The time (seconds since midnight) of the line of ``rank``'s log (``HH:MM:SS [node N rank
+    R/2 local 0] ...``) whose message matches ``pattern`` in full; fails naming the pattern when none does."""
     line = re.compile(rf"^(\d\d:\d\d:\d\d) \[node {rank} rank {rank}/2 local 0\] (?:{pattern})$", re.MULTILINE)
     found = line.search(log)
     assert found, f"no line of rank {rank} matches {pattern!r} in:\n{log[-3000:]}"

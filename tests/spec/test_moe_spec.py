@@ -62,7 +62,8 @@ def run_spec(layer: MoELayer, x_BSD: torch.Tensor, g_BSD: torch.Tensor, *, fp8: 
     out, routes = moe_layer(x, p, RouterSpec.of(layer.cfg.router), fp8=fp8)
     (out * g_BSD.flatten(0, 1).to(F64)).sum().backward()
     want = {"out": out.detach().view(x_BSD.shape), "grad_x": x.grad.view(x_BSD.shape)}
-    return want | {name: t.grad if t.grad is not None else torch.zeros_like(t) for name, t in p.leaves().items()}, routes
+    grads = {name: t.grad if t.grad is not None else torch.zeros_like(t) for name, t in p.leaves().items()}
+    return want | grads, routes
 
 
 def compare(got: dict, want: dict, tol: float = TOL) -> None:
@@ -130,7 +131,8 @@ def test_balance_loss_matches_the_spec(seed):
     p = params_of(layer)
     want = balance_loss(x, p, RouterSpec.of(layer.cfg.router), 0.03)
     want.backward()
-    assert abs(float(layer.aux_loss.detach()) - float(want.detach())) <= 1e-6 * abs(float(want)), (float(layer.aux_loss.detach()), float(want.detach()))
+    got, want_value = float(layer.aux_loss.detach()), float(want.detach())
+    assert abs(got - want_value) <= 1e-6 * abs(want_value), (got, want_value)
     assert_close("router", layer.router.weight.grad, p.router.grad, TOL)
 
 
