@@ -1,19 +1,17 @@
 """One block of the tiny model (attention + MoE) and of the DeepSeek-V4-style model (Engram, mHC
 around attention and MoE), and the whole models' next-token loss with every parameter's gradient
-(what one training step computes before the optimizer), against the independent specification
+(what one training step computes before the optimizer), on one process and for v4 over 2 EP
+ranks (experts and Engram tables split), against the independent specification
 (``model_spec``, ``moe_spec``). Parameters are drawn fresh (mHC's per-token mixing and the routers'
 biases large enough to matter), so no structured initial value hides a term."""
-
-import dataclasses
 
 import pytest
 import torch
 from model_spec import F64, block, leaves_of, model_loss
 from moe_spec import scaled_error
+from spec_workers import build, config, hash_configs, model_over_ep_against_spec
 
-from ep_runtime.config import ModelConfig, MoEConfig, RouterConfig, v4_model_config
-from ep_runtime.dispatch import AllToAllDispatcher
-from ep_runtime.model import TinyDeepSeek
+from launch.local import launch_local
 
 TOL = 2e-5  # scaled error (moe_spec.scaled_error) of the float32 model against the float64 spec
 # The whole v4 model: the Engram gate's sqrt(|dot|) has the slope 1/(2 sqrt|dot|), large for tokens
@@ -21,41 +19,7 @@ TOL = 2e-5  # scaled error (moe_spec.scaled_error) of the float32 model against 
 MODEL_TOL = {"tiny": 2e-5, "v4": 1e-3}
 
 
-def tiny_config() -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden=32, num_layers=2, num_heads=4, max_seq_len=16, dense_layers=0,
-                       moe=MoEConfig(num_experts=8, expert_hidden=16, alignment=4,
-                                     router=RouterConfig(scoring="sigmoid", topk=2, num_groups=2, topk_groups=1)))
-
-
-def v4_config() -> ModelConfig:
-    v4 = v4_model_config()
-    return dataclasses.replace(v4, hidden=32, max_seq_len=16,
-                               moe=dataclasses.replace(v4.moe, expert_hidden=16, alignment=4),
-                               engram=dataclasses.replace(v4.engram, table_size=101, head_dim=8))
-
-
-def build(cfg: ModelConfig) -> TinyDeepSeek:
-    torch.manual_seed(3)
-    model = TinyDeepSeek(cfg, AllToAllDispatcher(num_experts=cfg.moe.num_experts, alignment=cfg.moe.alignment),
-                         seed=11)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_hc." in name or "mhc_head." in name:  # the per-token mixing, not the static biases alone
-                p.add_(torch.randn_like(p) * (0.3 if "scale" in name else 0.1))
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            if "conv_NDW" in name:
-                p.mul_(5.0)
-        for moe in model.moe_layers:
-            moe.router.bias_E.copy_(torch.randn(cfg.moe.num_experts) * 0.05)
-    return model
-
-
-def hash_configs(model: TinyDeepSeek) -> dict:
-    return {i: b.engram.hash for i, b in enumerate(model.blocks) if b.engram is not None}
-
-
-def compare_grads(model: TinyDeepSeek, P: dict, tol: float = TOL) -> None:
+def compare_grads(model, P: dict, tol: float = TOL) -> None:
     names = [n for n, p in model.named_parameters()]
     assert names and all(n in P for n in names)
     for name, p in model.named_parameters():
@@ -68,7 +32,7 @@ def compare_grads(model: TinyDeepSeek, P: dict, tol: float = TOL) -> None:
 @pytest.mark.parametrize("preset, layer", [("tiny", 0), ("v4", 2)])
 def test_one_block_matches_the_spec(preset, layer):
     """v4's block 2: Engram, then mHC around attention and the MoE."""
-    cfg = tiny_config() if preset == "tiny" else v4_config()
+    cfg = config(preset)
     model = build(cfg)
     blk = model.blocks[layer]
     assert (blk.engram is not None) == (preset == "v4") and (blk.attn_hc is not None) == (preset == "v4")
@@ -98,7 +62,7 @@ def test_one_block_matches_the_spec(preset, layer):
 
 @pytest.mark.parametrize("preset", ["tiny", "v4"])
 def test_model_loss_and_every_gradient_match_the_spec(preset):
-    cfg = tiny_config() if preset == "tiny" else v4_config()
+    cfg = config(preset)
     model = build(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9))
     loss = model.loss(tokens)
@@ -108,3 +72,16 @@ def test_model_loss_and_every_gradient_match_the_spec(preset):
     want.backward()
     assert abs(float(loss.detach()) - float(want.detach())) <= 1e-5 * float(want.detach()), (float(loss), float(want))
     compare_grads(model, P, MODEL_TOL[preset])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the spec's tolerances are float32's (CPU); GPUs run bf16 experts")
+def test_v4_model_over_two_ep_ranks_matches_the_spec_on_every_rank():
+    """Experts and Engram table rows split over 2 gloo processes: each rank's loss and every
+    gradient are the spec's (split parameters' summed over the ranks)."""
+    results = launch_local(model_over_ep_against_spec, "v4", nproc=2)
+    assert sorted(results) == [0, 1]
+    for rank, errors in results.items():
+        assert errors.pop("loss") <= 1e-5, (rank, errors)
+        assert any("engram.table" in name for name in errors) and any("experts" in name for name in errors)
+        for name, err in errors.items():
+            assert err <= MODEL_TOL["v4"], f"rank {rank} {name}: scaled error {err:.3g}"
