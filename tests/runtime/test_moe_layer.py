@@ -72,3 +72,30 @@ def test_router_bias_stays_float32_through_module_casts():
     assert moe.router.bias_E[0] == torch.tensor(0.499, dtype=torch.float32)  # 0.5 - 1e-3, not rounded away
     with pytest.raises(ValueError, match=r"^load_E: expected shape \(8,\), got \(1,\)"):  # not broadcast
         moe.router.update_bias(torch.tensor([5]))
+
+
+def test_make_dispatcher_without_a_group_is_the_identity_all_to_all_with_the_configs_options():
+    """One process: whatever the backend named, tokens do not travel; the layout and FP8 options
+    come from the config."""
+    import dataclasses
+
+    from ep_runtime.config import DISPATCHERS
+    from ep_runtime.dispatch import (DeepEPDispatcher, Dispatcher, HierarchicalDispatcher, NVLinkDispatcher,
+                                     make_dispatcher)
+    from ep_runtime.parallel import single_process
+
+    assert Dispatcher.backends == {"all_to_all": AllToAllDispatcher, "nvlink": NVLinkDispatcher,
+                                   "deepep": DeepEPDispatcher, "hierarchical": HierarchicalDispatcher}
+    ctx = single_process(torch.device("cpu"))
+    for name in DISPATCHERS:
+        cfg = MoEConfig(num_experts=16, alignment=16, fp8_dispatch=True, fp8_combine=name != "deepep", dispatcher=name)
+        d = make_dispatcher(cfg, ctx)
+        assert type(d) is AllToAllDispatcher and d.group is None and (d.world, d.ep_rank) == (1, 0), name
+        assert (d.num_experts, d.num_local_experts, d.alignment, d.fp8, d.fp8_combine) == (16, 16, 16, True,
+                                                                                            name != "deepep"), name
+    bad = MoEConfig()
+    object.__setattr__(bad, "dispatcher", "mpi")  # past the config's own check
+    with pytest.raises(ValueError, match=r"^model\.moe\.dispatcher: expected one of \('all_to_all', 'nvlink', "
+                                         r"'deepep'\), got 'mpi'$"):
+        make_dispatcher(bad, ctx)
+    assert dataclasses.is_dataclass(bad)

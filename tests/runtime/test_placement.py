@@ -180,3 +180,10 @@ def test_two_ranks_replicas_switch_and_training():
         assert c["dense_equal"] and c["experts_equal"] and c["replicas_equal"], rank
         assert c["moved"] == [1, 3] and len(c["first"]) == 2
     assert results[0]["train"] == results[1]["train"]
+
+
+def test_the_route_tables_are_not_in_the_state_dict():
+    """The placement, not a checkpoint's state dict, says where experts are."""
+    layer = _layer(PLAN_A)
+    assert {"route_fraction_ER", "route_log2phy_ER"} <= {name for name, _ in layer.named_buffers()}
+    assert not {"route_fraction_ER", "route_log2phy_ER"} & set(layer.state_dict())

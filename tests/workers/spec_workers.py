@@ -10,7 +10,7 @@ import torch.distributed as dist
 from model_spec import leaves_of, model_loss
 from moe_spec import scaled_error
 
-from ep_runtime.config import ModelConfig, MoEConfig, ParallelConfig, RouterConfig, v4_model_config
+from ep_runtime.config import MHCConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, v4_model_config
 from ep_runtime.dispatch import AllToAllDispatcher, make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel
@@ -30,6 +30,10 @@ def v4_config() -> ModelConfig:
 
 
 def config(preset: str) -> ModelConfig:
+    """``tiny``, ``v4``, or ``v4-options``: v4 with mHC's options away from their defaults (2
+    streams, 3 Sinkhorn iterations, eps 0.05 everywhere, recompute in backward)."""
+    if preset == "v4-options":
+        return dataclasses.replace(v4_config(), mhc=MHCConfig(n=2, sinkhorn_iters=3, eps=0.05, recompute=True))
     return tiny_config() if preset == "tiny" else v4_config()
 
 
