@@ -130,3 +130,15 @@ def test_engram_initial_values():
     assert 0.045 < float(memory.conv_NDW.std()) < 0.055  # 1024 taps: the std within 10%
     assert memory.key.bias is None and memory.value.bias is None
     assert 0.95 < float(memory.table.weight_LE.std()) < 1.05
+
+
+def test_table_rows_follow_their_blocks_seed():
+    """Row ``r`` is row ``r % 1024`` of ``randn(1024, dim)`` from a generator seeded
+    ``((seed * 1_000_003 + r // 1024) ^ 0x9E3779B97F4A7C15) & (2**63 - 1)``, whichever shard holds it."""
+    from ep_runtime.engram import ShardedTable
+
+    table = ShardedTable(2500, 3, group=None, seed=7).weight_LE.detach()
+    for block in range(3):
+        g = torch.Generator().manual_seed(((7 * 1_000_003 + block) ^ 0x9E3779B97F4A7C15) & (2**63 - 1))
+        rows = torch.randn(1024, 3, generator=g)[: 2500 - 1024 * block]
+        assert torch.equal(table[1024 * block : 1024 * block + rows.shape[0]], rows), block

@@ -99,3 +99,34 @@ def test_make_dispatcher_without_a_group_is_the_identity_all_to_all_with_the_con
                                          r"'deepep'\), got 'mpi'$"):
         make_dispatcher(bad, ctx)
     assert dataclasses.is_dataclass(bad)
+
+
+def test_a_nan_router_logit_is_an_error():
+    moe = layer()
+    x = torch.randn(1, 4, HIDDEN)
+    x[0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^router logits: expected finite values, got 8 NaN/Inf entries$"):
+        moe(x)
+
+
+def test_dispatch_backward_of_the_tokens_alone_and_of_masked_routes(seed):
+    """Dispatch's backward when its weights reach nothing (zeros for them, each token's gradient
+    the sum over its routes), when they need no gradient, and combine's weight gradient of a
+    masked (-1) route (0, not a stray value)."""
+    d = AllToAllDispatcher(num_experts=4, alignment=2)
+    x = torch.randn(5, 3, requires_grad=True)
+    idx = torch.tensor([[0, 2], [1, -1], [3, 0], [-1, -1], [2, 1]])
+    w = torch.rand(5, 2, requires_grad=True)
+    x_PD, _, _ = d.dispatch(x, idx, w)
+    x_PD.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(5, 2))
+    assert torch.equal(x.grad, (idx >= 0).sum(1, keepdim=True).float().expand(5, 3))
+    x.grad = None
+    x_PD, _, _ = d.dispatch(x, idx, w.detach())
+    (2 * x_PD).sum().backward()
+    assert torch.equal(x.grad, 2 * (idx >= 0).sum(1, keepdim=True).float().expand(5, 3))
+    w.grad = None
+    x_PD, _, handle = d.dispatch(x, idx, w)
+    d.combine(x_PD, handle).sum().backward()
+    assert torch.equal(w.grad[idx < 0], torch.zeros(3))
+    assert torch.allclose(w.grad[idx >= 0], x.detach().sum(1, keepdim=True).expand(5, 2)[idx >= 0])
