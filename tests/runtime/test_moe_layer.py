@@ -130,3 +130,33 @@ def test_dispatch_backward_of_the_tokens_alone_and_of_masked_routes(seed):
     d.combine(x_PD, handle).sum().backward()
     assert torch.equal(w.grad[idx < 0], torch.zeros(3))
     assert torch.allclose(w.grad[idx >= 0], x.detach().sum(1, keepdim=True).expand(5, 2)[idx >= 0])
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda d, x, idx, w: d.dispatch(x[None], idx, w), ValueError, "x_TD: expected a 2-D tensor, got shape (1, 5, 3)"),
+    (lambda d, x, idx, w: d.dispatch(x.int(), idx, w), TypeError,
+     "x_TD: expected dtype torch.float32 or torch.bfloat16 or torch.float16, got torch.int32"),
+    (lambda d, x, idx, w: d.dispatch(x, idx.float(), w), TypeError,
+     "topk_idx_TK: expected dtype torch.int64 or torch.int32, got torch.float32"),
+    (lambda d, x, idx, w: d.dispatch(x, idx[:4], w), ValueError, "topk_idx_TK: expected shape (5, '*'), got (4, 2)"),
+    (lambda d, x, idx, w: d.dispatch(x, idx.to("meta"), w), ValueError,
+     "topk_idx_TK: expected a tensor on cpu, got one on meta"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w.double()), TypeError,
+     "topk_weights_TK: expected dtype torch.float32, got torch.float64"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w[:, :1]), ValueError, "topk_weights_TK: expected shape (5, 2), got (5, 1)"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w.to("meta")), ValueError,
+     "topk_weights_TK: expected a tensor on cpu, got one on meta"),
+    (lambda d, x, idx, w: d.combine(torch.zeros(3, 3), "handle"), TypeError,
+     "handle: expected the DispatchHandle from dispatch, got str"),
+    (lambda d, x, idx, w: d.combine(d.dispatch(x, idx, w)[0][:-1], d.dispatch(x, idx, w)[2]), ValueError,
+     "y_PD: expected shape (8, '*'), got (7, 3)"),
+    (lambda d, x, idx, w: d.combine(d.dispatch(x, idx, w)[0].double(), d.dispatch(x, idx, w)[2]), TypeError,
+     "y_PD: expected dtype torch.float32 or torch.bfloat16 or torch.float16, got torch.float64"),
+])
+def test_bad_dispatch_and_combine_arguments_are_named(call, error, message):
+    import re
+
+    d = AllToAllDispatcher(num_experts=4, alignment=2)
+    x, idx, w = torch.randn(5, 3), torch.tensor([[0, 2], [1, -1], [3, 0], [-1, -1], [2, 1]]), torch.rand(5, 2)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        call(d, x, idx, w)

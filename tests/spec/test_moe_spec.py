@@ -31,11 +31,12 @@ ROUTERS = {  # one option away from BASE each; the pairs that interact together
 }
 
 
-def make_layer(router: dict, *, shared: int = 1, fp8: bool = False, alignment: int = 4) -> MoELayer:
+def make_layer(router: dict, *, shared: int = 1, fp8: bool = False, alignment: int = 4,
+               fp8_combine: bool = False) -> MoELayer:
     cfg = MoEConfig(num_experts=EXPERTS, expert_hidden=INTER, num_shared_experts=shared, alignment=alignment,
-                    fp8_dispatch=fp8, router=RouterConfig(**(BASE | router)))
-    layer = MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=EXPERTS, alignment=alignment, fp8=fp8), ep_rank=0,
-                     seed=SEED)
+                    fp8_dispatch=fp8, fp8_combine=fp8_combine, router=RouterConfig(**(BASE | router)))
+    dispatcher = AllToAllDispatcher(num_experts=EXPERTS, alignment=alignment, fp8=fp8, fp8_combine=fp8_combine)
+    layer = MoELayer(cfg, HIDDEN, dispatcher, ep_rank=0, seed=SEED)
     with torch.no_grad():  # a bias large enough to change picks (it steers selection only)
         layer.router.bias_E.copy_(torch.linspace(-0.1, 0.1, EXPERTS)[torch.randperm(EXPERTS)])
     return layer
@@ -101,16 +102,17 @@ def test_the_shared_expert_and_its_width(seed):
             assert layer.shared.w2.weight.shape == (HIDDEN, 2 * INTER)
 
 
-@pytest.mark.parametrize("alignment", [1, 8])
-def test_fp8_dispatch_is_the_spec_of_the_cast_tokens(alignment, seed):
+@pytest.mark.parametrize("alignment, fp8_combine", [(1, False), (8, True)])
+def test_fp8_dispatch_is_the_spec_of_the_cast_tokens(alignment, fp8_combine, seed):
     """FP8 dispatch: the experts see the e4m3 round trip of their tokens (per token and 128
     columns: hidden 160 is one full group and a ragged one), exactly as the spec casts them; the
     spec without the cast is off by the cast's error, which is at most 2^-4 of a group's largest
-    magnitude per element, a stated bound this checks too."""
+    magnitude per element, a stated bound this checks too. FP8 rows home (``fp8_combine``) change
+    nothing on one process: a rank's rows for itself stay in their dtype."""
     global HIDDEN
     hidden, HIDDEN = HIDDEN, 160
     try:
-        layer = make_layer({}, fp8=True, alignment=alignment)
+        layer = make_layer({}, fp8=True, alignment=alignment, fp8_combine=fp8_combine)
         x, g = torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
         x[0, 0, 5] = 40.0  # one large value: its group's scale, not the token's other group's
         want, _ = run_spec(layer, x, g, fp8=True)
