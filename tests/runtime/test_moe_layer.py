@@ -46,6 +46,9 @@ def test_a_batch_without_tokens(seed):
     moe = layer(aux_loss_coef=0.01)
     moe(torch.randn(2, 5, HIDDEN))
     assert float(moe.aux_loss.detach()) > 0
+    plain = layer(aux_loss_coef=0.0)
+    plain(torch.randn(2, 5, HIDDEN))
+    assert not plain.aux_loss.requires_grad and float(plain.aux_loss) == 0  # disabled: no graph at all
     x = torch.randn(0, 5, HIDDEN, requires_grad=True)
     out = moe(x)
     out.sum().backward()
@@ -126,8 +129,12 @@ def test_dispatch_backward_of_the_tokens_alone_and_of_masked_routes(seed):
     (2 * x_PD).sum().backward()
     assert torch.equal(x.grad, 2 * (idx >= 0).sum(1, keepdim=True).float().expand(5, 3))
     w.grad = None
-    x_PD, _, handle = d.dispatch(x, idx, w)
-    d.combine(x_PD, handle).sum().backward()
+    x_PD, layout, handle = d.dispatch(x, idx, w)
+    # 2, 2, 2 and 1 routes to experts 0..3, each segment padded to alignment 2
+    assert layout.offsets_E.tolist() == [2, 4, 6, 8] and x_PD.shape == (8, 3)
+    out = d.combine(x_PD, handle)  # identity experts: each token times its routed weights' sum
+    assert torch.allclose(out, x * torch.where(idx >= 0, w, 0.0).sum(1, keepdim=True)) and not out[3].any()
+    out.sum().backward()
     assert torch.equal(w.grad[idx < 0], torch.zeros(3))
     assert torch.allclose(w.grad[idx >= 0], x.detach().sum(1, keepdim=True).expand(5, 2)[idx >= 0])
 
