@@ -28,8 +28,14 @@ def test_bad_construction_and_input_are_named():
     rank_1 = types.SimpleNamespace(num_experts=8, num_local_experts=4, ep_rank=1)  # rank 1 of an EP group of 2
     with pytest.raises(ValueError, match=r"^ep_rank: expected the dispatcher's rank in its EP group, 1 .* got 0"):
         MoELayer(cfg, HIDDEN, rank_1, ep_rank=0, seed=0)
+    with pytest.raises(ValueError, match=r"^ep_rank: expected 0\.\.0 \(the dispatcher's EP size 1\), got 1$"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8, alignment=1), ep_rank=1, seed=0)
     with pytest.raises(ValueError, match="^num_experts: expected a positive int, got 0"):
         AllToAllDispatcher(num_experts=0)
+    from ep_runtime.experts import GroupedExperts
+
+    with pytest.raises(ValueError, match=r"^logical_ids: expected 2 experts, got 3$"):
+        GroupedExperts(2, HIDDEN, 8, seed=0, logical_ids=(0, 1, 2))
     moe = layer()
     with pytest.raises(ValueError, match="^x_BSD: expected a 3-D tensor"):
         moe(torch.randn(10, HIDDEN))
@@ -39,6 +45,12 @@ def test_bad_construction_and_input_are_named():
         moe(torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert moe(torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)).shape == (2, 5, HIDDEN)
+
+
+def test_a_fresh_layer_has_routed_nothing():
+    moe = layer()
+    assert moe.load_E.dtype == torch.int32 and torch.equal(moe.load_E, torch.zeros(8, dtype=torch.int32))
+    assert float(moe.aux_loss) == 0 and moe.shared.w13.bias is None and moe.shared.w2.bias is None
 
 
 def test_a_batch_without_tokens(seed):

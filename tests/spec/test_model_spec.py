@@ -104,3 +104,21 @@ def test_mhc_initial_values():
     pre = torch.full((n,), math.log(1 / (n - 1)))
     want = torch.cat([pre, torch.zeros(n), (torch.eye(n) * 2).flatten()])
     assert torch.allclose(hc.base_M.detach(), want) and torch.allclose(head.base_N.detach(), pre)
+    one = HyperConnection(MHCConfig(n=1), d)  # one stream: pre = sigmoid(0), a half
+    assert torch.equal(one.base_M.detach(), torch.tensor([0.0, 0.0, 2.0]))
+
+
+def test_mhc_mixing_ignores_autocast():
+    """Under autocast the mixing still runs in float32: the same bits as without it (the
+    sublayer, here the identity, is the only part autocast may touch)."""
+    from ep_runtime.config import MHCConfig
+    from ep_runtime.mhc import HyperConnection
+
+    hc = HyperConnection(MHCConfig(n=4), 32)
+    with torch.no_grad():
+        hc.scale_3.fill_(0.5)
+    x = torch.randn(2, 3, 4, 32)
+    want = hc(x, lambda y: y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = hc(x, lambda y: y)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
