@@ -35,8 +35,12 @@ TOL_FP8_COMBINE_TWO_STAGES = TOL | {"out": 2.0**-4 * (2 + 2.0**-4) * 1.01}
 LAUNCHES = [("all_to_all", "nvlink", "deepep"), ("all_to_all", "hierarchical")]
 
 
-@pytest.mark.parametrize("backends", LAUNCHES, ids=["nvlink", "hierarchical"])
-@pytest.mark.parametrize("world,ranks_per_node", [(2, 1), (4, 2)])
+# Each launch at 4 ranks (more peers than 2: every backend's multi-peer paths), and ``hierarchical``
+# also over 2 nodes of one rank each (its inside-node stage without peers). ``nvlink``, ``deepep``
+# and ``all_to_all`` at 2 ranks run in test_ep_equivalence.py and test_deep_ep_compat.py.
+@pytest.mark.parametrize("world,ranks_per_node,backends", [(4, 2, LAUNCHES[0]), (4, 2, LAUNCHES[1]),
+                                                           (2, 1, LAUNCHES[1])],
+                         ids=["4-2-nvlink", "4-2-hierarchical", "2-1-hierarchical"])
 def test_backends_conform(world, ranks_per_node, backends):
     """``hierarchical`` over 2 nodes of 1 rank (every process its own node) and of 2 ranks."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:

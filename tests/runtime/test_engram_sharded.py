@@ -9,6 +9,8 @@ import pytest
 import torch
 from engram_workers import CASES, sharded_matches_unsharded
 
+from ep_runtime.config import EngramConfig
+from ep_runtime.engram import Engram
 from launch.local import launch_local
 
 # Relative to the largest expected magnitude: the rows themselves travel exactly; the sharded run
@@ -106,3 +108,37 @@ def test_engram_layer_gradcheck(seed):
     x = torch.randn(2, 5, 2, 3, dtype=torch.float64, requires_grad=True)
     params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
     assert torch.autograd.gradcheck(run, (x, *params))
+
+
+def test_engram_bad_input_is_named():
+    memory = Engram(EngramConfig(layers=(0,)), layer_id=0, vocab_size=50, hidden=8, streams=2, group=None, seed=0)
+    with pytest.raises(ValueError, match=r"^x_BSND: expected a 4-D tensor"):
+        memory(torch.randn(3, 2, 8), torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^x_BSND: expected \[B, S, 2, 8\], got \(1, 3, 1, 8\)$"):
+        memory(torch.randn(1, 3, 1, 8), torch.zeros(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^ids_BS: expected shape \(1, 3\), got \(1, 4\)$"):
+        memory(torch.randn(1, 3, 2, 8), torch.zeros(1, 4, dtype=torch.int64))
+
+
+def test_engram_initial_values():
+    """Norm weights 1, conv taps ~ N(0, (0.1 / sqrt(4))^2), projections without bias, the table's rows
+    ~ N(0, 1): what the layer documents, so a change of scale shows."""
+    memory = Engram(EngramConfig(layers=(0,), head_dim=16), layer_id=0, vocab_size=50, hidden=64, streams=4,
+                    group=None, seed=0)
+    for name in ("query_norm_ND", "key_norm_ND", "conv_norm_ND"):
+        assert torch.equal(getattr(memory, name).detach(), torch.ones(4, 64)), name
+    assert 0.045 < float(memory.conv_NDW.std()) < 0.055  # 1024 taps: the std within 10%
+    assert memory.key.bias is None and memory.value.bias is None
+    assert 0.95 < float(memory.table.weight_LE.std()) < 1.05
+
+
+def test_table_rows_follow_their_blocks_seed():
+    """Row ``r`` is row ``r % 1024`` of ``randn(1024, dim)`` from a generator seeded
+    ``((seed * 1_000_003 + r // 1024) ^ 0x9E3779B97F4A7C15) & (2**63 - 1)``, whichever shard holds it."""
+    from ep_runtime.engram import ShardedTable
+
+    table = ShardedTable(2500, 3, group=None, seed=7).weight_LE.detach()
+    for block in range(3):
+        g = torch.Generator().manual_seed(((7 * 1_000_003 + block) ^ 0x9E3779B97F4A7C15) & (2**63 - 1))
+        rows = torch.randn(1024, 3, generator=g)[: 2500 - 1024 * block]
+        assert torch.equal(table[1024 * block : 1024 * block + rows.shape[0]], rows), block

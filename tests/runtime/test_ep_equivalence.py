@@ -1,6 +1,10 @@
 """Expert parallelism changes where experts run, not what the layer computes: the MoE layer over
-an EP group of 2 or 4 gloo processes gives the outputs, input gradients, router gradient and expert
-gradients of one process holding all experts and all ranks' tokens, with either dispatcher."""
+an EP group of 2 or 4 gloo processes gives, on every rank, the outputs, input gradients, router
+gradient, expert and shared-expert gradients of the independent specification (``tests/spec/
+moe_spec.py``) of its tokens, and those of one process holding all experts and all ranks' tokens,
+with every dispatcher (``deepep`` through ep-runtime's facade of DeepEP's Buffer; ``nvlink`` runs
+as ``hierarchical`` across nodes), FP8 dispatch included (the spec casts the tokens as the
+convention says)."""
 
 import pytest
 import torch
@@ -8,12 +12,16 @@ from ep_workers import case_name, ep_matches_single_process
 
 from launch.local import launch_local
 
-CASES = [(routing, fp8, dispatcher) for routing in ("balanced", "skewed", "masked") for fp8 in (False, True)
-         for dispatcher in ("all_to_all", "nvlink")]
+# Every backend in the balanced case; the other routings and FP8 once each with every backend but
+# with the backend's options one at a time (routing and FP8 do not interact with each other).
+CASES = ([("balanced", False, d) for d in ("all_to_all", "nvlink", "deepep")]
+         + [(routing, False, d) for routing in ("skewed", "masked") for d in ("all_to_all", "nvlink")]
+         + [("balanced", True, d) for d in ("all_to_all", "nvlink", "deepep")])
 # Relative to the largest expected magnitude. CPU: fp32 everywhere, the EP run sums the same
 # terms in another order (matmul blocking, index_add). GPU: experts run torch._grouped_mm in bf16
 # over segments of other lengths.
 RTOL = 2e-2 if torch.cuda.is_available() else 1e-5
+SPEC_TOL = 2e-2 if torch.cuda.is_available() else 1e-5  # moe_spec.scaled_error of float32 against float64
 
 
 @pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, None), (4, 2)])
@@ -21,12 +29,18 @@ def test_ep_layer_matches_single_process(world, ranks_per_node):
     """(4, 2): the EP group spans two declared nodes, so ``nvlink`` runs as ``hierarchical``."""
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    results = launch_local(ep_matches_single_process, CASES, ranks_per_node, nproc=world)
+    cases = [c for c in CASES if c[2] != "deepep" or ranks_per_node is None]  # deepep: one node only
+    results = launch_local(ep_matches_single_process, cases, ranks_per_node, nproc=world)
     assert sorted(results) == list(range(world))
     for rank, errors in results.items():
-        assert sorted(errors) == sorted(case_name(*c) for c in CASES)
-        for case, errs in errors.items():
+        assert sorted(errors) == sorted(case_name(*c) for c in cases)
+        for case, both in errors.items():
+            errs, spec = both["single"], both["spec"]
             assert errs.pop("nonzero_out"), (rank, case)
             assert errs.pop("load") == 0, (rank, case)
             for name, err in errs.items():
                 assert err <= RTOL, f"rank {rank} {case} {name}: max relative error {err:.3g} > {RTOL}"
+            expected = {"out", "grad_x", "w13", "w2", "shared.gate", "shared.up", "shared.down"}
+            assert set(spec) == expected | ({"router"} if "skewed" not in case else set()), (rank, case)
+            for name, err in spec.items():
+                assert err <= SPEC_TOL, f"rank {rank} {case} {name}: scaled error against the spec {err:.3g}"

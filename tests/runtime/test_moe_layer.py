@@ -28,8 +28,14 @@ def test_bad_construction_and_input_are_named():
     rank_1 = types.SimpleNamespace(num_experts=8, num_local_experts=4, ep_rank=1)  # rank 1 of an EP group of 2
     with pytest.raises(ValueError, match=r"^ep_rank: expected the dispatcher's rank in its EP group, 1 .* got 0"):
         MoELayer(cfg, HIDDEN, rank_1, ep_rank=0, seed=0)
+    with pytest.raises(ValueError, match=r"^ep_rank: expected 0\.\.0 \(the dispatcher's EP size 1\), got 1$"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8, alignment=1), ep_rank=1, seed=0)
     with pytest.raises(ValueError, match="^num_experts: expected a positive int, got 0"):
         AllToAllDispatcher(num_experts=0)
+    from ep_runtime.experts import GroupedExperts
+
+    with pytest.raises(ValueError, match=r"^logical_ids: expected 2 experts, got 3$"):
+        GroupedExperts(2, HIDDEN, 8, seed=0, logical_ids=(0, 1, 2))
     moe = layer()
     with pytest.raises(ValueError, match="^x_BSD: expected a 3-D tensor"):
         moe(torch.randn(10, HIDDEN))
@@ -41,11 +47,20 @@ def test_bad_construction_and_input_are_named():
         assert moe(torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)).shape == (2, 5, HIDDEN)
 
 
+def test_a_fresh_layer_has_routed_nothing():
+    moe = layer()
+    assert moe.load_E.dtype == torch.int32 and torch.equal(moe.load_E, torch.zeros(8, dtype=torch.int32))
+    assert float(moe.aux_loss) == 0 and moe.shared.w13.bias is None and moe.shared.w2.bias is None
+
+
 def test_a_batch_without_tokens(seed):
     """It passes, and leaves no balance loss behind: not the last batch's (its graph long gone)."""
     moe = layer(aux_loss_coef=0.01)
     moe(torch.randn(2, 5, HIDDEN))
     assert float(moe.aux_loss.detach()) > 0
+    plain = layer(aux_loss_coef=0.0)
+    plain(torch.randn(2, 5, HIDDEN))
+    assert not plain.aux_loss.requires_grad and float(plain.aux_loss) == 0  # disabled: no graph at all
     x = torch.randn(0, 5, HIDDEN, requires_grad=True)
     out = moe(x)
     out.sum().backward()
@@ -72,3 +87,95 @@ def test_router_bias_stays_float32_through_module_casts():
     assert moe.router.bias_E[0] == torch.tensor(0.499, dtype=torch.float32)  # 0.5 - 1e-3, not rounded away
     with pytest.raises(ValueError, match=r"^load_E: expected shape \(8,\), got \(1,\)"):  # not broadcast
         moe.router.update_bias(torch.tensor([5]))
+
+
+def test_make_dispatcher_without_a_group_is_the_identity_all_to_all_with_the_configs_options():
+    """One process: whatever the backend named, tokens do not travel; the layout and FP8 options
+    come from the config."""
+    import dataclasses
+
+    from ep_runtime.config import DISPATCHERS
+    from ep_runtime.dispatch import (DeepEPDispatcher, Dispatcher, HierarchicalDispatcher, NVLinkDispatcher,
+                                     make_dispatcher)
+    from ep_runtime.parallel import single_process
+
+    assert Dispatcher.backends == {"all_to_all": AllToAllDispatcher, "nvlink": NVLinkDispatcher,
+                                   "deepep": DeepEPDispatcher, "hierarchical": HierarchicalDispatcher}
+    ctx = single_process(torch.device("cpu"))
+    for name in DISPATCHERS:
+        cfg = MoEConfig(num_experts=16, alignment=16, fp8_dispatch=True, fp8_combine=name != "deepep", dispatcher=name)
+        d = make_dispatcher(cfg, ctx)
+        assert type(d) is AllToAllDispatcher and d.group is None and (d.world, d.ep_rank) == (1, 0), name
+        assert (d.num_experts, d.num_local_experts, d.alignment, d.fp8, d.fp8_combine) == (16, 16, 16, True,
+                                                                                            name != "deepep"), name
+    bad = MoEConfig()
+    object.__setattr__(bad, "dispatcher", "mpi")  # past the config's own check
+    with pytest.raises(ValueError, match=r"^model\.moe\.dispatcher: expected one of \('all_to_all', 'nvlink', "
+                                         r"'deepep'\), got 'mpi'$"):
+        make_dispatcher(bad, ctx)
+    assert dataclasses.is_dataclass(bad)
+
+
+def test_a_nan_router_logit_is_an_error():
+    moe = layer()
+    x = torch.randn(1, 4, HIDDEN)
+    x[0, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^router logits: expected finite values, got 8 NaN/Inf entries$"):
+        moe(x)
+
+
+def test_dispatch_backward_of_the_tokens_alone_and_of_masked_routes(seed):
+    """Dispatch's backward when its weights reach nothing (zeros for them, each token's gradient
+    the sum over its routes), when they need no gradient, and combine's weight gradient of a
+    masked (-1) route (0, not a stray value)."""
+    d = AllToAllDispatcher(num_experts=4, alignment=2)
+    x = torch.randn(5, 3, requires_grad=True)
+    idx = torch.tensor([[0, 2], [1, -1], [3, 0], [-1, -1], [2, 1]])
+    w = torch.rand(5, 2, requires_grad=True)
+    x_PD, _, _ = d.dispatch(x, idx, w)
+    x_PD.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(5, 2))
+    assert torch.equal(x.grad, (idx >= 0).sum(1, keepdim=True).float().expand(5, 3))
+    x.grad = None
+    x_PD, _, _ = d.dispatch(x, idx, w.detach())
+    (2 * x_PD).sum().backward()
+    assert torch.equal(x.grad, 2 * (idx >= 0).sum(1, keepdim=True).float().expand(5, 3))
+    w.grad = None
+    x_PD, layout, handle = d.dispatch(x, idx, w)
+    # 2, 2, 2 and 1 routes to experts 0..3, each segment padded to alignment 2
+    assert layout.offsets_E.tolist() == [2, 4, 6, 8] and x_PD.shape == (8, 3)
+    out = d.combine(x_PD, handle)  # identity experts: each token times its routed weights' sum
+    assert torch.allclose(out, x * torch.where(idx >= 0, w, 0.0).sum(1, keepdim=True)) and not out[3].any()
+    out.sum().backward()
+    assert torch.equal(w.grad[idx < 0], torch.zeros(3))
+    assert torch.allclose(w.grad[idx >= 0], x.detach().sum(1, keepdim=True).expand(5, 2)[idx >= 0])
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda d, x, idx, w: d.dispatch(x[None], idx, w), ValueError, "x_TD: expected a 2-D tensor, got shape (1, 5, 3)"),
+    (lambda d, x, idx, w: d.dispatch(x.int(), idx, w), TypeError,
+     "x_TD: expected dtype torch.float32 or torch.bfloat16 or torch.float16, got torch.int32"),
+    (lambda d, x, idx, w: d.dispatch(x, idx.float(), w), TypeError,
+     "topk_idx_TK: expected dtype torch.int64 or torch.int32, got torch.float32"),
+    (lambda d, x, idx, w: d.dispatch(x, idx[:4], w), ValueError, "topk_idx_TK: expected shape (5, '*'), got (4, 2)"),
+    (lambda d, x, idx, w: d.dispatch(x, idx.to("meta"), w), ValueError,
+     "topk_idx_TK: expected a tensor on cpu, got one on meta"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w.double()), TypeError,
+     "topk_weights_TK: expected dtype torch.float32, got torch.float64"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w[:, :1]), ValueError, "topk_weights_TK: expected shape (5, 2), got (5, 1)"),
+    (lambda d, x, idx, w: d.dispatch(x, idx, w.to("meta")), ValueError,
+     "topk_weights_TK: expected a tensor on cpu, got one on meta"),
+    (lambda d, x, idx, w: d.combine(torch.zeros(3, 3), "handle"), TypeError,
+     "handle: expected the DispatchHandle from dispatch, got str"),
+    (lambda d, x, idx, w: d.combine(d.dispatch(x, idx, w)[0][:-1], d.dispatch(x, idx, w)[2]), ValueError,
+     "y_PD: expected shape (8, '*'), got (7, 3)"),
+    (lambda d, x, idx, w: d.combine(d.dispatch(x, idx, w)[0].double(), d.dispatch(x, idx, w)[2]), TypeError,
+     "y_PD: expected dtype torch.float32 or torch.bfloat16 or torch.float16, got torch.float64"),
+])
+def test_bad_dispatch_and_combine_arguments_are_named(call, error, message):
+    import re
+
+    d = AllToAllDispatcher(num_experts=4, alignment=2)
+    x, idx, w = torch.randn(5, 3), torch.tensor([[0, 2], [1, -1], [3, 0], [-1, -1], [2, 1]]), torch.rand(5, 2)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        call(d, x, idx, w)

@@ -131,7 +131,15 @@ def test_bad_placements_are_named():
         _placement(PLAN_A).physical_route(torch.tensor([[-2, 1]]), ep_rank=0)
     with pytest.raises(TypeError, match="^topk_idx_TK: expected dtype"):
         _placement(PLAN_A).physical_route(torch.tensor([[0.0, 1.0]]), ep_rank=0)
+    with pytest.raises(TypeError, match=r"^placement: expected an ExpertPlacement, got list$"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8), ep_rank=0, seed=0, placement=list(range(8)))
+    with pytest.raises(ValueError, match=r"^placement\.ep_size: expected the dispatcher's EP size 1, got 2$"):
+        MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8), ep_rank=0, seed=0,
+                 placement=_placement(list(range(8)), ep_size=2))
     layer = _layer(PLAN_A)
+    with pytest.raises(ValueError, match=r"^placement\.phy2log_P: expected the dispatcher's 12 physical experts, "
+                                         r"got 8$"):
+        layer.set_placement(_placement(list(range(8))))
     with pytest.raises(ValueError, match="new_placements: expected one placement per MoE layer"):
         switch_placement(layer, None, [], single_process(torch.device("cpu")))
     with pytest.raises(ValueError, match=r"new_placements\[0\].phy2log_P: expected the dispatcher's 12"):
@@ -172,3 +180,10 @@ def test_two_ranks_replicas_switch_and_training():
         assert c["dense_equal"] and c["experts_equal"] and c["replicas_equal"], rank
         assert c["moved"] == [1, 3] and len(c["first"]) == 2
     assert results[0]["train"] == results[1]["train"]
+
+
+def test_the_route_tables_are_not_in_the_state_dict():
+    """The placement, not a checkpoint's state dict, says where experts are."""
+    layer = _layer(PLAN_A)
+    assert {"route_fraction_ER", "route_log2phy_ER"} <= {name for name, _ in layer.named_buffers()}
+    assert not {"route_fraction_ER", "route_log2phy_ER"} & set(layer.state_dict())

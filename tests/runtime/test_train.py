@@ -31,7 +31,7 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
     assert len(losses) == 40
     assert first[1]["losses"] == losses  # every rank logs the global mean
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
-    assert second[0]["losses"] == losses
+    assert second[0]["losses"] == second[1]["losses"] == losses
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     assert [r["loss"] for r in records] == losses
@@ -50,12 +50,14 @@ def test_fp8_dispatch_trains(tmp_path):
     dispatch: the tokens' rounding to e4m3 changes the forward)."""
     cfg = config(tmp_path, "fp8", "--fp8-dispatch", "--ep", "2")
     assert cfg.model.moe.fp8_dispatch
-    losses = launch_local(worker, cfg, nproc=2)[0]["losses"]
+    results = launch_local(worker, cfg, nproc=2)
+    losses = results[0]["losses"]
+    assert results[1]["losses"] == losses  # every rank logs the global mean
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
     plain = launch_local(worker, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
                                                      model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
                                                          cfg.model.moe, fp8_dispatch=False))), nproc=2)
-    assert plain[0]["losses"][0] != losses[0]
+    assert plain[0]["losses"] == plain[1]["losses"] and plain[0]["losses"][0] != losses[0]
 
 
 def test_bad_config_names_the_field(tmp_path):

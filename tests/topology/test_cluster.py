@@ -1,6 +1,7 @@
 """Topology descriptions: files, constructors, validation, nvidia-smi parsing."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,34 +51,47 @@ def test_bandwidth_units(value, expected):
     assert parse_bandwidth("x", value) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("doc, match", [
-    ({"gpus_per_node": 8, "intra_node": {"kind": "nvswitch", "bandwidth": 1}}, "nodes"),
-    ({"nodes": 0, "gpus_per_node": 8, "intra_node": {"kind": "nvswitch", "bandwidth": 1}}, "nodes"),
-    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "warp", "bandwidth": 1}}, "intra_node.kind"),
-    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": "fast"}}, "intra_node.bandwidth"),
-    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": "-3 GB/s"}}, "intra_node.bandwidth"),
-    ({"nodes": 2, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": 1}}, "inter_node"),
-    ({"nodes": 2, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": 1},
-      "inter_node": {"kind": "rdma", "nics": 0, "bandwidth": 1}}, "inter_node.nics"),
-    ({"nodes": 1, "gpus_per_node": 8, "gpus": 3, "intra_node": {"kind": "nvlink", "bandwidth": 1}}, "gpus"),
-    ({"nodes": 2, "gpus_per_node": 1, "hosts": ["a"], "intra_node": {"kind": "nvlink", "bandwidth": 1},
-      "inter_node": {"kind": "rdma", "bandwidth": 1}}, "hosts"),
+NVLINK = {"kind": "nvlink", "bandwidth": 1}
+KINDS = "('nvswitch', 'nvlink', 'pcie', 'host')"
+UNITS = "expected a number with a unit such as '400 Gb/s' or '450 GB/s'"
+KEYS = "['gpu', 'gpus_per_node', 'hosts', 'inter_node', 'intra_node', 'name', 'nodes']"
+
+
+@pytest.mark.parametrize("doc, message", [  # the message after the file's path
+    ({"gpus_per_node": 8, "intra_node": {"kind": "nvswitch", "bandwidth": 1}}, "missing key 'nodes'"),
+    ({"nodes": 0, "gpus_per_node": 8, "intra_node": {"kind": "nvswitch", "bandwidth": 1}},
+     "nodes: expected a positive int, got 0"),
+    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "warp", "bandwidth": 1}},
+     f"intra_node.kind: expected one of {KINDS}, got 'warp'"),
+    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": "fast"}},
+     f"intra_node.bandwidth: {UNITS}, got 'fast'"),
+    ({"nodes": 1, "gpus_per_node": 8, "intra_node": {"kind": "nvlink", "bandwidth": "-3 GB/s"}},
+     f"intra_node.bandwidth: {UNITS}, got '-3 GB/s'"),
+    ({"nodes": 2, "gpus_per_node": 8, "intra_node": NVLINK}, "inter_node: required with 2 nodes"),
+    ({"nodes": 2, "gpus_per_node": 8, "intra_node": NVLINK, "inter_node": {"kind": "rdma", "nics": 0, "bandwidth": 1}},
+     "inter_node.nics: expected a positive int, got 0"),
+    ({"nodes": 1, "gpus_per_node": 8, "gpus": 3, "intra_node": NVLINK},
+     f"unknown key(s) ['gpus']; expected some of {KEYS}"),
+    ({"nodes": 2, "gpus_per_node": 1, "hosts": ["a"], "intra_node": NVLINK,
+      "inter_node": {"kind": "rdma", "bandwidth": 1}},
+     "hosts: expected 2 names, got 1"),
 ])
-def test_description_errors_name_the_field(doc, match, tmp_path):
+def test_description_errors_name_the_field(doc, message, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(json.dumps(doc))  # JSON is YAML
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{path}: {message}')}$"):
         Topology.from_file(path)
 
 
 def test_constructor_errors_name_the_field():
     link = Link(kind="nvlink", bandwidth_GBps=1)
-    with pytest.raises(ValueError, match="node_of_gpu"):
+    with pytest.raises(ValueError, match=r"^Topology\.node_of_gpu: expected 2 GPUs on node 0, got 3$"):
         Topology(num_nodes=2, gpus_per_node=2, intra_node=link, inter_node=Link(kind="rdma", bandwidth_GBps=1),
                  node_of_gpu=(0, 0, 0, 1))
-    with pytest.raises(ValueError, match="bandwidth_GBps"):
+    with pytest.raises(ValueError, match=r"^Link\.bandwidth_GBps: expected a positive number, got nan$"):
         Link(kind="rdma", bandwidth_GBps=float("nan"))
-    with pytest.raises(ValueError, match="intra_node"):
+    message = f"Topology.intra_node: expected a Link of kind {KINDS}, got Link(kind='rdma'"
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
         Topology(num_nodes=1, gpus_per_node=2, intra_node=Link(kind="rdma", bandwidth_GBps=1))
 
 

@@ -42,7 +42,7 @@ def test_discover_cpu_job_one_host(tmp_path):
     t = Topology.from_dict({k: v for k, v in docs[0].items() if k != "node_of_gpu"})
     assert (t.num_nodes, t.gpus_per_node, t.num_gpus) == (1, 2, 2)
     assert t.intra_node.kind == "host" and t.inter_node is None
-    assert docs[0]["gpu"] == "cpu"
+    assert all(doc["gpu"] == "cpu" for doc in docs)
     # and it plans
     p = plan([[3.0, 1.0, 1.0, 1.0]], t, 4, traffic=None)
     assert p.experts_per_gpu == 2
@@ -50,6 +50,7 @@ def test_discover_cpu_job_one_host(tmp_path):
 
 def test_discover_two_hosts(tmp_path):
     docs = _run_job(tmp_path, hosts=["host-b", "host-a"])
+    assert docs[0] == docs[1]  # every rank sees the same topology
     doc = docs[0]
     assert doc["nodes"] == 2 and doc["gpus_per_node"] == 1
     assert doc["hosts"] == ["host-b", "host-a"] and doc["node_of_gpu"] == [0, 1]
@@ -57,5 +58,6 @@ def test_discover_two_hosts(tmp_path):
 
 
 def test_discover_needs_a_process_group():
-    with pytest.raises(RuntimeError, match="group"):
+    with pytest.raises(RuntimeError, match=r"^group: torch\.distributed is not initialized; call init_process_group "
+                                           r"first$"):
         discover()

@@ -18,10 +18,17 @@ def sizes(world, t_max, k, e_local, alignment):
                 num_rows=max_rows(world * t_max, k, e_local, alignment))
 
 
-def test_public_op_on_cpu_is_the_reference(seed):
+def test_public_op_runs_the_kernel_only_where_selected(seed, stub_kernel, monkeypatch):
+    import kernels.comm
+    from kernels.comm import receive_layout_kernel
+
     meta, count = arrived_routes(2, 40, 8, 16, seed)
     args = sizes(2, 40, 8, 16, 8)
+    calls = stub_kernel(receive_layout_kernel, "receive_layout", "from the kernel")
     assert_same_receive(receive_layout(meta, count, **args), reference.receive_layout(meta, count, **args))
+    assert not calls
+    monkeypatch.setattr(kernels.comm, "use_tilelang", lambda device: True)
+    assert receive_layout(meta, count, **args) == "from the kernel" and len(calls) == 1 and calls[0][1] == args
 
 
 @pytest.mark.gpu

@@ -181,9 +181,20 @@ def test_wrapper_names_bad_arguments():
         gate(args[0], args[1], args[2][:, :8], args[3], args[4])
 
 
-def test_public_op_on_cpu_is_the_reference():
-    args = gate_inputs(5, 4, 64, dtypes=DTYPES["fp32"], device="cpu", seed=1)
-    assert torch.equal(engram.gate(*args), reference.gate(*args))
+def test_public_op_runs_the_kernel_only_where_selected(stub_kernel, monkeypatch):
+    """On the CPU the reference runs and the kernel is never called; where ``use_tilelang`` says
+    so, the forward and the backward are the kernels' (stubs here)."""
+    args = [a.requires_grad_() for a in gate_inputs(5, 4, 64, dtypes=DTYPES["fp32"], device="cpu", seed=1)]
+    marker = torch.full((5, 4, 64), 3.0)
+    calls = stub_kernel(engram.gate_kernel, "gate", (marker, torch.zeros(5, 4, 3)))
+    back = stub_kernel(engram.gate_backward_kernel, "gate_backward", tuple(torch.ones_like(a) for a in args))
+    assert torch.equal(engram.gate(*args), reference.gate(*args)) and not calls
+    monkeypatch.setattr(engram, "use_tilelang", lambda device: True)
+    monkeypatch.setattr(engram.gate_backward_kernel, "backward_fits", lambda *a: True)
+    out = engram.gate(*args)
+    assert torch.equal(out, marker) and len(calls) == 1 and calls[0][1]["return_stats"]
+    out.sum().backward()
+    assert len(back) == 1 and all(torch.equal(a.grad, torch.ones_like(a)) for a in args)
 
 
 def test_compiles_for_sm90a():

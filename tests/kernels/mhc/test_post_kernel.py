@@ -126,9 +126,13 @@ def test_wrapper_names_bad_arguments():
         post(f_TD, x_TND.int(), post_TN, comb_TNN)
 
 
-def test_public_op_on_cpu_is_the_reference():
+def test_public_op_runs_the_kernel_only_where_selected(stub_kernel, monkeypatch):
     args = post_inputs(5, 4, 64, dtype=torch.float32, f_dtype=torch.float32, device="cpu", seed=1)
-    assert torch.equal(mhc.post(*args), reference.post(*args))
+    marker = torch.full((5, 4, 64), 3.0)
+    calls = stub_kernel(mhc.post_kernel, "post", marker)
+    assert torch.equal(mhc.post(*args), reference.post(*args)) and not calls
+    monkeypatch.setattr(mhc, "use_tilelang", lambda device: True)
+    assert torch.equal(mhc.post(*args), marker) and len(calls) == 1
 
 
 def test_compiles_for_sm90a():

@@ -119,9 +119,15 @@ def test_wrapper_names_bad_arguments():
         pre_apply(x_TND.int(), pre_TN)
 
 
-def test_public_op_on_cpu_is_the_reference():
+def test_public_op_runs_the_kernel_only_where_selected(stub_kernel, monkeypatch):
     x_TND, pre_TN = pre_apply_inputs(5, 4, 64, dtype=torch.float32, device="cpu", seed=1)
-    assert torch.equal(mhc.pre_apply(x_TND, pre_TN), reference.pre_apply(x_TND, pre_TN))
+    marker = torch.full((5, 64), 3.0)
+    calls = stub_kernel(mhc.pre_apply_kernel, "pre_apply", marker)
+    assert torch.equal(mhc.pre_apply(x_TND, pre_TN), reference.pre_apply(x_TND, pre_TN)) and not calls
+    monkeypatch.setattr(mhc, "use_tilelang", lambda device: True)
+    assert torch.equal(mhc.pre_apply(x_TND, pre_TN), marker) and len(calls) == 1
+    assert torch.equal(mhc.pre_apply(x_TND.double(), pre_TN.double()), reference.pre_apply(x_TND.double(),
+                       pre_TN.double())) and len(calls) == 1  # float64: a dtype the kernel does not take
 
 
 def test_compiles_for_sm90a():

@@ -132,10 +132,16 @@ def test_wrapper_names_bad_arguments():
         split_sinkhorn(*args, **OPTIONS)
 
 
-def test_public_op_on_cpu_is_the_reference():
+def test_public_op_runs_the_kernel_only_where_selected(stub_kernel, monkeypatch):
     args = split_inputs(5, 4, device="cpu", seed=1)
-    for got, want in zip(mhc.split_sinkhorn(*args, **OPTIONS), reference.split_sinkhorn(*args, **OPTIONS)):
-        assert torch.equal(got, want)
+    marker = (torch.full((5, 4), 1.0), torch.full((5, 4), 2.0), torch.full((5, 4, 4), 3.0))
+    calls = stub_kernel(mhc.split_sinkhorn_kernel, "split_sinkhorn", marker)
+    got, want = mhc.split_sinkhorn(*args, **OPTIONS), reference.split_sinkhorn(*args, **OPTIONS)
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and not calls
+    monkeypatch.setattr(mhc, "use_tilelang", lambda device: True)
+    got = mhc.split_sinkhorn(*args, **OPTIONS)
+    assert all(torch.equal(a, b) for a, b in zip(got, marker)) and len(calls) == 1
+    assert calls[0][1] == OPTIONS
 
 
 def test_supports_float32_up_to_eight_streams():
