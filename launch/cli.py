@@ -11,6 +11,7 @@ benchmarks that start processes get them started through ``launch.start``.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from ep_runtime.failures import RankFailed
@@ -49,7 +50,9 @@ def _root_cause(failure) -> tuple[int, str]:
         message = lines[0] if lines else f"exit code {recorded[rank].exitcode}"
         return rank, message.removeprefix(f"{RankFailed.__name__}: ")
     rank, first = failure.get_first_failure()
-    return rank, f"rank {rank}: exit code {first.exitcode} (no error recorded: killed, or ended by another rank's failure)"
+    if first.exitcode < 0:
+        return rank, f"rank {rank} was killed by {signal.Signals(-first.exitcode).name} before it recorded an error"
+    return rank, f"rank {rank} exited with code {first.exitcode} before it recorded an error"
 
 
 def _train(a: argparse.Namespace) -> None:
@@ -107,12 +110,16 @@ def _train(a: argparse.Namespace) -> None:
 
 def _quiet_torch_launcher_logs() -> None:
     """torch elastic logs every worker's traceback, and each worker it stops; the workers' own
-    log files hold the tracebacks, and the last line here names the cause."""
+    log files hold the tracebacks, and the last line here names the cause. Call it before any
+    worker starts."""
     import importlib
     import logging
 
     importlib.import_module("torch.distributed.launcher.api")  # creates its loggers, some with levels of their own
 
+    # Workers killed mid-step leave semaphores behind; Python's resource tracker, which takes its
+    # warning filters from these options, would warn of each after the job's last line.
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
     for name in [*prefixes, *logging.root.manager.loggerDict]:
         if name.startswith(prefixes):
