@@ -72,13 +72,31 @@ def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.flatten() for g in grads])
-        with ctx.activity("the gradient all-reduce"):
-            dist.all_reduce(flat, group=group)
-        flat /= data_ranks
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+        for grads in _buckets([p.grad for p in params], REDUCE_BUCKET_ELEMENTS):
+            flat = torch.cat([g.flatten() for g in grads])
+            if dist.get_world_size(group) > 1:
+                with ctx.activity("the gradient all-reduce"):
+                    dist.all_reduce(flat, group=group)
+            flat /= data_ranks
+            for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(chunk.view_as(g))
+
+
+# Gradients are reduced a bucket of about this many elements at a time: one flat buffer of a
+# v3-layer stage's gradients (5 billion) did not fit beside them on an H200.
+REDUCE_BUCKET_ELEMENTS = 1 << 28
+
+
+def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, split into runs of about ``size`` elements (a larger tensor alone)."""
+    runs, run, count = [], [], 0
+    for t in tensors:
+        if run and count + t.numel() > size:
+            runs.append(run)
+            run, count = [], 0
+        run.append(t)
+        count += t.numel()
+    return runs + [run] if run else runs
 
 
 def global_expert_load(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tensor:
