@@ -1,6 +1,7 @@
 """The training job on 2 gloo processes: loss falls, runs are reproducible, outputs are written."""
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -90,6 +91,8 @@ def test_cli_entry_point(tmp_path):
     (["--batch-size", "-1"], "--batch-size: expected >= 1, got -1"),
     (["--seq-len", "0"], "--seq-len: expected >= 1, got 0"),
     (["--resume"], "--resume: no checkpoint under "),
+    pytest.param(["--dispatcher", "deepep"], "--dispatcher deepep: the deep_ep package is not installed",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="deep_ep is here")),
     (["--config", "missing.toml"], "--config missing.toml: no such config file"),
     (["--model", "small", "--config", "x.toml"], "--config x.toml: expected either --model or --config"),
     (["--pp", "2", "--ep", "1", "--layers", "4", "--schedule", "interleaved", "--microbatches", "1"],
