@@ -17,7 +17,8 @@ driver, the same worker function as every other launcher.
   ``LOCAL_RANK`` is the index of its own.
   The driver's ``EP_*`` variables (``EP_KERNELS``, ``EP_RUNTIME_*``) are passed on too, as
   torchrun's workers inherit them.
-- Logs: the actors' output streams to the driver (Ray's ``log_to_driver``).
+- Logs: rank 0's lines stream to the driver (Ray's ``log_to_driver``); every rank's whole output
+  goes to its log file under the run folder (``ep_runtime.run_log``).
 - Failures: the first failed worker ends the attempt. The driver takes the report that names the
   rank responsible (a worker's own error, a worker process that died, or a survivor's
   ``RankFailed`` naming the ranks that never answered), kills every actor and raises

@@ -23,7 +23,9 @@ def test_job_spans_both_nodes(ray_cluster, tmp_path, reference_losses):
     assert done.returncode == 0, done.stderr[-5000:]
     assert f"trained {STEPS} steps on 2 processes" in done.stdout
     assert "2 workers on 2 node(s)" in done.stderr and "ranks by node: {'0': [0], '1': [1]}" in done.stderr
-    assert "[node 1 rank 1/2 local 0]" in done.stderr  # the workers' logs stream to the driver
+    assert "[node 0 rank 0/2 local 0]" in done.stderr  # rank 0's lines stream to the driver
+    assert "[node 1 rank 1/2 local 0]" not in done.stderr + done.stdout  # the others' go to their files
+    assert "[node 1 rank 1/2 local 0]" in (tmp_path / "job" / "logs" / "rank_1.log").read_text()
     assert read_losses(tmp_path / "job") == reference_losses
 
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from model_spec import leaves_of, model_loss
 from moe_spec import scaled_error
 
-from ep_runtime.config import MHCConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig, v4_model_config
+from ep_runtime.config import MHCConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.config_files import preset
 from ep_runtime.dispatch import AllToAllDispatcher, make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel
@@ -23,7 +24,7 @@ def tiny_config() -> ModelConfig:
 
 
 def v4_config() -> ModelConfig:
-    v4 = v4_model_config()
+    v4 = preset("v4").model
     return dataclasses.replace(v4, hidden=32, max_seq_len=16,
                                moe=dataclasses.replace(v4.moe, expert_hidden=16, alignment=4),
                                engram=dataclasses.replace(v4.engram, table_size=101, head_dim=8))
