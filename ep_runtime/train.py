@@ -235,14 +235,14 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     log.info("training %s: %d ranks, EP %d, %d experts, steps %d..%d -> %s", t.name, ctx.world_size, ctx.ep_size,
              cfg.model.moe.num_experts, first_step, t.steps, run_dir)
     progress = _progress(t.steps, initial=first_step - 1, terminal=terminal if ctx.rank == 0 else None)
-    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len * data_ranks
+    tokens_per_step = t.batch_size * t.seq_len * data_ranks
+    flops_per_step = train_flops_per_token(cfg.model, t.seq_len) * tokens_per_step
     peak = peak_tflops(ctx.device)
     times = StepTimes(model, ctx.device, attention=Attention, experts=GroupedExperts)
     profiler = _profiler(run_dir, ctx) if t.profile else None
     if profiler:
         profiler.start()
     losses = []
-    tokens_per_step = t.batch_size * t.seq_len * data_ranks
     for step in range(first_step, t.steps + 1):
         at.step = step
         if fault:
