@@ -48,3 +48,45 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 # The independent specifications (tests/spec/moe_spec.py, model_spec.py), imported by tests and workers.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spec"))
+
+
+# Under mutmut (``MUTANT_UNDER_TEST`` set), the processes a test starts load
+# tests/mutation_child/sitecustomize.py: they die with the test, and while mutmut maps tests to
+# the functions they reach ("stats") they report theirs, which count as the test's own, so a
+# mutant of what runs only across processes meets the multi-process tests that can kill it.
+MUTATION_CHILD = os.path.join(os.path.dirname(__file__), "mutation_child")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    mode = os.environ.get("MUTANT_UNDER_TEST")
+    if not mode:
+        yield
+        return
+    import tempfile
+
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "EP_MUTMUT_HITS")}
+    with tempfile.TemporaryDirectory() as hits:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [MUTATION_CHILD, saved["PYTHONPATH"]]))
+        if mode == "stats":
+            os.environ["EP_MUTMUT_HITS"] = hits
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        if mode == "stats":
+            _add_child_hits(hits)
+
+
+def _add_child_hits(folder):
+    import json
+
+    from mutmut.state import state
+
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            state()._stats.update(json.load(f))
