@@ -50,29 +50,56 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spec"))
 
 
-# Under mutmut (``MUTANT_UNDER_TEST`` set), the processes a test starts load
-# tests/mutation_child/sitecustomize.py: they die with the test, and while mutmut maps tests to
-# the functions they reach ("stats") they report theirs, which count as the test's own, so a
-# mutant of what runs only across processes meets the multi-process tests that can kill it.
+# Under mutmut (``MUTANT_UNDER_TEST`` set) the processes a test starts run the mutant too (they
+# inherit the environment and the mutated tree), and:
+# - while mutmut maps tests to the functions they reach ("stats"), spawned processes load
+#   tests/mutation_child/sitecustomize.py and report the functions they reached, which count as the
+#   test's own, so a mutant of what runs only across processes meets the tests that can kill it;
+# - against a mutant, ``launch_local`` forks its ranks instead of spawning them: a fresh
+#   interpreter importing torch costs seconds per rank and per mutant (OMP_NUM_THREADS=1, as the
+#   mutation command sets, leaves no thread pool for a fork to break);
+# - the ranks die with the test, so those of a mutant that hangs a collective do not outlive
+#   mutmut's timeout.
 MUTATION_CHILD = os.path.join(os.path.dirname(__file__), "mutation_child")
+_forked_ranks_die_with_test = False
+
+
+def _die_with_parent():
+    if _forked_ranks_die_with_test:
+        sys.path.insert(0, MUTATION_CHILD)
+        from sitecustomize import die_with_parent
+
+        die_with_parent()
+
+
+os.register_at_fork(after_in_child=_die_with_parent)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
+    global _forked_ranks_die_with_test
     mode = os.environ.get("MUTANT_UNDER_TEST")
     if not mode:
         yield
         return
     import tempfile
 
+    import launch.local
+
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "EP_MUTMUT_HITS")}
+    launch_config = launch.local.LaunchConfig
     with tempfile.TemporaryDirectory() as hits:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [MUTATION_CHILD, saved["PYTHONPATH"]]))
         if mode == "stats":
             os.environ["EP_MUTMUT_HITS"] = hits
+        else:
+            launch.local.LaunchConfig = lambda **kw: launch_config(**(kw | {"start_method": "fork"}))
+            _forked_ranks_die_with_test = True
         try:
             yield
         finally:
+            launch.local.LaunchConfig = launch_config
+            _forked_ranks_die_with_test = False
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)

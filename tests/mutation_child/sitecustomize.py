@@ -7,7 +7,8 @@ Such a process runs the mutant too: it inherits ``MUTANT_UNDER_TEST`` and, spawn
   writes the functions it reached to ``$EP_MUTMUT_HITS/<pid>.json`` at exit, for the test to add
   to its own; otherwise a function reached only across processes would get no test at all.
 - It dies with its parent: a mutant that hangs a collective gets the test killed at mutmut's
-  timeout, and its ranks must not outlive it.
+  timeout, and its ranks must not outlive it (``die_with_parent``; the root ``conftest.py`` calls
+  it in the ranks it forks).
 """
 
 import atexit
@@ -20,7 +21,7 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent left before the call took effect
@@ -36,6 +37,6 @@ def _write_hits(folder: str) -> None:
 
 
 if os.environ.get("MUTANT_UNDER_TEST"):
-    _die_with_parent()
+    die_with_parent()
     if os.environ.get("EP_MUTMUT_HITS"):
         atexit.register(_write_hits, os.environ["EP_MUTMUT_HITS"])
