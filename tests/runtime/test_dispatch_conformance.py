@@ -119,3 +119,20 @@ def test_deepep_without_deep_ep_says_what_is_missing():
             import_deep_ep()
     else:
         pytest.skip("deep_ep is installed here")
+
+
+def test_home_sum_adds_in_float32_in_the_dtype_asked():
+    """``sum_home``, every backend's home sum: a token's returned rows (``home_TW``: the row from
+    each rank, -1 none) added in float32, then rounded to the rows' dtype, or kept in the
+    ``out_dtype`` asked (the DeepEP facade's float32 combine): 1 + 2^-8 is 1 in bfloat16."""
+    from ep_runtime.dispatch.all_to_all import sum_home
+
+    rows_SX = torch.tensor([[1.0], [2.0**-8], [2.0**-8], [3.0]]).bfloat16()
+    home_TW = torch.tensor([[0, 1], [-1, 3], [2, -1]], dtype=torch.int32)
+    want = torch.tensor([[1.0 + 2.0**-8], [3.0], [2.0**-8]])
+    exact = sum_home(rows_SX, home_TW, out_dtype=torch.float32)
+    assert exact.dtype == torch.float32
+    torch.testing.assert_close(exact, want, rtol=0, atol=0)
+    rounded = sum_home(rows_SX, home_TW)
+    assert rounded.dtype == torch.bfloat16
+    torch.testing.assert_close(rounded, want.bfloat16(), rtol=0, atol=0)
