@@ -9,6 +9,7 @@ convention says)."""
 import pytest
 import torch
 from ep_workers import case_name, ep_matches_single_process
+from subgroup_workers import ep_groups_of_one
 
 from launch.local import launch_local
 
@@ -44,3 +45,18 @@ def test_ep_layer_matches_single_process(world, ranks_per_node):
             assert set(spec) == expected | ({"router"} if "skewed" not in case else set()), (rank, case)
             for name, err in spec.items():
                 assert err <= SPEC_TOL, f"rank {rank} {case} {name}: scaled error against the spec {err:.3g}"
+
+
+def test_ep_groups_smaller_than_the_job():
+    """2 ranks, ``parallel.ep=1``: each rank's EP group is itself, not the job. The Engram table
+    and the all_to_all dispatcher over it give what they give over no group (one process), FP8
+    rows home included; ``make_dispatcher`` for two lanes makes one dispatcher per lane, the second
+    over a new group of the same rank."""
+    results = launch_local(ep_groups_of_one, nproc=2)
+    assert sorted(results) == [0, 1]
+    for rank, r in results.items():
+        assert r["table"] == {"rows": 0.0, "grad": 0.0}, rank
+        assert set(r["dispatch"]) == {f"{n}{s}" for n in ("out", "grad_x", "grad_w") for s in ("", "-fp8-combine")}
+        assert all(d == 0.0 for d in r["dispatch"].values()), (rank, r["dispatch"])
+        assert r["lanes"] == {"lanes": 2, "first_is_the_ep_group": True, "second_is_new": True,
+                              "ranks": [[rank], [rank]]}, rank
