@@ -58,10 +58,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spec"))
 # - against a mutant, ``launch_local`` forks its ranks instead of spawning them: a fresh
 #   interpreter importing torch costs seconds per rank and per mutant (OMP_NUM_THREADS=1, as the
 #   mutation command sets, leaves no thread pool for a fork to break);
-# - the ranks die with the test, so those of a mutant that hangs a collective do not outlive
-#   mutmut's timeout.
+# - a collective that waits a minute fails (a clean test's whole run takes seconds): a mutant that
+#   leaves the ranks' collectives unmatched fails then, not at the job's timeout of minutes;
+# - the ranks die with the test, so those of a mutant that hangs anyway do not outlive mutmut's
+#   timeout.
 MUTATION_CHILD = os.path.join(os.path.dirname(__file__), "mutation_child")
 _forked_ranks_die_with_test = False
+MUTANT_COLLECTIVE_TIMEOUT_S = 60
 
 
 def _die_with_parent():
@@ -83,22 +86,27 @@ def pytest_runtest_call(item):
         yield
         return
     import tempfile
+    from datetime import timedelta
+
+    import torch.distributed as dist
 
     import launch.local
 
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "EP_MUTMUT_HITS")}
-    launch_config = launch.local.LaunchConfig
+    launch_config, init_process_group = launch.local.LaunchConfig, dist.init_process_group
     with tempfile.TemporaryDirectory() as hits:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [MUTATION_CHILD, saved["PYTHONPATH"]]))
         if mode == "stats":
             os.environ["EP_MUTMUT_HITS"] = hits
         else:
             launch.local.LaunchConfig = lambda **kw: launch_config(**(kw | {"start_method": "fork"}))
+            timeout = timedelta(seconds=MUTANT_COLLECTIVE_TIMEOUT_S)
+            dist.init_process_group = lambda *a, **kw: init_process_group(*a, **(kw | {"timeout": timeout}))
             _forked_ranks_die_with_test = True
         try:
             yield
         finally:
-            launch.local.LaunchConfig = launch_config
+            launch.local.LaunchConfig, dist.init_process_group = launch_config, init_process_group
             _forked_ranks_die_with_test = False
             for k, v in saved.items():
                 if v is None:
