@@ -136,3 +136,19 @@ def test_home_sum_adds_in_float32_in_the_dtype_asked():
     rounded = sum_home(rows_SX, home_TW)
     assert rounded.dtype == torch.bfloat16
     torch.testing.assert_close(rounded, want.bfloat16(), rtol=0, atol=0)
+
+
+def test_all_to_all_defaults_on_one_process(seed):
+    """``AllToAllDispatcher`` by default pads segments to 128 rows (DeepGEMM's FP8 layout); its
+    handle records the tokens dispatched; on one process combine is the weighted sum."""
+    from ep_runtime.dispatch import AllToAllDispatcher
+
+    dispatcher = AllToAllDispatcher(num_experts=4)
+    x_TD = torch.randn(5, 128)
+    idx_TK = torch.tensor([[0, 2], [1, 3], [2, -1], [0, 1], [3, 2]])
+    weights_TK = torch.rand(5, 2)
+    x_PD, layout, handle = dispatcher.dispatch(x_TD, idx_TK, weights_TK)
+    assert layout.offsets_E.tolist() == [128, 256, 384, 512]
+    assert handle.route.num_tokens == 5
+    out_TD = dispatcher.combine(x_PD, handle)
+    torch.testing.assert_close(out_TD, x_TD * (weights_TK * (idx_TK >= 0)).sum(1, keepdim=True))
