@@ -51,7 +51,7 @@ def test_ep_groups_smaller_than_the_job():
     """2 ranks, ``parallel.ep=1``: each rank's EP group is itself, not the job. The Engram table
     and the all_to_all dispatcher over it give what they give over no group (one process), FP8
     rows home included; ``make_dispatcher`` for two lanes makes one dispatcher per lane, the second
-    over a new group of the same rank."""
+    over a new group of the same rank. Over both ranks, FP8 rows home are cast (not exact rows)."""
     results = launch_local(ep_groups_of_one, nproc=2)
     assert sorted(results) == [0, 1]
     for rank, r in results.items():
@@ -60,3 +60,4 @@ def test_ep_groups_smaller_than_the_job():
         assert all(d == 0.0 for d in r["dispatch"].values()), (rank, r["dispatch"])
         assert r["lanes"] == {"lanes": 2, "first_is_the_ep_group": True, "second_is_new": True,
                               "ranks": [[rank], [rank]]}, rank
+        assert 2.0**-10 < r["fp8_rows_home"] < 2.0**-3, rank

@@ -21,7 +21,8 @@ def ep_groups_of_one() -> dict:
     ctx = init_parallel(ParallelConfig(ep=1))
     try:
         return {"table": _table_differences(ctx.ep_group, ctx.rank, ctx.device),
-                "dispatch": _dispatch_differences(ctx.ep_group, ctx.rank, ctx.device), "lanes": _lanes(ctx)}
+                "dispatch": _dispatch_differences(ctx.ep_group, ctx.rank, ctx.device), "lanes": _lanes(ctx),
+                "fp8_rows_home": _fp8_rows_home(ctx.rank, ctx.device)}
     finally:
         dist.destroy_process_group()
 
@@ -51,6 +52,16 @@ def _dispatch_differences(group, rank: int, device: torch.device) -> dict:
         for name in ("out", "grad_x", "grad_w"):
             out[name + ("-fp8-combine" if fp8_combine else "")] = float((got[name] - want[name]).abs().max())
     return out
+
+
+def _fp8_rows_home(rank: int, device: torch.device) -> float:
+    """Over both ranks (the job's group), FP8 rows home against exact rows home: the largest
+    difference relative to the output's largest element (e4m3 keeps 3 mantissa bits)."""
+    idx_TK, weights_TK = routing("balanced", rank, 37, 8, device)
+    x_TD = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(device)
+    exact, cast = (run_case(AllToAllDispatcher(num_experts=8, group=dist.group.WORLD, alignment=8, fp8_combine=fp8),
+                            x_TD, idx_TK, weights_TK, first_expert=4 * rank)["out"] for fp8 in (False, True))
+    return float((cast - exact).abs().max() / exact.abs().max())
 
 
 def _lanes(ctx) -> dict:
