@@ -185,5 +185,6 @@ def test_two_ranks_replicas_switch_and_training():
 def test_the_route_tables_are_not_in_the_state_dict():
     """The placement, not a checkpoint's state dict, says where experts are."""
     layer = _layer(PLAN_A)
-    assert {"route_fraction_ER", "route_log2phy_ER"} <= {name for name, _ in layer.named_buffers()}
-    assert not {"route_fraction_ER", "route_log2phy_ER"} & set(layer.state_dict())
+    tables = {"route_log2phy_ER", "route_cdf_ER", "route_draw_E"}
+    assert tables <= {name for name, _ in layer.named_buffers()}
+    assert not tables & set(layer.state_dict())
