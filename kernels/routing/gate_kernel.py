@@ -51,8 +51,9 @@ def gate(
     num_tokens, num_experts = logits_TE.shape
     device = logits_TE.device
     absent = GateLaunch.absent(device)
-    if isinstance(num_shared, bool) or not isinstance(num_shared, int) or not 0 <= num_shared <= WARP:
-        raise ValueError(f"num_shared: expected an int in [0, {WARP}], got {num_shared!r}")
+    most = WARP - topk if isinstance(topk, int) else WARP  # a lane a route
+    if isinstance(num_shared, bool) or not isinstance(num_shared, int) or not 0 <= num_shared <= most:
+        raise ValueError(f"num_shared: expected an int in [0, {most}], got {num_shared!r}")
     if (fixed_T is None) != (fixed_idx_TK is None):
         raise ValueError("fixed_idx_TK: expected it given with fixed_T, got one of them only")
     if token_mask_T is not None:
