@@ -331,9 +331,10 @@ def get_topk_route_kernel(
                             fixed_id = fixed_idx_TK[token, lane]
                             my_expert = T.if_then_else(fixed_id >= 0 and fixed_id < num_experts,
                                                        T.Cast(T.int32, fixed_id), -1)
-                    routed = T.Cast(T.int32, token_mask_T[token]) if with_mask else 1
-                    if routed == 0:
-                        my_expert = -1
+                    if with_mask:
+                        routed = T.Cast(T.int32, token_mask_T[token])
+                        if routed == 0:
+                            my_expert = -1
                     my_weight = 0.0
                     if lane < topk and my_expert >= 0:
                         my_weight = scores_WE[warp, my_expert]
@@ -350,7 +351,7 @@ def get_topk_route_kernel(
                         if with_map:
                             logical_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
                     if num_shared:
-                        if lane >= topk and lane < routes and routed != 0:
+                        if lane >= topk and lane < routes and (not with_mask or routed != 0):
                             my_expert = num_experts + lane - topk
                             my_weight = 1.0
                     if with_map:
