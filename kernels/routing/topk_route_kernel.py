@@ -1,7 +1,8 @@
 """TileLang kernel of the whole router: scores, bias, group-limited stable top-k, weights, counts.
 
 Computes :func:`kernels.routing.reference.topk_route` (and, optionally, the per-expert counts of
-:func:`kernels.routing.reference.expert_counts` of its result) in one launch.
+:func:`kernels.routing.reference.expert_counts` of its result) in one launch; with the gate's
+stages compiled in, :func:`kernels.routing.reference.gate` (``gate_kernel.py`` says how).
 ``docs/design/routing.md`` has the design and the figures that decided it.
 
 Design: one warp per token, ``WARPS`` tokens per CTA (with counts, a grid of at most
