@@ -71,27 +71,47 @@ def cast_back(
     return reference.cast_back(q, sf, block=block, out_dtype=out_dtype)
 
 
-def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(
+    x_TI2: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
     """See :func:`kernels.quant.reference.swiglu`."""
-    if _kernel_for(x_TI2) and not needs_grad(x_TI2):
-        return swiglu_kernel.swiglu(x_TI2, rows=rows)
-    return reference.swiglu(x_TI2, rows=rows)
+    if _kernel_for(x_TI2) and not needs_grad(x_TI2, weights_T):
+        return swiglu_kernel.swiglu(x_TI2, rows=rows, weights_T=weights_T, clamp=clamp)
+    return reference.swiglu(x_TI2, rows=rows, weights_T=weights_T, clamp=clamp)
 
 
 def swiglu_per_token_cast(
-    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+    x_TI2: torch.Tensor,
+    *,
+    group: int = 128,
+    round_sf: bool = False,
+    pack_sf: bool = False,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.quant.reference.swiglu_per_token_cast`."""
+    options = dict(group=group, round_sf=round_sf, pack_sf=pack_sf, weights_T=weights_T, clamp=clamp)
     if _kernel_for(x_TI2, (1, group)):
-        return swiglu_kernel.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
-    return reference.swiglu_per_token_cast(x_TI2, group=group, round_sf=round_sf, pack_sf=pack_sf)
+        return swiglu_kernel.swiglu_per_token_cast(x_TI2, **options)
+    return reference.swiglu_per_token_cast(x_TI2, **options)
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_backward(
+    x_TI2: torch.Tensor,
+    grad_TI: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """See :func:`kernels.quant.reference.swiglu_backward`."""
     if _kernel_for(x_TI2):
-        return swiglu_kernel.swiglu_backward(x_TI2, grad_TI, rows=rows)
-    return reference.swiglu_backward(x_TI2, grad_TI, rows=rows)
+        return swiglu_kernel.swiglu_backward(x_TI2, grad_TI, rows=rows, weights_T=weights_T, clamp=clamp)
+    return reference.swiglu_backward(x_TI2, grad_TI, rows=rows, weights_T=weights_T, clamp=clamp)
 
 
 __all__ = [

@@ -128,7 +128,13 @@ def cast_back(
     return (q.float() * sf_MN).to(out_dtype)
 
 
-def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu(
+    x_TI2: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
     """``silu(gate) * up`` computed in float32, where ``x_TI2 = [gate | up]`` along the last dim.
 
     Args:
@@ -136,12 +142,18 @@ def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Te
         rows: int32 ``[1]`` on ``x_TI2``'s device, the rows wanted (a layout's ``offsets_E[-1:]``,
             read on the device, no host sync): rows at or past ``rows[0]`` of the result are
             unspecified (the kernel skips them; this reference computes them). None: all rows.
+        weights_T: float32 ``[T]`` on ``x_TI2``'s device, each row's weight (its route's router
+            weight), multiplied into the float32 result: ``(silu(gate) * up) * weights_T[t]``.
+            None: no weight.
+        clamp: a positive limit applied before the activation, as in models that clamp SwiGLU's
+            inputs: the gate from above only (``min(gate, clamp)``), up from both sides
+            (``up.clamp(-clamp, clamp)``). None: no clamp.
 
     Returns:
         ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``.
     """
     check_rows(rows, x_TI2)
-    return _swiglu_f32(x_TI2).to(x_TI2.dtype)
+    return _swiglu_f32(x_TI2, weights_T, clamp).to(x_TI2.dtype)
 
 
 def check_rows(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> None:
@@ -150,7 +162,13 @@ def check_rows(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> None:
 
 
 def swiglu_per_token_cast(
-    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+    x_TI2: torch.Tensor,
+    *,
+    group: int = 128,
+    round_sf: bool = False,
+    pack_sf: bool = False,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`swiglu` fused with :func:`per_token_cast` of its float32 result (never rounded to
     ``x_TI2.dtype`` in between).
@@ -158,38 +176,59 @@ def swiglu_per_token_cast(
     Args:
         x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16, ``[gate | up]``.
         group, round_sf, pack_sf: as in :func:`per_token_cast`.
+        weights_T, clamp: as in :func:`swiglu` (the weight is applied before the cast).
 
     Returns:
         ``q_TI`` ``[T, I]`` float8_e4m3fn and ``sf_TG`` ``[T, ceil(I / group)]`` float32 (uint8 when
         packed).
     """
     check_positive("group", group)
-    y_TI = _swiglu_f32(x_TI2)
+    y_TI = _swiglu_f32(x_TI2, weights_T, clamp)
     return _blockwise_cast(y_TI, (1, group), round_sf=round_sf, pack_sf=pack_sf)
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Gradient of :func:`swiglu` with respect to its input, computed in float32.
+def swiglu_backward(
+    x_TI2: torch.Tensor,
+    grad_TI: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gradient of :func:`swiglu` with respect to its input (and its weights), computed in float32.
 
-    ``d gate = grad * up * silu'(gate)`` with ``silu'(g) = s * (1 + g * (1 - s))``, ``s = sigmoid(g)``;
-    ``d up = grad * silu(gate)``.
+    With ``g, u`` the (clamped) gate and up, ``s = sigmoid(g)``, ``silu'(g) = s * (1 + g * (1 - s))``
+    and ``gw = grad * weights_T[t]`` (``grad`` itself without weights): ``d gate = gw * u *
+    silu'(g)`` and ``d up = gw * (g * s)``, each zero where its input was clamped (gate above
+    ``clamp``, up outside ``[-clamp, clamp]``; at the limit itself the gradient passes, as torch's
+    clamp lets it); ``d weights_T[t] = sum over I of grad * silu(g) * u``.
 
     Args:
         x_TI2: ``[T, 2 * I]`` float32, bfloat16 or float16, the forward input ``[gate | up]``.
         grad_TI: ``[T, I]`` float32, bfloat16 or float16, the gradient of the output.
-        rows: as in :func:`swiglu` (rows of the result at or past ``rows[0]`` are unspecified).
+        rows: as in :func:`swiglu` (rows of the results at or past ``rows[0]`` are unspecified).
+        weights_T, clamp: as in :func:`swiglu`.
 
     Returns:
-        ``grad_TI2`` ``[T, 2 * I]`` in ``x_TI2.dtype``, ``[d gate | d up]``.
+        ``grad_TI2`` ``[T, 2 * I]`` in ``x_TI2.dtype``, ``[d gate | d up]``; with ``weights_T``,
+        the pair ``(grad_TI2, grad_weights_T)``, the latter float32 ``[T]``.
     """
     check_rows(rows, x_TI2)
-    gate_TI, up_TI = _split_gate_up(x_TI2)
+    gate_TI, up_TI = _clamped_gate_up(x_TI2, clamp)
     check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=gate_TI.shape, device=x_TI2.device)
     grad_TI = grad_TI.float()
+    weighted_TI = grad_TI if weights_T is None else grad_TI * check_weights(weights_T, x_TI2)[:, None]
     sig_TI = torch.sigmoid(gate_TI)
-    d_gate_TI = grad_TI * up_TI * (sig_TI * (1 + gate_TI * (1 - sig_TI)))
-    d_up_TI = grad_TI * (gate_TI * sig_TI)
-    return torch.cat([d_gate_TI, d_up_TI], dim=1).to(x_TI2.dtype)
+    d_gate_TI = weighted_TI * up_TI * (sig_TI * (1 + gate_TI * (1 - sig_TI)))
+    d_up_TI = weighted_TI * (gate_TI * sig_TI)
+    if clamp is not None:
+        gate_in_TI, up_in_TI = _split_gate_up(x_TI2)
+        d_gate_TI = torch.where(gate_in_TI > clamp, 0.0, d_gate_TI)
+        d_up_TI = torch.where(up_in_TI.abs() > clamp, 0.0, d_up_TI)
+    grad_TI2 = torch.cat([d_gate_TI, d_up_TI], dim=1).to(x_TI2.dtype)
+    if weights_T is None:
+        return grad_TI2
+    return grad_TI2, (grad_TI * (F.silu(gate_TI) * up_TI)).sum(dim=1)
 
 
 def _blockwise_cast(
@@ -248,9 +287,28 @@ def _split_gate_up(x_TI2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_f32[:, : width // 2], x_f32[:, width // 2 :]
 
 
-def _swiglu_f32(x_TI2: torch.Tensor) -> torch.Tensor:
+def _clamped_gate_up(x_TI2: torch.Tensor, clamp: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 gate and up halves, clamped as :func:`swiglu` says."""
     gate_TI, up_TI = _split_gate_up(x_TI2)
-    return F.silu(gate_TI) * up_TI
+    if check_clamp(clamp) is None:
+        return gate_TI, up_TI
+    return gate_TI.clamp(max=clamp), up_TI.clamp(-clamp, clamp)
+
+
+def check_clamp(clamp: object) -> float | None:
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0):
+        raise ValueError(f"clamp: expected a positive number or None, got {clamp!r}")
+    return clamp
+
+
+def check_weights(weights_T: torch.Tensor, x_TI2: torch.Tensor) -> torch.Tensor:
+    return check_tensor("weights_T", weights_T, dtype=torch.float32, shape=(x_TI2.shape[0],), device=x_TI2.device)
+
+
+def _swiglu_f32(x_TI2: torch.Tensor, weights_T: torch.Tensor | None = None, clamp: float | None = None) -> torch.Tensor:
+    gate_TI, up_TI = _clamped_gate_up(x_TI2, clamp)
+    y_TI = F.silu(gate_TI) * up_TI
+    return y_TI if weights_T is None else y_TI * check_weights(weights_T, x_TI2)[:, None]
 
 
 def _check_block(block: object) -> tuple[int, int]:
