@@ -128,8 +128,8 @@ def get_swiglu_forward_kernel(
         x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
         out_TI: T.Tensor[(num_tokens, inter), out_dtype],
         sf_TG: T.Tensor[(num_tokens, T.ceildiv(inter, group)), sf_dtype],
-        rows_1: T.Tensor[(1,), "int32"],
-        weights_T: T.Tensor[(num_tokens,), "float32"],
+        rows_1: T.Tensor[(1,), T.int32],
+        weights_T: T.Tensor[(num_tokens,), T.float32],
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
@@ -199,9 +199,9 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited:
         x_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
         grad_TI: T.Tensor[(num_tokens, inter), grad_dtype],
         grad_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
-        rows_1: T.Tensor[(1,), "int32"],
-        weights_T: T.Tensor[(num_tokens,), "float32"],
-        grad_w_TN: T.Tensor[(num_tokens, T.ceildiv(inter, tile_n)), "float32"],
+        rows_1: T.Tensor[(1,), T.int32],
+        weights_T: T.Tensor[(num_tokens,), T.float32],
+        grad_w_TN: T.Tensor[(num_tokens, T.ceildiv(inter, tile_n)), T.float32],
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
