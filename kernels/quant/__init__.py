@@ -1,11 +1,12 @@
-"""FP8 (e4m3) casts and SwiGLU (see :mod:`kernels.quant.reference` for the conventions).
+"""FP8 (e4m3) casts, requantization between scale layouts, and SwiGLU (see
+:mod:`kernels.quant.reference` for the conventions).
 
 Each op runs its TileLang kernel where :func:`kernels.select.use_tilelang` says so for the input's
 device, and the PyTorch reference otherwise (``swiglu`` also for an input that needs a gradient:
 the kernel has no autograd of its own, :mod:`kernels.select`). The blockwise casts take the kernel for block sides
 that are powers of two (:func:`kernels.tiles.supports_block`; 1x128, 128x128 and 128x1 among
-them) and the reference for any other block shape; so does ``swiglu_per_token_cast`` for its
-group. The expand fused with a cast (and the cast back fused with an expand) are
+them) and the reference for any other block shape; so do ``swiglu_per_token_cast`` for its
+group and the requantizations for either side's block. The expand fused with a cast (and the cast back fused with an expand) are
 :mod:`kernels.permute`'s.
 
 Shape suffixes as in :mod:`kernels.quant.reference`.
@@ -17,6 +18,7 @@ from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import blockwise_cast
 from kernels.quant import swiglu_kernel
 from kernels.quant.cast_back_kernel import cast_back as cast_back_kernel
+from kernels.quant.requant_kernel import requant as requant_kernel
 from kernels.tiles import supports_block
 from kernels.select import needs_grad, use_tilelang
 
@@ -71,6 +73,32 @@ def cast_back(
     return reference.cast_back(q, sf, block=block, out_dtype=out_dtype)
 
 
+def requant(
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    *,
+    in_block: tuple[int, int],
+    out_block: tuple[int, int],
+    round_sf: bool = False,
+    pack_sf: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.requant`."""
+    options = dict(in_block=in_block, out_block=out_block, round_sf=round_sf, pack_sf=pack_sf)
+    if _kernel_for(q, in_block) and _kernel_for(q, out_block):
+        return requant_kernel(q, sf, **options)
+    return reference.requant(q, sf, **options)
+
+
+def per_block_cast_lossless(
+    q: torch.Tensor, sf: torch.Tensor, *, in_block: tuple[int, int], block: int = 128, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`kernels.quant.reference.per_block_cast_lossless`."""
+    if _kernel_for(q, in_block) and _kernel_for(q, (block, block)):
+        return requant_kernel(q, sf, in_block=in_block, out_block=(block, block), round_sf=True, pack_sf=pack_sf,
+                              lossless=True)
+    return reference.per_block_cast_lossless(q, sf, in_block=in_block, block=block, pack_sf=pack_sf)
+
+
 def swiglu(
     x_TI2: torch.Tensor,
     *,
@@ -117,8 +145,10 @@ def swiglu_backward(
 __all__ = [
     "cast_back",
     "per_block_cast",
+    "per_block_cast_lossless",
     "per_channel_cast",
     "per_token_cast",
+    "requant",
     "swiglu",
     "swiglu_backward",
     "swiglu_per_token_cast",

@@ -128,6 +128,76 @@ def cast_back(
     return (q.float() * sf_MN).to(out_dtype)
 
 
+def requant(
+    q: torch.Tensor,
+    sf: torch.Tensor,
+    *,
+    in_block: tuple[int, int],
+    out_block: tuple[int, int],
+    round_sf: bool = False,
+    pack_sf: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-casts e4m3 data from one scale layout to another (per-token to per-block for a
+    weight-gradient GEMM's operand, say): exactly the cast with ``out_block`` of the float32
+    dequantization ``cast_back(q, sf, block=in_block, out_dtype=torch.float32)`` (one float32
+    product an element), which the kernel never writes to memory.
+
+    With power-of-two scales on both sides (UE8M0 in, ``round_sf``) the result dequantizes to the
+    input exactly wherever ``q * 2**(e_in - e_out)`` is an e4m3 value: the out-scale is at most the
+    largest in-scale of its block, so a value is shifted down by ``k = e_out - e_in >= 0`` binary
+    places (or up, never past 448) and rounds (to nearest even, on e4m3's ``2**-9`` subnormal step)
+    only where it leaves the normal range (``|q| < 2**(k - 6)``) with bits below ``2**(k - 9)``.
+
+    Args:
+        q: ``[M, N]`` float8_e4m3fn.
+        sf: its scales over ``in_block``, as :func:`cast_back` takes them.
+        in_block, out_block: ``(rows, cols)`` per scale, in and out (``(1, g)`` per-token,
+            ``(b, b)`` per-block, ``(b, 1)`` per-channel).
+        round_sf, pack_sf: as in :func:`per_token_cast`.
+
+    Returns:
+        ``q_MN`` ``[M, N]`` float8_e4m3fn and scales ``[ceil(M / out_block[0]), ceil(N /
+        out_block[1])]`` float32 (uint8 when packed).
+    """
+    x_MN = cast_back(q, sf, block=_check_block(in_block, "in_block"), out_dtype=torch.float32)
+    return _blockwise_cast(x_MN, _check_block(out_block, "out_block"), round_sf=round_sf, pack_sf=pack_sf)
+
+
+def per_block_cast_lossless(
+    q: torch.Tensor, sf: torch.Tensor, *, in_block: tuple[int, int], block: int = 128, pack_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-casts e4m3 data with power-of-two (UE8M0) scales to ``block x block`` UE8M0 scales from
+    the scales alone (no amax over the data): a block's out-scale is its largest in-scale,
+    ``2**e_out = max 2**e_in`` (computed as :func:`requant`'s scale of an amax of ``448 * max sf``,
+    so a float32 in-scale that is not a power of two is rounded up to one, and an out-scale is at
+    least ``2**-22``, the casts' floor, which no scale the casts make is below). Each value
+    becomes ``q * 2**(e_in - e_out)``, shifted down by ``k = e_out - e_in >= 0`` places, never
+    saturating.
+
+    Lossless: the result dequantizes to exactly the input's dequantization wherever every shifted
+    value is an e4m3 value: where ``k = 0``, where ``|q| >= 2**(k - 6)`` (it stays normal), or where
+    ``q``'s lowest set bit is at least ``2**(k - 9)``. Otherwise such a value rounds to nearest even
+    on e4m3's ``2**-9`` step (to zero below ``2**-10``); nothing reports it.
+
+    Args:
+        q: ``[M, N]`` float8_e4m3fn.
+        sf: its scales over ``in_block``: float32 powers of two, or uint8 exponents.
+        in_block: ``(rows, cols)`` per in-scale.
+        block: the out tile's side.
+        pack_sf: return the out-scales as uint8 exponents instead of float32.
+
+    Returns:
+        ``q_MN`` ``[M, N]`` float8_e4m3fn and scales ``[ceil(M / block), ceil(N / block)]`` float32
+        (uint8 when packed).
+    """
+    x_MN = cast_back(q, sf, block=_check_block(in_block, "in_block"), out_dtype=torch.float32)
+    sf_f32 = _unpack_sf(sf) if sf.dtype == torch.uint8 else sf
+    block_m, block_n = in_block
+    sf_MN = sf_f32.repeat_interleave(block_m, dim=0).repeat_interleave(block_n, dim=1)[: q.shape[0], : q.shape[1]]
+    out_block = (check_positive("block", block), block)
+    return _blockwise_cast(x_MN, out_block, round_sf=True, pack_sf=pack_sf, amax_MN=sf_MN * E4M3_MAX)
+
+
 def swiglu(
     x_TI2: torch.Tensor,
     *,
@@ -232,9 +302,10 @@ def swiglu_backward(
 
 
 def _blockwise_cast(
-    x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool
+    x_MN: torch.Tensor, block: tuple[int, int], *, round_sf: bool, pack_sf: bool, amax_MN: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one cast behind all three layouts; ``x_MN`` is already validated."""
+    """The one cast behind all three layouts; ``x_MN`` is already validated. ``amax_MN``: the
+    magnitudes the scales follow, in place of ``|x_MN|``."""
     if pack_sf and not round_sf:
         raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
     block_m, block_n = block
@@ -243,7 +314,9 @@ def _blockwise_cast(
     # Zero padding leaves every block's amax unchanged; the padding is cut off again at the end.
     x_padded = F.pad(x_MN.float(), (0, gn * block_n - n, 0, gm * block_m - m))
     blocks = x_padded.view(gm, block_m, gn, block_n)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
+    if amax_MN is not None:
+        x_padded = F.pad(amax_MN, (0, gn * block_n - n, 0, gm * block_m - m))
+    amax = x_padded.view(gm, block_m, gn, block_n).abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
     # Correctly rounded float32 divisions, tensor by tensor: torch computes `scalar / tensor` as a
     # multiplication by the rounded reciprocal, and CUDA does the same for `tensor / scalar`.
     e4m3_max = torch.full_like(amax, E4M3_MAX)
@@ -311,10 +384,10 @@ def _swiglu_f32(x_TI2: torch.Tensor, weights_T: torch.Tensor | None = None, clam
     return y_TI if weights_T is None else y_TI * check_weights(weights_T, x_TI2)[:, None]
 
 
-def _check_block(block: object) -> tuple[int, int]:
+def _check_block(block: object, name: str = "block") -> tuple[int, int]:
     if not isinstance(block, tuple) or len(block) != 2:
-        raise ValueError(f"block: expected a (rows, cols) tuple of two positive ints, got {block!r}")
-    return check_positive("block", block[0]), check_positive("block", block[1])
+        raise ValueError(f"{name}: expected a (rows, cols) tuple of two positive ints, got {block!r}")
+    return check_positive(name, block[0]), check_positive(name, block[1])
 
 
 def _cdiv(a: int, b: int) -> int:
