@@ -142,11 +142,12 @@ def requant(
     dequantization ``cast_back(q, sf, block=in_block, out_dtype=torch.float32)`` (one float32
     product an element), which the kernel never writes to memory.
 
-    With power-of-two scales on both sides (UE8M0 in, ``round_sf``) the result dequantizes to the
-    input exactly wherever ``q * 2**(e_in - e_out)`` is an e4m3 value: the out-scale is at most the
-    largest in-scale of its block, so a value is shifted down by ``k = e_out - e_in >= 0`` binary
-    places (or up, never past 448) and rounds (to nearest even, on e4m3's ``2**-9`` subnormal step)
-    only where it leaves the normal range (``|q| < 2**(k - 6)``) with bits below ``2**(k - 9)``.
+    With power-of-two scales on both sides (UE8M0 in, ``round_sf``) each value becomes
+    ``q * 2**(e_in - e_out)``, rounded once, so the result dequantizes to the input exactly wherever
+    that is an e4m3 value. The out-scale is at most its block's largest in-scale (unless all are
+    below the casts' ``2**-22`` floor), so a value moves down by ``k = e_out - e_in`` binary places
+    (up where ``k < 0``, never past 448) and rounds (to nearest even, on e4m3's ``2**-9`` subnormal
+    step) only where it leaves the normal range (``|q| < 2**(k - 6)``) with bits below ``2**(k - 9)``.
 
     Args:
         q: ``[M, N]`` float8_e4m3fn.
@@ -177,7 +178,7 @@ def per_block_cast_lossless(
     Lossless: the result dequantizes to exactly the input's dequantization wherever every shifted
     value is an e4m3 value: where ``k = 0``, where ``|q| >= 2**(k - 6)`` (it stays normal), or where
     ``q``'s lowest set bit is at least ``2**(k - 9)``. Otherwise such a value rounds to nearest even
-    on e4m3's ``2**-9`` step (to zero below ``2**-10``); nothing reports it.
+    on e4m3's ``2**-9`` step (to zero at or below ``2**-10``); nothing reports it.
 
     Args:
         q: ``[M, N]`` float8_e4m3fn.
@@ -215,9 +216,9 @@ def swiglu(
         weights_T: float32 ``[T]`` on ``x_TI2``'s device, each row's weight (its route's router
             weight), multiplied into the float32 result: ``(silu(gate) * up) * weights_T[t]``.
             None: no weight.
-        clamp: a positive limit applied before the activation, as in models that clamp SwiGLU's
-            inputs: the gate from above only (``min(gate, clamp)``), up from both sides
-            (``up.clamp(-clamp, clamp)``). None: no clamp.
+        clamp: a positive limit (compared in float32) applied before the activation, as in models
+            that clamp SwiGLU's inputs: the gate from above only (``min(gate, clamp)``), up from
+            both sides (``up.clamp(-clamp, clamp)``). None: no clamp.
 
     Returns:
         ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``.
@@ -314,9 +315,8 @@ def _blockwise_cast(
     # Zero padding leaves every block's amax unchanged; the padding is cut off again at the end.
     x_padded = F.pad(x_MN.float(), (0, gn * block_n - n, 0, gm * block_m - m))
     blocks = x_padded.view(gm, block_m, gn, block_n)
-    if amax_MN is not None:
-        x_padded = F.pad(amax_MN, (0, gn * block_n - n, 0, gm * block_m - m))
-    amax = x_padded.view(gm, block_m, gn, block_n).abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
+    source = x_padded if amax_MN is None else F.pad(amax_MN, (0, gn * block_n - n, 0, gm * block_m - m))
+    amax = source.view(gm, block_m, gn, block_n).abs().amax(dim=(1, 3)).clamp(min=AMAX_FLOOR)
     # Correctly rounded float32 divisions, tensor by tensor: torch computes `scalar / tensor` as a
     # multiplication by the rounded reciprocal, and CUDA does the same for `tensor / scalar`.
     e4m3_max = torch.full_like(amax, E4M3_MAX)

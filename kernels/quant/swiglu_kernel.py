@@ -44,12 +44,16 @@ def silu(g):
     return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
 
 
-@T.macro
-def clamped(gate, up, clamp: float | None):
-    """``(min(gate, clamp), up clamped to [-clamp, clamp])`` in float32, or both as they are."""
-    if clamp is None:
-        return gate, up
-    return T.min(gate, T.float32(clamp)), T.max(T.min(up, T.float32(clamp)), T.float32(-clamp))
+def clamp_gate(gate, clamp: float | None):
+    """The gate in float32, limited from above to ``clamp`` (where given)."""
+    gate = T.cast(gate, "float32")
+    return gate if clamp is None else T.min(gate, T.float32(clamp))
+
+
+def clamp_up(up, clamp: float | None):
+    """Up in float32, limited to ``[-clamp, clamp]`` (where given)."""
+    up = T.cast(up, "float32")
+    return up if clamp is None else T.max(T.min(up, T.float32(clamp)), T.float32(-clamp))
 
 
 @T.macro
@@ -117,11 +121,14 @@ def get_swiglu_forward_kernel(
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
         for i, j in T.Parallel(tile_m, tile_n):
-            gate, up = clamped(T.cast(gate_frag[i, j], "float32"), T.cast(up_frag[i, j], "float32"), clamp)
+            # one expression (no local bound in between), as the kernel without options had it
             if weighted:
-                y_frag[i, j] = T.ieee_mul(T.ieee_mul(silu(gate), up), row_weight(weights_T, pm * tile_m + i))
+                y_frag[i, j] = T.ieee_mul(
+                    T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp)),
+                    row_weight(weights_T, pm * tile_m + i),
+                )
             else:
-                y_frag[i, j] = T.ieee_mul(silu(gate), up)
+                y_frag[i, j] = T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp))
 
     @T.prim_func
     def swiglu_forward(
@@ -222,7 +229,7 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited:
                 for i, j in T.Parallel(tile_m, tile_n):
                     gate_in = T.cast(gate_frag[i, j], "float32")
                     up_in = T.cast(up_frag[i, j], "float32")
-                    gate, up = clamped(gate_in, up_in, clamp)
+                    gate, up = clamp_gate(gate_in, clamp), clamp_up(up_in, clamp)
                     grad = T.cast(grad_frag[i, j], "float32")
                     scaled = T.ieee_mul(grad, row_weight(weights_T, pm * tile_m + i)) if weighted else grad
                     sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
