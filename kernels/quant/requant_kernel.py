@@ -112,7 +112,8 @@ def requant(
     check_tensor("q", q, dtype=E4M3, ndim=2)
     check_cuda("q", q)
     for name, block in (("in_block", in_block), ("out_block", out_block)):
-        if not isinstance(block, tuple) or not supports_block(block):
+        if not (isinstance(block, tuple) and len(block) == 2 and all(type(b) is int for b in block)
+                and supports_block(block)):
             raise ValueError(f"{name}: expected two powers of two up to 1024, not both 1, got {block!r}")
     if pack_sf and not round_sf:
         raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
