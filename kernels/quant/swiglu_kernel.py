@@ -1,5 +1,6 @@
 """SwiGLU kernels: forward (optionally fused with the per-token FP8 cast of its float32 result) and
-backward (see :mod:`kernels.quant.reference` for the functions).
+backward, each optionally with per-row weights and a clamp of its inputs, compiled in only where
+asked for (see :mod:`kernels.quant.reference` for the functions).
 
 A CTA covers ``[tile_m, tile_n]`` of the output (whole scale groups when casting, as in
 :mod:`kernels.quant.blockwise_cast_kernel`), loading the matching gate and up tiles with 16-byte
