@@ -36,6 +36,7 @@ def get_per_token_scaled_cast_back_kernel(num_cols: int, group: int, fmt: str, s
     tile_n = groups * group
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
+    gsf_dtype = "float32"
 
     @T.macro
     def body(q, sf_TG, gsf_T, out_TD):
@@ -68,7 +69,7 @@ def get_per_token_scaled_cast_back_kernel(num_cols: int, group: int, fmt: str, s
     def per_token_scaled_cast_back(
         q: T.Tensor[(num_rows, q_cols), q_dtype],
         sf_TG: T.Tensor[(num_rows, groups), sf_dtype],
-        gsf_T: T.Tensor[(num_rows,), "float32"],
+        gsf_T: T.Tensor[(num_rows,), gsf_dtype],
         out_TD: T.Tensor[(num_rows, num_cols), out_dtype],
     ):
         body(q, sf_TG, gsf_T, out_TD)

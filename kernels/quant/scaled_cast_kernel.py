@@ -76,6 +76,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     qmax = E2M1_MAX if fmt == "e2m1" else E4M3_MAX
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
+    gsf_dtype = "float32"
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
@@ -137,7 +138,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
         x_TD: T.Tensor[(num_rows, num_cols), in_dtype],
         q: T.Tensor[(num_rows, q_cols), q_dtype],
         sf_TG: T.Tensor[(num_rows, groups), sf_dtype],
-        gsf_T: T.Tensor[(num_rows,), "float32"],
+        gsf_T: T.Tensor[(num_rows,), gsf_dtype],
     ):
         body(x_TD, q, sf_TG, gsf_T)
 
