@@ -113,3 +113,23 @@ def test_fp4_with_e4m3_scales_is_more_accurate_than_ue8m0(seed):
 def test_bad_input_names_the_argument(call, error, argname):
     with pytest.raises(error, match=f"^{argname}: expected"):
         call(torch.randn(4, 64))
+
+
+def test_public_ops_run_the_kernels_only_where_selected(stub_kernel, monkeypatch):
+    """On the CPU the references run; where ``use_tilelang`` says so, the kernels (stubs here) for
+    the groups and widths they take, the reference for the rest."""
+    from kernels import quant
+
+    x = torch.randn(4, 64)
+    casts = stub_kernel(quant, "per_token_scaled_cast", "kernel")
+    backs = stub_kernel(quant, "per_token_scaled_cast_back", "kernel back")
+    q, sf = per_token_cast_fp4(x)
+    assert cast_back_fp4(q, sf, group=32).shape == (4, 64) and not casts and not backs
+    monkeypatch.setattr(quant, "use_tilelang", lambda device: True)
+    assert per_token_cast_fp4(x) == "kernel" and casts[-1][1] == dict(group=32, fmt="e2m1", sf_format="ue8m0")
+    assert per_token_cast_fp4_e4m3_sf(x) == "kernel" and casts[-1][1]["sf_format"] == "e4m3"
+    assert per_token_cast_e4m3_sf(x) == "kernel" and casts[-1][1]["fmt"] == "e4m3" and len(casts) == 3
+    assert cast_back_fp4(q, sf, group=32) == "kernel back" and len(backs) == 1
+    # a group the kernel does not take, a row wider than its shared memory: the reference
+    assert per_token_cast_fp4(x, group=24)[0].shape == (4, 32)
+    assert per_token_cast_fp4_e4m3_sf(torch.randn(2, 16384))[0].shape == (2, 8192) and len(casts) == 3
