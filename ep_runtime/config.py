@@ -168,6 +168,8 @@ class ModelConfig:
                  f"a divisor of hidden={self.hidden}", self.num_heads)
         _require(0 <= self.dense_layers <= self.num_layers, "model.dense_layers",
                  f"in [0, num_layers={self.num_layers}]", self.dense_layers)
+        _require(self.hidden % 2 == 0 or self.moe.dispatch_format != "e2m1", "model.hidden",
+                 "an even size with e2m1 dispatch (two values a byte)", self.hidden)
         if self.engram is not None:
             _require(all(i < self.num_layers for i in self.engram.layers), "model.engram.layers",
                      f"layers in [0, num_layers={self.num_layers})", self.engram.layers)
