@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 from .checkpoint_verify import fresh_run_refusal, steps_on_disk
-from .config import (DISPATCH_FORMATS, DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig,
-                     RouterConfig, TrainConfig)
+from .config import (DISPATCH_FORMATS, DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig,
+                     ParallelConfig, RouterConfig, TrainConfig)
 from .config_files import build, preset_names, preset_path, read_toml
 
 # Flag -> the config key it sets. Flags whose value is None (not given) leave the config's.

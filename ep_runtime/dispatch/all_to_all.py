@@ -137,8 +137,8 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
         """Moves each token once to every rank of its experts. Returns the route (without a
         layout), the received rows' routes to local experts ([R, K], -1 elsewhere), the rows
-        ([R, D], or ``Fp8Rows`` / ``Fp4Rows`` as ``dispatch_format`` says) and their weights ([R, K], 0 elsewhere). Not
-        differentiable."""
+        ([R, D], or ``Fp8Rows`` / ``Fp4Rows`` as ``dispatch_format`` says) and their weights
+        ([R, K], 0 elsewhere). Not differentiable."""
         idx_TK = topk_idx_TK.long()
         dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
         ranks_W = torch.arange(self.world, device=x_TD.device)

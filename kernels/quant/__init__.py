@@ -7,8 +7,8 @@ that are powers of two (:func:`kernels.tiles.supports_block`; 1x128, 128x128 and
 them) and the reference for any other block shape; so does ``swiglu_per_token_cast`` for its
 group. The per-token casts to e2m1 or with e4m3 scales, and their casts back, take the kernel for
 power-of-two groups of 2 to 1024 columns and rows that fit its shared memory
-(:func:`kernels.quant.scaled_cast_kernel.supports`). The expand fused with a cast (and the cast back fused with an expand) are
-:mod:`kernels.permute`'s.
+(:func:`kernels.quant.scaled_cast_kernel.supports`). The expand fused with a cast (and the cast
+back fused with an expand) are :mod:`kernels.permute`'s.
 
 Shape suffixes as in :mod:`kernels.quant.reference`.
 """

@@ -29,7 +29,7 @@ CASES = [  # (T, D, group, input dtype)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 @pytest.mark.gpu
