@@ -22,6 +22,22 @@ Scale convention (DeepSeek's, so tensors interoperate with DeepGEMM/DeepEP), per
 
 The cast to e4m3 rounds to nearest even. Dequantization is ``q.float() * sf`` broadcast per block.
 
+FP4 (e2m1: sign, 2 exponent bits, 1 mantissa bit; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) per token,
+values rounded to nearest even on that grid and saturated at +-6, two a byte: element ``2j`` in the
+low nibble of byte ``j``, ``2j + 1`` in the high nibble (TileKernels' and the PTX ``e2m1x2``
+order); a negative value keeps its sign bit even where it rounds to 0. The width must be even. Two
+scale conventions:
+
+- UE8M0 (MXFP4, groups of 32 by default): ``sf = 2**ceil(log2(amax / 6))``, ``q = e2m1(x / sf)``,
+  scales as uint8 exponents ``log2(sf) + 127``.
+- e4m3 scales under a per-token float32 scale (NVFP4's two levels, groups of 16 by default; also
+  for e4m3 values, groups of 128): ``row = max(max |x_t|, 1e-4)``, ``gsf_t = row / (448 * QMAX)``
+  (QMAX: 6 for e2m1, 448 for e4m3), ``sf = e4m3(max((amax / row) * 448, 2**-9))`` per group, and
+  the group's dequantization multiplier ``scale = float(sf) * gsf_t``: ``q = cast(x * (1 / scale))``
+  (saturating), dequantized as ``q.float() * scale``. The largest group's scale is 448, exactly
+  representable, so no scale saturates; 2**-9 (e4m3's least subnormal) keeps an all-zero group's
+  scale from being 0.
+
 Shape suffixes: T tokens, D hidden, G scale groups along the last dim, M/N matrix rows/columns,
 I intermediate (the SwiGLU output width; its input ``x_TI2`` is ``[T, 2 * I]``), P rows of an
 expert-major layout (:class:`kernels.permute.ExpertLayout`).
@@ -39,6 +55,13 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.uint8)
+E2M1_MAX = 6.0
+E4M3_LEAST = 2.0**-9  # the least positive e4m3 value (subnormal)
+# Rounding to nearest even on the e2m1 grid: a magnitude's code is how many of these it passes, where
+# a tie (0.25, 1.25, 2.5, 5) goes to the even code below it and (0.75, 1.75, 3.5) to the even code above.
+E2M1_ABOVE = (0.25, 1.25, 2.5, 5.0)  # counted when the magnitude is greater
+E2M1_FROM = (0.75, 1.75, 3.5)  # counted when the magnitude is at least this
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def per_token_cast(
@@ -197,6 +220,174 @@ def per_block_cast_lossless(
     sf_MN = sf_f32.repeat_interleave(block_m, dim=0).repeat_interleave(block_n, dim=1)[: q.shape[0], : q.shape[1]]
     out_block = (check_positive("block", block), block)
     return _blockwise_cast(x_MN, out_block, round_sf=True, pack_sf=pack_sf, amax_MN=sf_MN * E4M3_MAX)
+
+
+def per_token_cast_fp4(x_TD: torch.Tensor, *, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Casts each token to e2m1 with power-of-two (UE8M0) scales, one per ``group`` columns (MXFP4).
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16, ``D`` even.
+        group: columns per scale.
+
+    Returns:
+        ``q_TH`` ``[T, D / 2]`` uint8, two e2m1 codes a byte (module doc), and ``sf_TG``
+        ``[T, ceil(D / group)]`` uint8 exponents ``log2(sf) + 127``.
+    """
+    x_f32, amax_TG = _group_amax(x_TD, group, even=True)
+    exponent = _ceil_log2(amax_TG.clamp(min=AMAX_FLOOR) / torch.full_like(amax_TG, E2M1_MAX))
+    q_TH = pack_e2m1(_per_group(x_f32, _pow2(-exponent), group))
+    return q_TH, (exponent + 127).to(torch.uint8)
+
+
+def per_token_cast_fp4_e4m3_sf(
+    x_TD: torch.Tensor, *, group: int = 16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Casts each token to e2m1 with e4m3 scales per ``group`` columns under a float32 scale per
+    token (NVFP4's two levels, per token; module doc).
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16, ``D`` even.
+        group: columns per scale.
+
+    Returns:
+        ``q_TH`` ``[T, D / 2]`` uint8 (two e2m1 codes a byte), ``sf_TG`` ``[T, ceil(D / group)]``
+        float8_e4m3fn and ``gsf_T`` ``[T]`` float32.
+    """
+    x_f32, amax_TG = _group_amax(x_TD, group, even=True)
+    scale_TG, sf_TG, gsf_T = _two_level_scales(amax_TG, E2M1_MAX)
+    q_TH = pack_e2m1(_per_group(x_f32, torch.ones_like(scale_TG) / scale_TG, group))
+    return q_TH, sf_TG, gsf_T
+
+
+def per_token_cast_e4m3_sf(
+    x_TD: torch.Tensor, *, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`per_token_cast` with e4m3 scales under a float32 scale per token (module doc).
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16.
+        group: columns per scale.
+
+    Returns:
+        ``q_TD`` ``[T, D]`` float8_e4m3fn, ``sf_TG`` ``[T, ceil(D / group)]`` float8_e4m3fn and
+        ``gsf_T`` ``[T]`` float32.
+    """
+    x_f32, amax_TG = _group_amax(x_TD, group, even=False)
+    scale_TG, sf_TG, gsf_T = _two_level_scales(amax_TG, E4M3_MAX)
+    q_TD = _per_group(x_f32, torch.ones_like(scale_TG) / scale_TG, group).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q_TD, sf_TG, gsf_T
+
+
+def cast_back_fp4(
+    q_TH: torch.Tensor,
+    sf_TG: torch.Tensor,
+    *,
+    group: int,
+    gsf_T: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantizes :func:`per_token_cast_fp4` (uint8 UE8M0 scales) or
+    :func:`per_token_cast_fp4_e4m3_sf` (e4m3 scales and ``gsf_T``): ``e2m1 value * scale``, one
+    float32 product, rounded once to ``out_dtype``.
+
+    Args:
+        q_TH: ``[T, H]`` uint8, two e2m1 codes a byte.
+        sf_TG: ``[T, ceil(2H / group)]`` uint8 exponents or float8_e4m3fn.
+        group: columns per scale.
+        gsf_T: ``[T]`` float32 with e4m3 scales, else None.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[T, 2H]`` in ``out_dtype``.
+    """
+    check_tensor("q_TH", q_TH, dtype=torch.uint8, ndim=2)
+    scale_TG = _group_scales(sf_TG, gsf_T, q_TH, 2 * q_TH.shape[1], group, (torch.uint8, E4M3))
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    return _per_group(unpack_e2m1(q_TH), scale_TG, group).to(out_dtype)
+
+
+def cast_back_e4m3_sf(
+    q_TD: torch.Tensor, sf_TG: torch.Tensor, gsf_T: torch.Tensor, *, group: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantizes :func:`per_token_cast_e4m3_sf`: ``q.float() * (float(sf) * gsf)``.
+
+    Args:
+        q_TD: ``[T, D]`` float8_e4m3fn.
+        sf_TG: ``[T, ceil(D / group)]`` float8_e4m3fn.
+        gsf_T: ``[T]`` float32.
+        group: columns per scale.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[T, D]`` in ``out_dtype``.
+    """
+    check_tensor("q_TD", q_TD, dtype=E4M3, ndim=2)
+    scale_TG = _group_scales(sf_TG, gsf_T, q_TD, q_TD.shape[1], group, (E4M3,))
+    check_dtype("out_dtype", out_dtype, FLOAT_DTYPES)
+    return _per_group(q_TD.float(), scale_TG, group).to(out_dtype)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """float32 values to e2m1 codes (uint8, 0..15), rounded to nearest even, saturated at +-6; NaN
+    gives code 0."""
+    mag = v.abs()
+    code = sum((mag > t).to(torch.uint8) for t in E2M1_ABOVE) + sum((mag >= t).to(torch.uint8) for t in E2M1_FROM)
+    return code | ((v < 0).to(torch.uint8) << 3)
+
+
+def pack_e2m1(v_TD: torch.Tensor) -> torch.Tensor:
+    """``[T, D]`` float32 (D even) to ``[T, D / 2]`` uint8, element ``2j`` in the low nibble."""
+    codes = e2m1_codes(v_TD)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_e2m1(q_TH: torch.Tensor) -> torch.Tensor:
+    """``[T, H]`` uint8 of two e2m1 codes to ``[T, 2H]`` float32 (the inverse of :func:`pack_e2m1`
+    on the grid; a negative zero stays -0.0)."""
+    codes = torch.stack([q_TH & 0xF, q_TH >> 4], dim=-1).flatten(1)
+    values = torch.tensor(E2M1_VALUES, device=q_TH.device)[(codes & 7).long()]
+    return torch.where(codes >= 8, -values, values)
+
+
+def _group_amax(x_TD: torch.Tensor, group: int, *, even: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validates a per-token cast's input; returns it in float32 and each group's amax ``[T, G]``."""
+    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
+    check_positive("group", group)
+    if even and x_TD.shape[1] % 2:
+        raise ValueError(f"x_TD: expected an even width (two e2m1 values a byte), got shape {tuple(x_TD.shape)}")
+    t, d = x_TD.shape
+    g = _cdiv(d, group)
+    x_f32 = x_TD.float()
+    amax_TG = F.pad(x_f32.abs(), (0, g * group - d)).view(t, g, group).amax(dim=2)
+    return x_f32, amax_TG
+
+
+def _two_level_scales(amax_TG: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale_TG float32, sf_TG e4m3, gsf_T float32)`` of the two-level convention (module doc)."""
+    row_T = amax_TG.amax(dim=1) if amax_TG.shape[1] else amax_TG.new_zeros(amax_TG.shape[0])
+    row_T = row_T.clamp(min=AMAX_FLOOR)
+    gsf_T = row_T / torch.full_like(row_T, E4M3_MAX * qmax)
+    ratio_TG = amax_TG / row_T[:, None]
+    sf_TG = (ratio_TG * E4M3_MAX).clamp(min=E4M3_LEAST).to(E4M3)
+    return sf_TG.float() * gsf_T[:, None], sf_TG, gsf_T
+
+
+def _per_group(v_TD: torch.Tensor, per_group_TG: torch.Tensor, group: int) -> torch.Tensor:
+    """``v * per_group`` with each group's factor broadcast over its columns (float32)."""
+    return v_TD * per_group_TG.repeat_interleave(group, dim=1)[:, : v_TD.shape[1]]
+
+
+def _group_scales(sf_TG, gsf_T, q, width: int, group: int, sf_dtypes) -> torch.Tensor:
+    """Validates a per-token cast back's scales; returns each group's float32 multiplier."""
+    check_positive("group", group)
+    check_tensor("sf_TG", sf_TG, dtype=sf_dtypes, shape=(q.shape[0], _cdiv(width, group)), device=q.device)
+    if sf_TG.dtype == torch.uint8:
+        if gsf_T is not None:
+            raise ValueError("gsf_T: expected None with UE8M0 (uint8) scales, got a tensor")
+        return _unpack_sf(sf_TG)
+    check_tensor("gsf_T", gsf_T, dtype=torch.float32, shape=(q.shape[0],), device=q.device)
+    return sf_TG.float() * gsf_T[:, None]
 
 
 def swiglu(

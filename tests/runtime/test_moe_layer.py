@@ -103,11 +103,11 @@ def test_make_dispatcher_without_a_group_is_the_identity_all_to_all_with_the_con
                                    "deepep": DeepEPDispatcher, "hierarchical": HierarchicalDispatcher}
     ctx = single_process(torch.device("cpu"))
     for name in DISPATCHERS:
-        cfg = MoEConfig(num_experts=16, alignment=16, fp8_dispatch=True, fp8_combine=name != "deepep", dispatcher=name)
+        cfg = MoEConfig(num_experts=16, alignment=16, dispatch_format="e4m3", fp8_combine=name != "deepep", dispatcher=name)
         d = make_dispatcher(cfg, ctx)
         assert type(d) is AllToAllDispatcher and d.group is None and (d.world, d.ep_rank) == (1, 0), name
-        assert (d.num_experts, d.num_local_experts, d.alignment, d.fp8, d.fp8_combine) == (16, 16, 16, True,
-                                                                                            name != "deepep"), name
+        assert (d.num_experts, d.num_local_experts, d.alignment, d.dispatch_format, d.fp8_combine) == (
+            16, 16, 16, "e4m3", name != "deepep"), name
     bad = MoEConfig()
     object.__setattr__(bad, "dispatcher", "mpi")  # past the config's own check
     with pytest.raises(ValueError, match=r"^model\.moe\.dispatcher: expected one of \('all_to_all', 'nvlink', "
