@@ -14,9 +14,14 @@ Otherwise a CTA (up to 256 threads) stages a ``[tile_m, tile_n]`` tile
 in shared memory (128 x 128 for 1- and 2-byte elements, 64 x 64 otherwise; fewer rows when the matrix
 has fewer, down to 8), read from ``x`` with row-contiguous
 vectors; each thread then gathers a column run of up to 16 bytes from shared memory into registers and
-stores it as one vector along the output row. Shared rows are padded by 4 bytes so column reads
-spread over the banks (a swizzle or in-register 4x4 byte transposes would remove the remaining
-conflicts for 1-byte elements).
+stores it as one vector along the output row. A warp's reads take 8 row groups (of such runs) x 4
+adjacent columns, so that 8 lanes store one contiguous 128-byte run of an output row, and the tile's
+16-byte chunks are swizzled (chunk XOR row group), so that the 8 row groups' reads fall in 8
+different chunks of the banks: no conflicts either way, and no padding to break the 16-byte stores.
+At [8, 2048, 7168] bf16 on an H200 this took 115.0 us (96% of copy; torch.compile 115.7); tiles
+padded by 4 bytes with a warp on 16 row groups of one column (4-way conflicts on the reads, the
+stores split in four) took 135.0, and a warp on 32 adjacent columns of one row group (each store
+half a 32-byte sector) 275.5.
 
 Shape suffixes: B batch, M rows, N columns.
 """
