@@ -8,7 +8,10 @@ expert with fewer replicas than nodes away from its group's home node (the node 
 group now), or, for an expert with at least one replica per node, a second replica on one node
 (each node's tokens should find one at home); each counted at the replica's share of the load.
 
-While the busiest GPU is above the target, a move lowers it:
+First, replica counts follow the fresh plan's: spare replicas of experts above their fresh count are
+re-purposed into experts below it, placed where a fresh plan puts extra replicas (one per node once
+an expert has enough, else beside its other replicas). Then, while the busiest GPU is above the
+target, a move lowers it:
 
 * **swap** two replicas between the busiest GPU and another one;
 * **re-purpose** a replica of an expert with spare replicas, on any GPU, into one more replica of an
