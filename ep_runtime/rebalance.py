@@ -84,6 +84,8 @@ class Rebalancer:
         if ctx.pp_size > 1:
             raise ValueError(f"train.replan_every: expected a job without pipeline stages (parallel.pp 1) to re-plan "
                              f"online, got parallel.pp {ctx.pp_size}")
+        if not model.moe_layers:
+            raise ValueError("train.replan_every: expected a model with MoE layers to re-plan, got none")
         self.model, self.optimizer, self.ctx = model, optimizer, ctx
         self.every, self.max_moved = every, max_moved
         self.expert_groups = expert_groups if expert_groups > 1 else None

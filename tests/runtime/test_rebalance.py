@@ -131,3 +131,5 @@ def test_bad_replan_settings_are_named():
     with pytest.raises(ValueError, match=r"expected a job without pipeline stages \(parallel.pp 1\) to re-plan "
                                          r"online, got parallel.pp 2"):
         Rebalancer(SimpleNamespace(moe_layers=[]), None, SimpleNamespace(pp_size=2), every=3, max_moved=0.1)
+    with pytest.raises(ValueError, match=r"train.replan_every: expected a model with MoE layers to re-plan, got none"):
+        Rebalancer(SimpleNamespace(moe_layers=[]), None, SimpleNamespace(pp_size=1), every=3, max_moved=0.1)
