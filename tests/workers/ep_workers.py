@@ -44,12 +44,14 @@ def build_layer(cfg: MoEConfig, ctx, routing: str) -> MoELayer:
     if routing == "masked":  # some routes masked, and whole tokens without any route
         forward = layer.router.forward
 
-        def masked(x_TD):  # chosen by the token's values, so EP and single process mask alike
-            r = forward(x_TD)
+        def masked(x_TD, **options):  # chosen by the token's values, so EP and single process mask alike
+            r = forward(x_TD, **options)  # no placement: the physical routes are the logical ones
             idx = r.topk_idx_TK.clone()
             for t in range(x_TD.shape[0]):
                 idx[t, sorted(masked_routes(x_TD[t]))] = -1
-            return dataclasses.replace(r, topk_idx_TK=idx, topk_weights_TK=r.topk_weights_TK * (idx >= 0))
+            counts = torch.bincount(idx[idx >= 0], minlength=cfg.num_experts).int()
+            return dataclasses.replace(r, topk_idx_TK=idx, physical_idx_TK=idx, counts_E=counts,
+                                       topk_weights_TK=r.topk_weights_TK * (idx >= 0))
 
         layer.router.forward = masked
     return layer
