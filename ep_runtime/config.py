@@ -228,6 +228,8 @@ class TrainConfig:
     resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
     overwrite: bool = False  # a fresh run deletes the checkpoints it finds (else it refuses to start)
     profile: bool = False  # write a torch profiler trace of a few steps into out_dir/name/profile/
+    replan_every: int = 0  # steps between online re-plans of the expert placement (ep_runtime/rebalance.py); 0: off
+    replan_max_moved: float = 0.08  # the most slots of a MoE layer (a fraction) one re-plan may move
 
     @property
     def warmup_steps(self) -> int:
@@ -242,6 +244,9 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
         _require(self.max_grad_norm >= 0, "train.max_grad_norm", ">= 0", self.max_grad_norm)
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", self.checkpoint_every)
+        _require(_is_int(self.replan_every) and self.replan_every >= 0, "train.replan_every", "an int >= 0",
+                 self.replan_every)
+        _require(0 <= self.replan_max_moved <= 1, "train.replan_max_moved", "in [0, 1]", self.replan_max_moved)
         _require(self.log_level in LOG_LEVELS, "train.log_level", f"one of {LOG_LEVELS}", self.log_level)
 
 

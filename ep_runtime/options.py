@@ -33,7 +33,8 @@ FLAGS = {
     "--max-grad-norm": "train.max_grad_norm", "--seed": "train.seed", "--out": "train.out_dir",
     "--name": "train.name", "--log-every": "train.log_every", "--log-level": "train.log_level",
     "--checkpoint-every": "train.checkpoint_every", "--resume": "train.resume", "--overwrite": "train.overwrite",
-    "--profile": "train.profile",
+    "--profile": "train.profile", "--replan-every": "train.replan_every",
+    "--replan-max-moved": "train.replan_max_moved",
 }
 
 
@@ -98,6 +99,13 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      help="a fresh run deletes the checkpoints under OUT/NAME/ckpt/ (default: it refuses to start)")
     run.add_argument("--profile", action="store_const", const=True,
                      help="write a torch profiler trace of a few steps into OUT/NAME/profile/ (default: off)")
+    run.add_argument("--replan-every", type=int, metavar="N",
+                     help="every N steps re-plan the expert placement from the measured expert loads in a background "
+                          "thread and move experts (with their optimizer state) between EP ranks at the next step "
+                          "boundary (default 0: off)")
+    run.add_argument("--replan-max-moved", type=float, metavar="F",
+                     help=f"the most slots of a MoE layer (a fraction) one re-plan may move (default "
+                          f"{t.replan_max_moved})")
     return p
 
 
