@@ -62,8 +62,9 @@ log = logging.getLogger("ep_runtime.checkpoint")
 KEEP = 2  # complete steps kept on disk; older ones are deleted once a save is complete
 # Model options a resumed job may change: how tokens travel and what is recomputed, not the tensors
 # or the function they compute. Every other ``model.*`` option must be the one saved.
-RUNTIME_OPTIONS = frozenset({"model.moe.dispatcher", "model.moe.max_tokens_per_rank", "model.moe.fp8_dispatch",
-                             "model.moe.fp8_combine", "model.mhc.recompute"})
+# ``model.moe.fp8_dispatch`` is how checkpoints written before ``dispatch_format`` name it.
+RUNTIME_OPTIONS = frozenset({"model.moe.dispatcher", "model.moe.max_tokens_per_rank", "model.moe.dispatch_format",
+                             "model.moe.fp8_dispatch", "model.moe.fp8_combine", "model.mhc.recompute"})
 _ROWS = re.compile(r"\[rows (\d+):(\d+)\]$")
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("all_to_all", "nvlink", "deepep")
+# How tokens travel to their experts (``model.moe.dispatch_format``): as they are, as FP8 e4m3 with
+# per-token 1x128 float32 scales, or as FP4 e2m1 with e4m3 scales per 16 columns under a float32
+# scale per token (kernels.quant.per_token_cast_fp4_e4m3_sf; all_to_all only).
+DISPATCH_FORMATS = ("bf16", "e4m3", "e2m1")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "overlap")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -62,7 +66,7 @@ class MoEConfig:
     # costs padding rows that every pass over the layout writes or reads (MoE layer 38.7 vs 36.3 ms at
     # the DeepSeek-V3 shape on an H100).
     alignment: int = 8
-    fp8_dispatch: bool = False  # tokens travel as FP8 e4m3 with per-token 1x128 scales
+    dispatch_format: str = "bf16"  # one of DISPATCH_FORMATS; "bf16": the activations' dtype, unquantized
     fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all, nvlink, and both stages across nodes)
     dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
@@ -75,6 +79,11 @@ class MoEConfig:
         _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts", ">= 0", self.num_shared_experts)
         _require(self.alignment >= 1, f"{p}.alignment", ">= 1", self.alignment)
         _require(self.dispatcher in DISPATCHERS, f"{p}.dispatcher", f"one of {DISPATCHERS}", self.dispatcher)
+        _require(self.dispatch_format in DISPATCH_FORMATS, f"{p}.dispatch_format", f"one of {DISPATCH_FORMATS}",
+                 self.dispatch_format)
+        _require(self.dispatch_format != "e2m1" or self.dispatcher == "all_to_all", f"{p}.dispatch_format",
+                 f"bf16 or e4m3 with the {self.dispatcher} dispatcher (e2m1 travels over all_to_all only)",
+                 self.dispatch_format)
         _require(not (self.fp8_combine and self.dispatcher == "deepep"), f"{p}.fp8_combine",
                  "false with the deepep dispatcher (its combine is bf16)", self.fp8_combine)
         _require(_is_int(self.max_tokens_per_rank) and self.max_tokens_per_rank >= 1, f"{p}.max_tokens_per_rank",
@@ -159,6 +168,8 @@ class ModelConfig:
                  f"a divisor of hidden={self.hidden}", self.num_heads)
         _require(0 <= self.dense_layers <= self.num_layers, "model.dense_layers",
                  f"in [0, num_layers={self.num_layers}]", self.dense_layers)
+        _require(self.hidden % 2 == 0 or self.moe.dispatch_format != "e2m1", "model.hidden",
+                 "an even size with e2m1 dispatch (two values a byte)", self.hidden)
         if self.engram is not None:
             _require(all(i < self.num_layers for i in self.engram.layers), "model.engram.layers",
                      f"layers in [0, num_layers={self.num_layers})", self.engram.layers)
@@ -217,6 +228,8 @@ class TrainConfig:
     resume: bool = False  # continue from the newest checkpoint (a restarted job always does, if one exists)
     overwrite: bool = False  # a fresh run deletes the checkpoints it finds (else it refuses to start)
     profile: bool = False  # write a torch profiler trace of a few steps into out_dir/name/profile/
+    replan_every: int = 0  # steps between online re-plans of the expert placement (ep_runtime/rebalance.py); 0: off
+    replan_max_moved: float = 0.08  # the most slots of a MoE layer (a fraction) one re-plan may move
 
     @property
     def warmup_steps(self) -> int:
@@ -231,6 +244,9 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
         _require(self.max_grad_norm >= 0, "train.max_grad_norm", ">= 0", self.max_grad_norm)
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", ">= 0", self.checkpoint_every)
+        _require(_is_int(self.replan_every) and self.replan_every >= 0, "train.replan_every", "an int >= 0",
+                 self.replan_every)
+        _require(0 <= self.replan_max_moved <= 1, "train.replan_max_moved", "in [0, 1]", self.replan_max_moved)
         _require(self.log_level in LOG_LEVELS, "train.log_level", f"one of {LOG_LEVELS}", self.log_level)
 
 

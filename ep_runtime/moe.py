@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.routing import expert_counts
+from kernels.routing import PhysicalMap
 from kernels.validate import check_tensor
 
 from .config import MoEConfig
 from .dispatch import Dispatcher
 from .experts import GroupedExperts, SwiGLUMLP
 from .lanes import PerLaneAttribute
-from .placement import ExpertPlacement, route_to_replicas
+from .placement import ExpertPlacement
 from .router import Router
 
 
@@ -27,7 +27,7 @@ class MoELayer(nn.Module):
     tokens between the ranks of the EP group.
 
     With a ``placement`` (``ep_runtime.placement.ExpertPlacement``) the router still picks logical
-    experts, each route then goes to one of its expert's physical replicas (deterministically, see
+    experts and its gate sends each route to one of its expert's physical replicas (deterministically, see
     ``ExpertPlacement.physical_route``), ``dispatcher`` works over the placement's ``P`` physical
     experts and this rank holds slots ``[ep_rank * P / W, (ep_rank + 1) * P / W)``, each initialised
     from its logical expert's seed. Without one, slot ``e`` is expert ``e``.
@@ -96,30 +96,44 @@ class MoELayer(nn.Module):
         """Routes by ``placement`` from now on and records its slots' experts. Moves no weights:
         ``ep_runtime.replicas.switch_placement`` does that (and calls this)."""
         self.check_placement(placement, name="placement")
-        fraction_ER, log2phy_ER = placement.route_tables(self.ep_rank)
+        physical_map = placement.physical_map(self.ep_rank)
         device = self.router.weight.device
-        # Not persistent: the placement, not the state dict, says where experts are.
-        self.register_buffer("route_fraction_ER", fraction_ER.to(device), persistent=False)
-        self.register_buffer("route_log2phy_ER", log2phy_ER.to(device), persistent=False)
+        # Buffers, so that module moves take them along; not persistent: the placement, not the state
+        # dict, says where experts are.
+        self.register_buffer("route_log2phy_ER", physical_map.log2phy_ER.to(device), persistent=False)
+        self.register_buffer("route_cdf_ER", physical_map.cdf_ER.to(device), persistent=False)
+        self.register_buffer("route_draw_E", physical_map.expert_term_E.to(device), persistent=False)
+        self._draw_steps = (physical_map.token_step, physical_map.source_term)
         self.placement = placement
         self.experts.logical_ids = tuple(placement.local_experts(self.ep_rank))
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    @property
+    def physical_map(self) -> PhysicalMap | None:
+        """The gate's replica map of this rank's tokens (None without a placement)."""
+        if self.placement is None:
+            return None
+        token_step, source_term = self._draw_steps
+        return PhysicalMap(log2phy_ER=self.route_log2phy_ER, cdf_ER=self.route_cdf_ER,
+                           expert_term_E=self.route_draw_E, token_step=token_step, source_term=source_term)
+
+    def forward(self, x_BSD: torch.Tensor, token_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_mask_BS`` ([B, S] bool, False: padding): masked tokens reach no routed expert and
+        add no load; they still pass through the shared experts."""
         check_tensor("x_BSD", x_BSD, ndim=3, shape=(None, None, self.hidden))
         dtype = self.router.weight.dtype
         if x_BSD.dtype != dtype and not torch.is_autocast_enabled(x_BSD.device.type):
             raise TypeError(f"x_BSD: expected the layer's dtype {dtype} (or autocast), got {x_BSD.dtype}")
+        if token_mask_BS is not None:
+            check_tensor("token_mask_BS", token_mask_BS, dtype=torch.bool, shape=tuple(x_BSD.shape[:2]),
+                         device=x_BSD.device)
+            token_mask_BS = token_mask_BS.flatten()
         x_TD = x_BSD.flatten(0, -2)
-        routing = self.router(x_TD)
-        topk_idx_TK = routing.topk_idx_TK  # logical experts
-        if self.placement is not None:  # physical slots
-            topk_idx_TK = route_to_replicas(topk_idx_TK, self.route_fraction_ER, self.route_log2phy_ER,
-                                            ep_rank=self.ep_rank)
-        x_PD, layout, handle = self.dispatcher.dispatch(x_TD, topk_idx_TK, routing.topk_weights_TK)
+        routing = self.router(x_TD, physical_map=self.physical_map, token_mask_T=token_mask_BS)
+        x_PD, layout, handle = self.dispatcher.dispatch(x_TD, routing.physical_idx_TK, routing.topk_weights_TK)
         out_TD = self.dispatcher.combine(self.experts(x_PD, layout), handle)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
-        self.load_E = expert_counts(routing.topk_idx_TK, self.cfg.num_experts)
+        self.load_E = routing.counts_E
         if self.cfg.router.aux_loss_coef > 0:  # none for a batch without tokens (not the last batch's)
             self.aux_loss = (self.router.balance_loss(routing, batch=x_BSD.shape[0]) if x_TD.shape[0]
                              else torch.zeros((), device=x_TD.device))

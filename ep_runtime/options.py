@@ -15,14 +15,14 @@ import re
 from pathlib import Path
 
 from .checkpoint_verify import fresh_run_refusal, steps_on_disk
-from .config import (DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig, ParallelConfig,
-                     RouterConfig, TrainConfig)
+from .config import (DISPATCH_FORMATS, DISPATCHERS, LOG_LEVELS, PIPELINE_SCHEDULES, JobConfig, ModelConfig, MoEConfig,
+                     ParallelConfig, RouterConfig, TrainConfig)
 from .config_files import build, preset_names, preset_path, read_toml
 
 # Flag -> the config key it sets. Flags whose value is None (not given) leave the config's.
 FLAGS = {
     "--layers": "model.num_layers", "--hidden": "model.hidden", "--experts": "model.moe.num_experts",
-    "--topk": "model.moe.router.topk", "--fp8-dispatch": "model.moe.fp8_dispatch",
+    "--topk": "model.moe.router.topk", "--dispatch-format": "model.moe.dispatch_format",
     "--dispatcher": "model.moe.dispatcher", "--max-tokens-per-rank": "model.moe.max_tokens_per_rank",
     "--bias-update-rate": "model.moe.router.bias_update_rate", "--aux-loss-coef": "model.moe.router.aux_loss_coef",
     "--ep": "parallel.ep", "--pp": "parallel.pp", "--microbatches": "parallel.microbatches",
@@ -33,7 +33,8 @@ FLAGS = {
     "--max-grad-norm": "train.max_grad_norm", "--seed": "train.seed", "--out": "train.out_dir",
     "--name": "train.name", "--log-every": "train.log_every", "--log-level": "train.log_level",
     "--checkpoint-every": "train.checkpoint_every", "--resume": "train.resume", "--overwrite": "train.overwrite",
-    "--profile": "train.profile",
+    "--profile": "train.profile", "--replan-every": "train.replan_every",
+    "--replan-max-moved": "train.replan_max_moved",
 }
 
 
@@ -63,8 +64,10 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     par_.add_argument("--dispatcher", choices=DISPATCHERS,
                       help=f"dispatch/combine backend (default {moe.dispatcher}; nvlink: symmetric memory, no host "
                            "sync, all_to_all between nodes when the EP group spans them; deepep: needs deep_ep)")
-    par_.add_argument("--fp8-dispatch", action="store_const", const=True,
-                      help="tokens travel as FP8 e4m3 with per-token scales (default: off)")
+    par_.add_argument("--dispatch-format", choices=DISPATCH_FORMATS,
+                      help=f"how tokens travel to their experts (default {moe.dispatch_format}: unquantized; e4m3: "
+                           "FP8 with per-token 1x128 scales; e2m1: FP4 with e4m3 scales per 16 columns, all_to_all "
+                           "only)"),
     par_.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer "
                       "call (default: --batch-size x --seq-len)")
     par_.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer "
@@ -96,6 +99,13 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                      help="a fresh run deletes the checkpoints under OUT/NAME/ckpt/ (default: it refuses to start)")
     run.add_argument("--profile", action="store_const", const=True,
                      help="write a torch profiler trace of a few steps into OUT/NAME/profile/ (default: off)")
+    run.add_argument("--replan-every", type=int, metavar="N",
+                     help="every N steps re-plan the expert placement from the measured expert loads in a background "
+                          "thread and move experts (with their optimizer state) between EP ranks at the next step "
+                          "boundary (default 0: off)")
+    run.add_argument("--replan-max-moved", type=float, metavar="F",
+                     help=f"the most slots of a MoE layer (a fraction) one re-plan may move (default "
+                          f"{t.replan_max_moved})")
     return p
 
 

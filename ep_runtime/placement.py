@@ -9,7 +9,9 @@ optimizer state), so which replica serves a route changes where the work runs, n
 * Routing: a route to logical expert ``e`` from a token of EP rank ``r`` goes to one of ``e``'s
   slots by ``topology.Plan.physical_route``'s rule (local node first, every replica serving
   ``1 / count_e`` of the routes; the pick is a pure function of the placement, ``r``'s node, ``e`` and
-  the token's position in ``r``'s batch). The dispatcher works over the ``P`` physical experts.
+  the token's position in ``r``'s batch). ``physical_map(r)`` holds it for the routing gate
+  (``kernels.routing.gate``), which picks the replicas as it routes. The dispatcher works over the
+  ``P`` physical experts.
 * Gradients and switching: ``ep_runtime.replicas`` (collectives over a model's MoE layers).
 
 Shape letters: T tokens, K routes per token, E logical experts, P physical slots over the EP group,
@@ -23,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.routing import PhysicalMap, physical_routes
 from kernels.validate import check_index_range, check_tensor
 from topology.planner import invert_phy2log
-from topology.routing import choose_replicas, replica_fractions
+from topology.routing import draw_terms, replica_fractions
 
 
-__all__ = ["ExpertPlacement", "placements_from_phy2log", "placements_from_plan", "route_to_replicas"]
+__all__ = ["ExpertPlacement", "placements_from_phy2log", "placements_from_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,19 +134,16 @@ class ExpertPlacement:
         (-1 kept). Token ``t`` is the ``t``-th row of the rank's batch."""
         check_tensor("topk_idx_TK", topk_idx_TK, ndim=2, dtype=(torch.int64, torch.int32))
         check_index_range("topk_idx_TK", topk_idx_TK, self.num_experts)
+        return physical_routes(topk_idx_TK, self.physical_map(ep_rank).to(topk_idx_TK.device))
+
+    def physical_map(self, ep_rank: int) -> PhysicalMap:
+        """The map the routing gate picks ``ep_rank``'s replicas from (``kernels.routing.gate``):
+        the replicas of ``route_tables`` and the draw of ``topology.routing``, so the gate's picks are
+        ``topology.Plan.physical_route``'s. On the CPU."""
         fraction_ER, log2phy_ER = self.route_tables(ep_rank)
-        return route_to_replicas(topk_idx_TK, fraction_ER.to(topk_idx_TK.device), log2phy_ER.to(topk_idx_TK.device),
-                                 ep_rank=ep_rank)
-
-
-def route_to_replicas(topk_idx_TK: torch.Tensor, fraction_ER: torch.Tensor, log2phy_ER: torch.Tensor, *,
-                      ep_rank: int) -> torch.Tensor:
-    """The replica pick of ``ExpertPlacement.physical_route`` from ``ep_rank``'s ``route_tables``
-    (on the routes' device, no host sync)."""
-    idx_TK = topk_idx_TK.long()
-    e_TK = idx_TK.clamp(min=0)
-    token_index_T = torch.arange(idx_TK.shape[0], device=idx_TK.device)
-    return choose_replicas(idx_TK, fraction_ER[e_TK], log2phy_ER[e_TK], token_index_T, ep_rank)
+        token_step, source_term, expert_term_E = draw_terms(ep_rank, self.num_experts)
+        return PhysicalMap.from_replicas(log2phy_ER, fraction_ER, num_physical=self.num_physical_experts,
+                                         token_step=token_step, source_term=source_term, expert_term_E=expert_term_E)
 
 
 def placements_from_phy2log(phy2log_LP: torch.Tensor, *, num_experts: int, ep_size: int,

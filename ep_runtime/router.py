@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.routing import score, sequence_balance_stats, topk_route, topk_weights
+from kernels.routing import PhysicalMap, gate, score, sequence_balance_stats, topk_weights
 from kernels.validate import check_finite, check_tensor
 
 from .config import RouterConfig
@@ -19,9 +19,11 @@ from .config import RouterConfig
 
 @dataclass(frozen=True)
 class Routing:
-    topk_idx_TK: torch.Tensor  # int64, -1 = no route
+    topk_idx_TK: torch.Tensor  # int64 logical experts, -1 = no route
     topk_weights_TK: torch.Tensor  # float32, differentiable w.r.t. the router weight
     logits_TE: torch.Tensor  # float32
+    physical_idx_TK: torch.Tensor  # int64 the routes' physical slots (the logical ids without a map)
+    counts_E: torch.Tensor  # int32 routes per logical expert
 
 
 class Router(nn.Module):
@@ -32,17 +34,21 @@ class Router(nn.Module):
         # Selection only (aux-loss-free balancing); moved by ``update_bias``, never by gradients.
         self.register_buffer("bias_E", torch.zeros(num_experts))
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, *, physical_map: PhysicalMap | None = None,
+                token_mask_T: torch.Tensor | None = None) -> Routing:
+        """Routes ``x_TD``'s tokens; with ``physical_map`` each route also picks its expert's
+        replica in the same gate; ``token_mask_T`` ([T] bool, False: not routed) leaves tokens out."""
         c = self.cfg
         logits_TE = F.linear(x_TD.float(), self.weight.float())
         check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error (the layer's one host sync)
         with torch.no_grad():
-            topk_idx_TK, _ = topk_route(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E.float(),
-                                        num_groups=c.num_groups, topk_groups=c.topk_groups,
-                                        normalize=c.normalize, routed_scaling_factor=c.routed_scaling_factor)
-        weights_TK = topk_weights(logits_TE, topk_idx_TK, scoring=c.scoring, normalize=c.normalize,
+            routes = gate(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E.float(),
+                          num_groups=c.num_groups, topk_groups=c.topk_groups, normalize=c.normalize,
+                          routed_scaling_factor=c.routed_scaling_factor, physical_map=physical_map,
+                          token_mask_T=token_mask_T, with_counts=True)
+        weights_TK = topk_weights(logits_TE, routes.logical_idx_TK, scoring=c.scoring, normalize=c.normalize,
                                   routed_scaling_factor=c.routed_scaling_factor, values=False)
-        return Routing(topk_idx_TK, weights_TK, logits_TE)
+        return Routing(routes.logical_idx_TK, weights_TK, logits_TE, routes.physical_idx_TK, routes.counts_E)
 
     def balance_loss(self, routing: Routing, batch: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss, ``aux_loss_coef * mean_b sum_e load * prob``."""

@@ -38,6 +38,7 @@ from . import checkpoint
 from .config import JobConfig
 from .data import MarkovText
 from .dispatch import make_dispatcher
+from .rebalance import Rebalancer, rank_load_imbalance
 from .replicas import sync_replica_gradients
 from .metrics import MetricsLog, StepTimes, peak_tflops, plot_loss, read_metrics, train_flops_per_token
 from .experts import GroupedExperts
@@ -242,6 +243,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     profiler = _profiler(run_dir, ctx) if t.profile else None
     if profiler:
         profiler.start()
+    rebalancer = (Rebalancer(model, optimizer, ctx, every=t.replan_every, max_moved=t.replan_max_moved,
+                             expert_groups=cfg.model.moe.router.num_groups) if t.replan_every else None)
     losses = []
     for step in range(first_step, t.steps + 1):
         at.step = step
@@ -277,6 +280,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                 dist.all_reduce(mean_loss)
             mean_loss /= data_ranks
         losses.append(float(mean_loss))
+        rank_imbalance = rank_load_imbalance(model.moe_layers, load_LE, ctx.ep_size)  # before a move
+        moved = rebalancer.after_step(step, load_LE) if rebalancer else None
         elapsed = time.perf_counter() - start
         if t.checkpoint_every and step % t.checkpoint_every == 0:
             saver.save(step, model=model, optimizer=optimizer)
@@ -287,7 +292,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                    "tokens_per_s": tokens_per_step / elapsed, "tflops_per_gpu": tflops,
                    "mfu_percent": None if peak is None else 100 * tflops / peak,
                    "step_time_s": elapsed, "time_s": parts, "expert_load": load_LE.tolist(),
-                   "load_imbalance": float(imbalance_L.max())}
+                   "load_imbalance": float(imbalance_L.max()), "rank_load_imbalance": rank_imbalance,
+                   "experts_moved": moved}
         if metrics:
             metrics.write(record_)
         if profiler:
@@ -301,6 +307,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                      record_["tokens_per_s"], tflops, mfu, "".join(f" {k} {v * 1e3:.1f} ms" for k, v in parts.items()),
                      record_["load_imbalance"], int(imbalance_L.argmax()) + 1, len(imbalance_L))
     progress.close()
+    if rebalancer:
+        rebalancer.close()
     if profiler:
         profiler.stop()
     if saver:

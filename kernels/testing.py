@@ -67,6 +67,30 @@ def routes(
     return idx_TK.to(dtype).to(device)
 
 
+def physical_map_inputs(num_experts: int, max_replicas: int, *, device: torch.device | str = "cpu",
+                        seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A replica map's inputs (:meth:`kernels.routing.PhysicalMap.from_replicas`): each expert
+    gets 1 .. ``max_replicas`` distinct slots of a placement of ``P`` slots, and random shares, some
+    of them 0 (a replica that takes none of this source's routes).
+
+    Returns:
+        log2phy_ER: [E, R] int64 slots, -1 padded; fraction_ER: [E, R] float64 (0 on padding); P.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    counts_E = torch.randint(1, max_replicas + 1, (num_experts,), generator=gen)
+    num_physical = int(counts_E.sum())
+    slots = torch.randperm(num_physical, generator=gen).split(counts_E.tolist())
+    valid_ER = torch.arange(max_replicas) < counts_E[:, None]
+    log2phy_ER = torch.full((num_experts, max_replicas), -1, dtype=torch.int64)
+    log2phy_ER[valid_ER] = torch.cat(slots)
+    fraction_ER = torch.rand(num_experts, max_replicas, generator=gen, dtype=torch.float64)
+    fraction_ER[torch.rand(num_experts, max_replicas, generator=gen) < 0.2] = 0.0
+    fraction_ER[:, 0] += 0.01  # every expert has a share somewhere
+    fraction_ER = torch.where(valid_ER, fraction_ER, 0.0)
+    fraction_ER = fraction_ER / fraction_ER.sum(1, keepdim=True)
+    return log2phy_ER.to(device), fraction_ER.to(device), num_physical
+
+
 def send_routes(num_tokens: int, topk: int, world: int, num_local_experts: int, *, seed: int = 0,
                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A dispatch's routes: distinct experts per token of ``world * num_local_experts``, about a

@@ -8,7 +8,10 @@ expert with fewer replicas than nodes away from its group's home node (the node 
 group now), or, for an expert with at least one replica per node, a second replica on one node
 (each node's tokens should find one at home); each counted at the replica's share of the load.
 
-While the busiest GPU is above the target, a move lowers it:
+First, replica counts follow the fresh plan's: spare replicas of experts above their fresh count are
+re-purposed into experts below it, placed where a fresh plan puts extra replicas (one per node once
+an expert has enough, else beside its other replicas). Then, while the busiest GPU is above the
+target, a move lowers it:
 
 * **swap** two replicas between the busiest GPU and another one;
 * **re-purpose** a replica of an expert with spare replicas, on any GPU, into one more replica of an
@@ -47,6 +50,7 @@ from .planner import (
 from .traffic import DEFAULT_TRAFFIC, TrafficModel
 
 __all__ = ["replan"]
+
 
 def replan(
     current: Plan,
@@ -116,8 +120,11 @@ def replan(
                                 for p in (current, fresh))
         fresh_off_L[layer] = _off_home(fresh.phy2log_LP[layer].numpy(), load_E, fresh_home_E, node_P, N)
         off_target = float(fresh_off_L[layer]) * (1 + locality_tolerance) + 0.002 * float(load_E.sum())
-        moved_P = _replan_layer(current.phy2log_LP[layer].numpy(), load_E, float(target_L[layer]), off_target,
-                                budget, home_E, node_of_gpu_G, G, N)
+        old_P = current.phy2log_LP[layer].numpy()
+        start_P, used = _match_counts(old_P, load_E, fresh.replica_counts_LE[layer].numpy(), node_of_gpu_G, G, N,
+                                      budget)
+        moved_P = _replan_layer(old_P, load_E, float(target_L[layer]), off_target,
+                                budget, home_E, node_of_gpu_G, G, N, start_P=start_P, used=used)
         off_L[layer] = _off_home(moved_P, load_E, home_E, node_P, N)
         short = (_max_gpu_load(moved_P, load_E, G) > target_L[layer] * (1 + 1e-9)
                  or off_L[layer] > off_target * (1 + 1e-9))
@@ -171,11 +178,12 @@ def _off_home(phy2log_P: np.ndarray, load_E: np.ndarray, home_E: np.ndarray, nod
 
 
 def _replan_layer(phy2log_P: np.ndarray, load_E: np.ndarray, target: float, off_target: float, budget: int,
-                  home_E: np.ndarray, node_of_gpu_G: np.ndarray, G: int, N: int) -> np.ndarray:
+                  home_E: np.ndarray, node_of_gpu_G: np.ndarray, G: int, N: int, *, start_P: np.ndarray,
+                  used: int) -> np.ndarray:
     """Moves of one layer (see the module docstring), at most ``budget`` slots moved."""
     P, E = len(phy2log_P), len(load_E)
     per_gpu = P // G
-    phy = phy2log_P.copy()
+    phy = start_P.copy()
     gpu_P = np.arange(P) // per_gpu
     node_P = node_of_gpu_G[gpu_P]
     count_E = np.bincount(phy, minlength=E).astype(np.float64)
@@ -183,7 +191,7 @@ def _replan_layer(phy2log_P: np.ndarray, load_E: np.ndarray, target: float, off_
     np.add.at(held_EN, (phy, node_P), 1)
     new_EG = np.zeros((E, G), dtype=bool)  # where an expert would be a moved slot: not there before
     new_EG[:] = True
-    new_EG[phy, gpu_P] = False
+    new_EG[phy2log_P, gpu_P] = False
     total = float(load_E.sum()) or 1.0
 
     def moved(e: np.ndarray, g: np.ndarray) -> np.ndarray:
@@ -195,7 +203,6 @@ def _replan_layer(phy2log_P: np.ndarray, load_E: np.ndarray, target: float, off_
         crowded = held_EN[e, n] >= (2 if leaving else 1)
         return (load_E[e] / count_E[e]) * np.where(spread, crowded, n != home_E[e])
 
-    used = 0
     load_G = np.bincount(gpu_P, weights=load_E[phy] / count_E[phy], minlength=G)
     off = _off_home(phy, load_E, home_E, node_P, N)
     for _ in range(4 * P):
@@ -228,6 +235,46 @@ def _replan_layer(phy2log_P: np.ndarray, load_E: np.ndarray, target: float, off_
         load_G = np.bincount(gpu_P, weights=load_E[phy] / count_E[phy], minlength=G)
         off = _off_home(phy, load_E, home_E, node_P, N)
     return phy
+
+
+def _match_counts(phy2log_P: np.ndarray, load_E: np.ndarray, fresh_count_E: np.ndarray, node_of_gpu_G: np.ndarray,
+                  G: int, N: int, budget: int) -> tuple[np.ndarray, int]:
+    """Re-purposes replicas of experts with more than the fresh plan's replica count into experts with
+    fewer (the one whose replicas shed the most load first), placed as a fresh plan places extra
+    replicas: on a node that lacks the expert once it has a replica per node (every node's tokens then
+    find it at home), else beside its other replicas; there on the GPU left least loaded. Replica
+    counts that lag the load cost locality step by step (remote nodes per token drift up by 5% in 40
+    re-plans when counts only change to balance the busiest GPU). Returns the new placement and its
+    moved slots (at most half of ``budget``; the rest is left to balancing)."""
+    phy = phy2log_P.copy()
+    P, E = len(phy), len(load_E)
+    gpu_P = np.arange(P) // (P // G)
+    node_P = node_of_gpu_G[gpu_P]
+    count_E = np.bincount(phy, minlength=E)
+    used = 0
+    while used < budget // 2:  # the other half balances: counts of noisy loads could take it all
+        need_E = fresh_count_E - count_E
+        if not (need_E > 0).any():
+            break
+        gain_E = np.where(need_E > 0, load_E / count_E - load_E / (count_E + 1), -np.inf)
+        f = int(gain_E.argmax())
+        spare_P = (count_E[phy] > np.maximum(fresh_count_E[phy], 1)) & (phy != f)
+        if not spare_P.any():
+            break
+        load_G = np.bincount(gpu_P, weights=load_E[phy] / count_E[phy], minlength=G)
+        holds_N = np.bincount(node_P[phy == f], minlength=N) > 0
+        # As a fresh plan places extra replicas: one per node once there are enough, else beside the others.
+        avoid_N = holds_N if count_E[f] + 1 >= N else ~holds_N
+        after_P = load_G[gpu_P] - load_E[phy] / count_E[phy] + load_E[f] / (count_E[f] + 1)
+        on_gpu_G = np.bincount(gpu_P[phy == f], minlength=G) > 0  # a second replica on one GPU is wasted
+        penalty_P = np.where(avoid_N[node_P], 10.0, 0.0) + np.where(on_gpu_G[gpu_P], 1.0, 0.0)
+        score_P = np.where(spare_P, after_P + penalty_P * load_E.sum(), np.inf)
+        x = int(score_P.argmin())
+        count_E[phy[x]] -= 1
+        phy[x] = f
+        count_E[f] += 1
+        used += 1
+    return phy, used
 
 
 def _balance_move(phy, gpu_P, node_P, hi, top, load_G, weight_E, load_E, count_E, held_EN, target, off,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["choose_replicas", "replica_draws", "replica_fractions", "slot_fractions"]
+__all__ = ["choose_replicas", "draw_terms", "replica_draws", "replica_fractions", "slot_fractions"]
 
 _PHI = 0.6180339887498949  # golden ratio conjugate: consecutive token indices spread evenly
 _PSI = 0.7548776662466927  # plastic-number conjugate: decorrelates experts
@@ -88,6 +88,13 @@ def replica_fractions(log2phy_ER: torch.Tensor, node_of_physical: torch.Tensor, 
     index = log2phy_LER.clamp(min=0).view(L, 1, E * R).expand(L, num_nodes, E * R)
     fraction_LNER = torch.where(valid_LER.unsqueeze(1), fraction_LNP.gather(2, index).view(L, num_nodes, E, R), 0.0)
     return fraction_LNER if layered else fraction_LNER[0]
+
+
+def draw_terms(source: int, num_experts: int) -> tuple[float, float, torch.Tensor]:
+    """The terms of :func:`replica_draws` for tokens of GPU ``source``, as a routing gate takes them
+    (``kernels.routing.PhysicalMap``): ``(token_step, source_term, expert_term_E)`` with
+    ``u = frac((t * token_step + source_term) + expert_term_E[e])``, the same float64 operations."""
+    return _PHI, source * _THETA, torch.arange(num_experts, dtype=torch.float64) * _PSI
 
 
 def replica_draws(expert: torch.Tensor, token_index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

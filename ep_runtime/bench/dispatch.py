@@ -112,8 +112,8 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             continue
         for backend in BACKENDS:
             if backend == "all_to_all":
-                d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment, fp8=a.fp8,
-                                       fp8_combine=a.fp8_combine)
+                d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment,
+                                       dispatch_format="e4m3" if a.fp8 else "bf16", fp8_combine=a.fp8_combine)
             else:
                 d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
                                      alignment=a.alignment, fp8=a.fp8, fp8_combine=a.fp8_combine)

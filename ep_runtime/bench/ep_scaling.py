@@ -172,7 +172,8 @@ def _make_dispatcher(spec: BenchSpec, group, device, max_tokens: int):
         return NVLinkDispatcher(num_experts=spec.num_experts, group=group, device=device, max_tokens_per_rank=max_tokens,
                                 alignment=spec.alignment, fp8=spec.fp8_dispatch)
     # One rank needs no transport.
-    return AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment, fp8=spec.fp8_dispatch)
+    return AllToAllDispatcher(num_experts=spec.num_experts, group=group, alignment=spec.alignment,
+                              dispatch_format="e4m3" if spec.fp8_dispatch else "bf16")
 
 
 def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
@@ -303,7 +304,7 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
                           topk_groups=spec.topk_groups, routed_scaling_factor=spec.routed_scaling_factor,
                           bias_update_rate=0.0)
     cfg = MoEConfig(num_experts=spec.num_experts, expert_hidden=spec.expert_hidden, num_shared_experts=1,
-                    alignment=spec.alignment, fp8_dispatch=spec.fp8_dispatch, router=router)
+                    alignment=spec.alignment, dispatch_format="e4m3" if spec.fp8_dispatch else "bf16", router=router)
     with torch.device("meta"):
         layer = MoELayer(cfg, spec.hidden, dispatcher, ep_rank=ep_rank, seed=spec.seed)
     layer = layer.to(dtype=dtype).to_empty(device=device)

@@ -55,7 +55,8 @@ MEMORY_BOUND = {
     "expand", "unexpand", "per_token_cast", "per_block_cast", "per_channel_cast", "cast_back", "swiglu",
     "swiglu_per_token_cast", "swiglu_backward", "weighted_reduce", "weighted_reduce_fp8", "batched_transpose",
     "expand_per_token_cast", "expand_cast_back", "mhc_pre_apply", "mhc_post", "engram_gate", "mhc_pre_apply_backward",
-    "mhc_post_backward", "engram_gate_backward",
+    "mhc_post_backward", "engram_gate_backward", "requant", "per_block_cast_lossless",
+    "per_token_cast_fp4", "per_token_cast_fp4_e4m3_sf", "cast_back_fp4",
 }
 # Not in it: mhc_pre_fused, mhc_norm_fn and mhc_norm_fn_backward: their projection is 24 float32 FMAs
 # per element of the streams (the FMA and shared-memory pipes, not memory; norm_fn measured 307 us

@@ -1,8 +1,10 @@
 """``bench kernels`` cases of ``kernels.reduce`` and ``kernels.transpose``: the weighted reduce (bf16,
-and FP8 rows dequantized on the way) and the batched transpose."""
+and FP8 rows dequantized on the way), the batched transpose and the scales to DeepGEMM's MN-major
+layout."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from .kernels_cases import Case, Inputs, nbytes
@@ -56,8 +58,27 @@ def _case_batched_transpose(inp: Inputs, tk) -> Case:
     )
 
 
+def _case_sf_to_mn_major(inp: Inputs, tk) -> Case:
+    from kernels import transpose
+    from kernels.quant import reference as quant
+    from kernels.transpose import reference
+
+    _, sf_TG = quant.per_token_cast(inp.x_TD, round_sf=True, pack_sf=True)
+
+    def ref(sf):
+        return reference.sf_to_mn_major(sf, pack_ue8m0=True)
+
+    t, groups = sf_TG.shape
+    return Case(
+        "sf_to_mn_major", lambda: transpose.sf_to_mn_major(sf_TG, pack_ue8m0=True), ref, (sf_TG,),
+        bytes=nbytes(sf_TG) + math.ceil(t / 4) * 4 * math.ceil(groups / 4) * 4,
+        bytes_note="read UE8M0 exponents [T,D/128] u8; write int32 words [D/512,T] (MN-major, TMA-aligned)",
+    )
+
+
 CASES: dict[str, Callable[..., Case]] = {
     "weighted_reduce": _case_weighted_reduce,
     "weighted_reduce_fp8": _case_weighted_reduce_fp8,
     "batched_transpose": _case_batched_transpose,
+    "sf_to_mn_major": _case_sf_to_mn_major,
 }

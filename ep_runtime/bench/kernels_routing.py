@@ -1,5 +1,5 @@
-"""``bench kernels`` cases of ``kernels.routing``: the router (three configurations) and the
-per-expert counts."""
+"""``bench kernels`` cases of ``kernels.routing``: the router (three configurations), the gate to
+physical replicas and the per-expert counts."""
 
 from __future__ import annotations
 
@@ -84,6 +84,42 @@ def _case_topk_route_sqrtsoftplus(inp: Inputs, tk) -> Case:
     )
 
 
+def _case_gate(inp: Inputs, tk) -> Case:
+    """The router with counts and a replica pick from a map of up to two replicas an expert (what
+    the MoE layer runs with a placement)."""
+    from kernels import routing
+    from kernels.routing import PhysicalMap, reference
+    from kernels.testing import physical_map_inputs
+
+    s, opts = inp.shape, inp.router_options
+    logits, bias = inp.logits_TE, inp.bias_E
+    log2phy_ER, fraction_ER, num_physical = physical_map_inputs(s.experts, 2)
+    physical_map = PhysicalMap.from_replicas(
+        log2phy_ER, fraction_ER, num_physical=num_physical, token_step=0.6180339887498949, source_term=0.0,
+        expert_term_E=torch.arange(s.experts, dtype=torch.float64) * 0.7548776662466927).to(logits.device)
+
+    def ref(logits_TE, bias_E):
+        routes = reference.gate(logits_TE, bias_E=bias_E, physical_map=physical_map, with_counts=True, **opts)
+        return routes.physical_idx_TK, routes.weights_TK, routes.counts_E
+
+    def ours():
+        routes = routing.gate(logits, bias_E=bias, physical_map=physical_map, with_counts=True, **opts)
+        return routes.physical_idx_TK, routes.weights_TK, routes.counts_E
+
+    def unfused():
+        idx, w, counts = routing.topk_route_with_counts(logits, bias_E=bias, **opts)
+        return routing.physical_routes(idx, physical_map), w, counts
+
+    route_bytes = nbytes(logits, bias) + s.tokens * s.topk * 12 + s.experts * 4
+    map_bytes = nbytes(physical_map.log2phy_ER, physical_map.cdf_ER, physical_map.expert_term_E)
+    return Case(
+        "gate", ours, ref, (logits, bias), bytes=route_bytes + map_bytes,
+        bytes_note="topk_route_with_counts' bytes + read the map [E,R] i32 + f64 + [E] f64", exact=False,
+        unfused=unfused, unfused_bytes=route_bytes + map_bytes + s.tokens * s.topk * 16,
+        unfused_note="topk_route_with_counts, then the reference's replica pick (reads idx [T,K] i64, writes [T,K] i64)",
+    )
+
+
 def _case_expert_counts(inp: Inputs, tk) -> Case:
     from kernels import routing
     from kernels.routing import reference
@@ -100,5 +136,6 @@ CASES: dict[str, Callable[..., Case]] = {
     "topk_route": _case_topk_route,
     "topk_route_with_counts": _case_topk_route_with_counts,
     "topk_route_sqrtsoftplus": _case_topk_route_sqrtsoftplus,
+    "gate": _case_gate,
     "expert_counts": _case_expert_counts,
 }

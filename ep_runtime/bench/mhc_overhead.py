@@ -52,7 +52,8 @@ def measure(spec: BenchSpec, *, tokens: int, streams: int, stream_dtype, device,
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = stream_dtype != dtype  # float32 streams around a bfloat16 layer: as training runs it
-    dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, alignment=spec.alignment, fp8=spec.fp8_dispatch)
+    dispatcher = AllToAllDispatcher(num_experts=spec.num_experts, alignment=spec.alignment,
+                                    dispatch_format="e4m3" if spec.fp8_dispatch else "bf16")
     moe = _build_layer(spec, dispatcher, ep_rank=0, device=device, dtype=dtype)
     hc = HyperConnection(MHCConfig(n=streams), spec.hidden).to(device)
     g = torch.Generator(device).manual_seed(spec.seed)

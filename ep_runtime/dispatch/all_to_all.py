@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from kernels.permute import ExpertLayout, expert_layout
-from kernels.quant import cast_back, per_token_cast
+from kernels.quant import cast_back, per_token_cast, per_token_cast_fp4_e4m3_sf
 from kernels.reduce import weighted_reduce
 from kernels.validate import check_routes
 
-from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
+from ..config import DISPATCH_FORMATS
+from .autograd import FP4_GROUP, FP8_GROUP, CombineFn, DispatchFn, Fp4Rows, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 
 
@@ -78,17 +79,19 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment, fp8=cfg.fp8_dispatch,
-                   fp8_combine=cfg.fp8_combine)
+        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
+                   dispatch_format=cfg.dispatch_format, fp8_combine=cfg.fp8_combine)
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None, alignment: int = 128,
-                 fp8: bool = False, fp8_combine: bool = False):
+                 dispatch_format: str = "bf16", fp8_combine: bool = False):
+        if dispatch_format not in DISPATCH_FORMATS:
+            raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {dispatch_format!r}")
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.ep_rank = dist.get_rank(group) if group is not None else 0
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.alignment = alignment
-        self.fp8, self.fp8_combine = fp8, fp8_combine
+        self.dispatch_format, self.fp8_combine = dispatch_format, fp8_combine
 
     # The transport: rows grouped by peer, in rank order.
     def scatter(self, rows_TX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
@@ -134,8 +137,8 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
     def move_tokens(self, x_TD, topk_idx_TK, topk_weights_TK):
         """Moves each token once to every rank of its experts. Returns the route (without a
         layout), the received rows' routes to local experts ([R, K], -1 elsewhere), the rows
-        ([R, D], or ``Fp8Rows`` when ``fp8``) and their weights ([R, K], 0 elsewhere). Not
-        differentiable."""
+        ([R, D], or ``Fp8Rows`` / ``Fp4Rows`` as ``dispatch_format`` says) and their weights
+        ([R, K], 0 elsewhere). Not differentiable."""
         idx_TK = topk_idx_TK.long()
         dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
         ranks_W = torch.arange(self.world, device=x_TD.device)
@@ -154,12 +157,18 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
         weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
         return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK
 
-    def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor | Fp8Rows:
+    def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor | Fp8Rows | Fp4Rows:
         """The tokens' rows at the ranks of their experts; as FP8 e4m3 with per-token 1x128 scales
-        travelling alongside when ``fp8`` (cast once per token, before the rows are copied; cast
-        back where they are expanded)."""
-        if not self.fp8:
+        travelling alongside (``dispatch_format`` "e4m3"), or as FP4 e2m1 bytes with their e4m3
+        scales and per-token scales ("e2m1"): cast once per token, before the rows are copied;
+        cast back where they are expanded."""
+        if self.dispatch_format == "bf16":
             return self.scatter(x_TD, route)
+        if self.dispatch_format == "e2m1":
+            q_TH, sf_TG, gsf_T = per_token_cast_fp4_e4m3_sf(x_TD, group=FP4_GROUP)
+            sf_RG = self.scatter(sf_TG.view(torch.uint8), route).view(torch.float8_e4m3fn)
+            return Fp4Rows(q_RH=self.scatter(q_TH, route), sf_RG=sf_RG, gsf_R=self.scatter(gsf_T, route),
+                           dtype=x_TD.dtype)
         q_TD, sf_TG = per_token_cast(x_TD, group=FP8_GROUP)
         q_RD = self.scatter(q_TD.view(torch.uint8), route).view(torch.float8_e4m3fn)
         return Fp8Rows(q_RD=q_RD, sf_RG=self.scatter(sf_TG, route), dtype=x_TD.dtype)

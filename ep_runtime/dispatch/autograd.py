@@ -5,7 +5,8 @@ rank that holds one of its experts; ``gather_home``: each received row back to i
 rank, summed there in float32; ``reduce_home``: a weighted reduce of each received row's routes,
 then ``gather_home``, which a backend may fuse into one pass) and moves the tokens forward itself
 (fused with its FP8 cast, its route planning) into the local experts' layout (``expand_rows``,
-fused with the FP8 cast back when the rows travelled as FP8, unless the backend fuses more); every
+fused with the FP8 cast back when the rows travelled as FP8, unless the backend fuses more; FP4
+rows are cast back, then expanded); every
 backward is the same for all backends and uses the kernel ops. The backward of dispatch is an
 unweighted combine, the backward of combine a dispatch.
 
@@ -25,12 +26,14 @@ import torch
 
 from kernels.permute import ExpertLayout, expand
 from kernels.permute import expand_cast_back
+from kernels.quant import cast_back_fp4
 from kernels.reduce import weighted_reduce_backward
 
 if TYPE_CHECKING:
     from .protocol import Dispatcher, Route
 
 FP8_GROUP = 128  # columns per scale of tokens that travel as FP8 (DeepSeek's 1x128)
+FP4_GROUP = 16  # columns per e4m3 scale of tokens that travel as FP4 (NVFP4's)
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,24 @@ class Fp8Rows:
     dtype: torch.dtype
 
 
-def expand_rows(rows_RD: torch.Tensor | Fp8Rows, layout: ExpertLayout) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fp4Rows:
+    """Rows as FP4 dispatch moves them (``kernels.quant.per_token_cast_fp4_e4m3_sf``): ``q_RH``
+    [R, D / 2] uint8, two e2m1 codes a byte, ``sf_RG`` [R, ceil(D / 16)] e4m3 scales and ``gsf_R``
+    [R] float32 per-row scales, standing for rows of ``dtype``."""
+
+    q_RH: torch.Tensor
+    sf_RG: torch.Tensor
+    gsf_R: torch.Tensor
+    dtype: torch.dtype
+
+
+def expand_rows(rows_RD: torch.Tensor | Fp8Rows | Fp4Rows, layout: ExpertLayout) -> torch.Tensor:
     """Received rows into the local experts' layout, in the tokens' dtype (FP8 rows dequantized
-    on the way, in one pass: ``kernels.permute.expand_cast_back``)."""
+    on the way, in one pass: ``kernels.permute.expand_cast_back``; FP4 rows dequantized first)."""
+    if isinstance(rows_RD, Fp4Rows):
+        rows = cast_back_fp4(rows_RD.q_RH, rows_RD.sf_RG, group=FP4_GROUP, gsf_T=rows_RD.gsf_R, out_dtype=rows_RD.dtype)
+        return expand(rows, layout)
     if isinstance(rows_RD, Fp8Rows):
         return expand_cast_back(rows_RD.q_RD, rows_RD.sf_RG, layout, group=FP8_GROUP, out_dtype=rows_RD.dtype)
     return expand(rows_RD, layout)

@@ -55,7 +55,8 @@ class DeepEPDispatcher(Dispatcher, name="deepep"):
             raise ValueError("model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode, and this EP group spans "
                              "nodes; use 'nvlink' (two stages: NVLink inside nodes, all_to_all between them) or "
                              "'all_to_all'")
-        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment, fp8=cfg.fp8_dispatch)
+        return cls(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
+                   fp8=cfg.dispatch_format == "e4m3")
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup, alignment: int = 128, fp8: bool = False,
                  buffer_api: types.ModuleType | None = None, num_nvl_bytes: int = 1 << 30):

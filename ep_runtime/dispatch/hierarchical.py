@@ -62,7 +62,8 @@ class HierarchicalDispatcher(Dispatcher, name="hierarchical"):
         nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
         self.ep_rank = dist.get_rank(rail_group) * per_node + dist.get_rank(node_group)  # node-major, as the experts
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, nodes * per_node)
-        self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment, fp8=fp8)
+        self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment,
+                                       dispatch_format="e4m3" if fp8 else "bf16")
         # A rank forwards at most one row per token of each node's rail peer.
         self.node = NVLinkDispatcher(num_experts=num_experts // nodes, group=node_group, device=device,
                                      max_tokens_per_rank=nodes * max_tokens_per_rank, alignment=alignment, fp8=fp8)

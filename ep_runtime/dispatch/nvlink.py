@@ -141,7 +141,7 @@ class PeerRoute:
 def node_sizes(cfg, ctx) -> dict:
     """The ``nvlink`` backends' constructor settings from ``model.moe`` and the rank's device."""
     return dict(num_experts=cfg.num_experts, device=ctx.device, max_tokens_per_rank=cfg.max_tokens_per_rank,
-                alignment=cfg.alignment, fp8=cfg.fp8_dispatch, fp8_combine=cfg.fp8_combine)
+                alignment=cfg.alignment, fp8=cfg.dispatch_format == "e4m3", fp8_combine=cfg.fp8_combine)
 
 
 class NVLinkDispatcher(Dispatcher, name="nvlink"):

@@ -46,120 +46,138 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
     num_rows = T.dynamic("num_rows")
     vec = vec or vector_width(num_cols, T.dtype(in_dtype).bytes)
     tile_m, tile_n, threads = tile or blockwise_tile(num_cols, (block_m, block_n), vec)
-    tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
     sf_dtype = "uint8" if pack_sf else "float32"
-    # Row bands of a tile: one band is ``threads * vec`` elements, i.e. ``rows_pp`` whole rows.
-    rows_pp = max(1, threads * vec // tile_n)
-    passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
+    cast_tile = tile_caster((block_m, block_n), (tile_m, tile_n, threads), vec, in_dtype, round_sf, pack_sf)
 
     @T.prim_func
     def blockwise_cast(
         x_MN: T.Tensor[(num_rows, num_cols), in_dtype],
-        q_MN: T.Tensor[(num_rows, num_cols), "float8_e4m3fn"],
+        q_MN: T.Tensor[(num_rows, num_cols), T.float8_e4m3fn],
         sf_BG: T.Tensor[(T.ceildiv(num_rows, block_m), T.ceildiv(num_cols, block_n)), sf_dtype],
     ):
         tiles_n = T.ceildiv(num_cols, tile_n)
         with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
             pm, pn = row_major(pid, tiles_n)
             x_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
-            inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
             T.annotate_layout({x_frag: vector_layout(tile_m, tile_n, threads, vec)})
             T.copy(x_MN[pm * tile_m, pn * tile_n], x_frag, disable_tma=True)
             abs_frag = T.alloc_fragment((tile_m, tile_n), in_dtype)
             abs_of(x_frag, abs_frag)
-
-            if block_m == 1:
-                # per-token: along the row inside each group (warp shuffles).
-                row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
-                T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
-                for i, g in T.Parallel(tile_gm, tile_gn):
-                    sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
-                    sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
-                    inv_frag[i, g] = inv
-            elif passes > 1 and block_n > 1 and tile_gn == 1:
-                # per-block, the tile one block: each thread's amax over its bands and vectors, a
-                # warp's by one redux.sync, then the warps' through shared memory
-                lanes_per_row = tile_n // vec
-                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
-                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
-                thread_amax = T.alloc_fragment((rows_pp, lanes_per_row), in_dtype)
-                T.reduce_max(T.reshape(partial, [rows_pp, lanes_per_row, vec]), thread_amax, dim=2)
-                warps_S = T.alloc_shared((threads // 32,), "float32")
-                for r, c in T.Parallel(rows_pp, lanes_per_row):
-                    amax = warp_amax(T.cast(thread_amax[r, c], "float32"))
-                    if (r * lanes_per_row + c) % 32 == 0:
-                        warps_S[(r * lanes_per_row + c) // 32] = amax
-                top = T.alloc_local((1,), "float32")
-                top[0] = warps_S[0]
-                for w in T.unroll(1, threads // 32):
-                    top[0] = T.max(top[0], warps_S[w])
-                sf, inv = scale_and_inverse(top[0], round_sf, pack_sf)
-                if T.get_thread_binding() == 0:
-                    sf_BG[pm, pn] = sf
-                inv_frag[0, 0] = inv
-            elif passes > 1 and block_n > 1:
-                # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
-                # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
-                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
-                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
-                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
-                band_amax = T.alloc_fragment((rows_pp, tile_gn), in_dtype)
-                T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
-                T.reduce_max(band_amax, block_amax, dim=0)
-                for g in T.Parallel(tile_gn):
-                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                    sf_BG[pm, pn * tile_gn + g] = sf
-                    inv_frag[0, g] = inv
-            elif passes > 1 and tile_n // vec <= 32:
-                # per-channel, the amax over the bands thread-local as above; then the rows of a warp
-                # meet by shuffles (lanes ``lanes_per_row`` apart hold the same columns) and the
-                # warps' in shared memory, one column a thread. Not one cross-warp reduction per
-                # column a thread holds (TileLang's reduce), nor every band row through shared
-                # memory (a 31-step chain at 128 x 32 tiles).
-                lanes_per_row = tile_n // vec
-                warp_rows = 32 // lanes_per_row
-                warps = rows_pp // warp_rows
-                partial = T.alloc_fragment((rows_pp, tile_n), in_dtype)
-                T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
-                col_max = T.alloc_fragment((rows_pp, tile_n), "float32")
-                # rows 0..warps-1: each warp's column maxima; row ``warps``: the columns' inverses
-                # (one buffer, so no barrier guards a reuse of the maxima's memory)
-                stage_S = T.alloc_shared((warps + 1, tile_n), "float32")
-                for r, j in T.Parallel(rows_pp, tile_n):
-                    col_max[r, j] = T.cast(partial[r, j], "float32")
-                    for o in T.unroll(warp_rows.bit_length() - 1):
-                        col_max[r, j] = T.max(col_max[r, j], T.shfl_xor(col_max[r, j], lanes_per_row << o))
-                    if r % warp_rows == 0:
-                        stage_S[r // warp_rows, j] = col_max[r, j]
-                block_amax = T.alloc_fragment((tile_gn,), "float32")
-                for g in T.Parallel(tile_gn):
-                    block_amax[g] = stage_S[0, g]
-                    for w in T.unroll(1, warps):
-                        block_amax[g] = T.max(block_amax[g], stage_S[w, g])
-                    sf, inv = scale_and_inverse(block_amax[g], round_sf, pack_sf)
-                    sf_BG[pm, pn * tile_gn + g] = sf
-                    stage_S[warps, g] = inv
-                for i, g in T.Parallel(tile_gm, tile_gn):
-                    inv_frag[i, g] = stage_S[warps, g]
-            else:
-                block_amax = T.alloc_fragment((tile_gn,), in_dtype)
-                if block_n > 1:
-                    row_amax = T.alloc_fragment((tile_m, tile_gn), in_dtype)
-                    T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
-                    T.reduce_max(row_amax, block_amax, dim=0)
-                else:
-                    T.reduce_max(abs_frag, block_amax, dim=0)
-                for g in T.Parallel(tile_gn):
-                    sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
-                    sf_BG[pm, pn * tile_gn + g] = sf
-                    inv_frag[0, g] = inv
-
-            for i, j in T.Parallel(tile_m, tile_n):
-                q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
-                    T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
-                )
+            cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn)
 
     return blockwise_cast
+
+
+def tile_caster(block: tuple[int, int], tile: tuple[int, int, int], vec: int, amax_dtype: str, round_sf: bool,
+                pack_sf: bool):
+    """The second half of a blockwise cast, as a macro ``cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm,
+    pn)``: from a ``[tile_m, tile_n]`` tile in registers (``x_frag``, in
+    :func:`kernels.tiles.vector_layout` with ``vec``) and the magnitudes its scales follow
+    (``abs_frag``, ``amax_dtype``: ``|x|`` for a cast), reduces each ``block`` to its amax, writes
+    the scales and the e4m3 bytes of tile ``(pm, pn)``."""
+    block_m, block_n = block
+    tile_m, tile_n, threads = tile
+    tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
+    # Row bands of a tile: one band is ``threads * vec`` elements, i.e. ``rows_pp`` whole rows.
+    rows_pp = max(1, threads * vec // tile_n)
+    passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
+
+    @T.macro
+    def cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn):
+        inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
+
+        if block_m == 1:
+            # per-token: along the row inside each group (warp shuffles).
+            row_amax = T.alloc_fragment((tile_m, tile_gn), amax_dtype)
+            T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+            for i, g in T.Parallel(tile_gm, tile_gn):
+                sf, inv = scale_and_inverse(T.cast(row_amax[i, g], "float32"), round_sf, pack_sf)
+                sf_BG[pm * tile_gm + i, pn * tile_gn + g] = sf
+                inv_frag[i, g] = inv
+        elif passes > 1 and block_n > 1 and tile_gn == 1:
+            # per-block, the tile one block: each thread's amax over its bands and vectors, a
+            # warp's by one redux.sync, then the warps' through shared memory
+            lanes_per_row = tile_n // vec
+            partial = T.alloc_fragment((rows_pp, tile_n), amax_dtype)
+            T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+            thread_amax = T.alloc_fragment((rows_pp, lanes_per_row), amax_dtype)
+            T.reduce_max(T.reshape(partial, [rows_pp, lanes_per_row, vec]), thread_amax, dim=2)
+            warps_S = T.alloc_shared((threads // 32,), "float32")
+            for r, c in T.Parallel(rows_pp, lanes_per_row):
+                amax = warp_amax(T.cast(thread_amax[r, c], "float32"))
+                if (r * lanes_per_row + c) % 32 == 0:
+                    warps_S[(r * lanes_per_row + c) // 32] = amax
+            top = T.alloc_local((1,), "float32")
+            top[0] = warps_S[0]
+            for w in T.unroll(1, threads // 32):
+                top[0] = T.max(top[0], warps_S[w])
+            sf, inv = scale_and_inverse(top[0], round_sf, pack_sf)
+            if T.get_thread_binding() == 0:
+                sf_BG[pm, pn] = sf
+            inv_frag[0, 0] = inv
+        elif passes > 1 and block_n > 1:
+            # A thread holds the same columns in each of the tile's ``passes`` row bands, so the
+            # amax over the bands is thread-local; only ``rows_pp`` rows remain to reduce.
+            partial = T.alloc_fragment((rows_pp, tile_n), amax_dtype)
+            T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+            block_amax = T.alloc_fragment((tile_gn,), amax_dtype)
+            band_amax = T.alloc_fragment((rows_pp, tile_gn), amax_dtype)
+            T.reduce_max(T.reshape(partial, [rows_pp, tile_gn, block_n]), band_amax, dim=2)
+            T.reduce_max(band_amax, block_amax, dim=0)
+            for g in T.Parallel(tile_gn):
+                sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                sf_BG[pm, pn * tile_gn + g] = sf
+                inv_frag[0, g] = inv
+        elif passes > 1 and tile_n // vec <= 32:
+            # per-channel, the amax over the bands thread-local as above; then the rows of a warp
+            # meet by shuffles (lanes ``lanes_per_row`` apart hold the same columns) and the
+            # warps' in shared memory, one column a thread. Not one cross-warp reduction per
+            # column a thread holds (TileLang's reduce), nor every band row through shared
+            # memory (a 31-step chain at 128 x 32 tiles).
+            lanes_per_row = tile_n // vec
+            warp_rows = 32 // lanes_per_row
+            warps = rows_pp // warp_rows
+            partial = T.alloc_fragment((rows_pp, tile_n), amax_dtype)
+            T.reduce_max(T.reshape(abs_frag, [passes, rows_pp, tile_n]), partial, dim=0)
+            col_max = T.alloc_fragment((rows_pp, tile_n), "float32")
+            # rows 0..warps-1: each warp's column maxima; row ``warps``: the columns' inverses
+            # (one buffer, so no barrier guards a reuse of the maxima's memory)
+            stage_S = T.alloc_shared((warps + 1, tile_n), "float32")
+            for r, j in T.Parallel(rows_pp, tile_n):
+                col_max[r, j] = T.cast(partial[r, j], "float32")
+                for o in T.unroll(warp_rows.bit_length() - 1):
+                    col_max[r, j] = T.max(col_max[r, j], T.shfl_xor(col_max[r, j], lanes_per_row << o))
+                if r % warp_rows == 0:
+                    stage_S[r // warp_rows, j] = col_max[r, j]
+            block_amax = T.alloc_fragment((tile_gn,), "float32")
+            for g in T.Parallel(tile_gn):
+                block_amax[g] = stage_S[0, g]
+                for w in T.unroll(1, warps):
+                    block_amax[g] = T.max(block_amax[g], stage_S[w, g])
+                sf, inv = scale_and_inverse(block_amax[g], round_sf, pack_sf)
+                sf_BG[pm, pn * tile_gn + g] = sf
+                stage_S[warps, g] = inv
+            for i, g in T.Parallel(tile_gm, tile_gn):
+                inv_frag[i, g] = stage_S[warps, g]
+        else:
+            block_amax = T.alloc_fragment((tile_gn,), amax_dtype)
+            if block_n > 1:
+                row_amax = T.alloc_fragment((tile_m, tile_gn), amax_dtype)
+                T.reduce_max(T.reshape(abs_frag, [tile_m, tile_gn, block_n]), row_amax, dim=2)
+                T.reduce_max(row_amax, block_amax, dim=0)
+            else:
+                T.reduce_max(abs_frag, block_amax, dim=0)
+            for g in T.Parallel(tile_gn):
+                sf, inv = scale_and_inverse(T.cast(block_amax[g], "float32"), round_sf, pack_sf)
+                sf_BG[pm, pn * tile_gn + g] = sf
+                inv_frag[0, g] = inv
+
+        for i, j in T.Parallel(tile_m, tile_n):
+            q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
+                T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
+            )
+
+    return cast_tile
 
 
 NARROW_CHANNEL_COLUMNS = 64  # per-channel tiles of few rows (see narrow_channel_tile)

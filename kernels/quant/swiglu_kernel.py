@@ -1,5 +1,6 @@
 """SwiGLU kernels: forward (optionally fused with the per-token FP8 cast of its float32 result) and
-backward (see :mod:`kernels.quant.reference` for the functions).
+backward, each optionally with per-row weights and a clamp of its inputs, compiled in only where
+asked for (see :mod:`kernels.quant.reference` for the functions).
 
 A CTA covers ``[tile_m, tile_n]`` of the output (whole scale groups when casting, as in
 :mod:`kernels.quant.blockwise_cast_kernel`), loading the matching gate and up tiles with 16-byte
@@ -18,7 +19,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_rows
+from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_clamp, check_rows, check_weights
 from kernels.tiles import (
     PASS_CONFIGS,
     blockwise_tile,
@@ -44,10 +45,29 @@ def silu(g):
     return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
 
 
+def clamp_gate(gate, clamp: float | None):
+    """The gate in float32, limited from above to ``clamp`` (where given)."""
+    gate = T.cast(gate, "float32")
+    return gate if clamp is None else T.min(gate, T.float32(clamp))
+
+
+def clamp_up(up, clamp: float | None):
+    """Up in float32, limited to ``[-clamp, clamp]`` (where given)."""
+    up = T.cast(up, "float32")
+    return up if clamp is None else T.max(T.min(up, T.float32(clamp)), T.float32(-clamp))
+
+
+@T.macro
+def row_weight(weights_T, row):
+    """``weights_T[row]``, or 0 for a row past the end (a ragged last tile), which is never stored."""
+    return T.if_then_else(row < weights_T.shape[0], weights_T[row], T.float32(0))
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_forward_kernel(
     inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False,
     limited: bool = True, tile: tuple[int, int, int] | None = None, vec: int | None = None,
+    weighted: bool = False, clamp: float | None = None,
 ):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
@@ -73,7 +93,11 @@ def get_swiglu_forward_kernel(
     one with ``torch.full`` (a fill launch per call: ~2 us of the ~64 at 16384 x 2048 on an H100).
 
     ``tile`` and ``vec`` override the tile and the elements a thread loads as one vector (for
-    tuning sweeps)."""
+    tuning sweeps).
+
+    ``weighted``: the float32 result is multiplied by ``weights_T[t]``, else ``weights_T`` is never
+    read. ``clamp``: the limit the gate (from above) and up (both sides) are clamped to first
+    (:func:`kernels.quant.reference.swiglu`); a compile-time constant, a model's."""
     num_tokens = T.dynamic("num_tokens")
     few_values = one_row and tile is None and vec is None
     vec = vec or vector_width(inter, T.dtype(dtype).bytes)
@@ -94,18 +118,26 @@ def get_swiglu_forward_kernel(
     out_dtype = "float8_e4m3fn" if cast else dtype
 
     @T.macro
-    def load_swiglu(x_TI2, pm, pn, y_frag, gate_frag, up_frag):
+    def load_swiglu(x_TI2, weights_T, pm, pn, y_frag, gate_frag, up_frag):
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
         for i, j in T.Parallel(tile_m, tile_n):
-            y_frag[i, j] = T.ieee_mul(silu(T.cast(gate_frag[i, j], "float32")), T.cast(up_frag[i, j], "float32"))
+            # one expression (no local bound in between), as the kernel without options had it
+            if weighted:
+                y_frag[i, j] = T.ieee_mul(
+                    T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp)),
+                    row_weight(weights_T, pm * tile_m + i),
+                )
+            else:
+                y_frag[i, j] = T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp))
 
     @T.prim_func
     def swiglu_forward(
         x_TI2: T.Tensor[(num_tokens, 2 * inter), dtype],
         out_TI: T.Tensor[(num_tokens, inter), out_dtype],
         sf_TG: T.Tensor[(num_tokens, T.ceildiv(inter, group)), sf_dtype],
-        rows_1: T.Tensor[(1,), "int32"],
+        rows_1: T.Tensor[(1,), T.int32],
+        weights_T: T.Tensor[(num_tokens,), T.float32],
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
@@ -117,7 +149,7 @@ def get_swiglu_forward_kernel(
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
             T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
             if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
-                load_swiglu(x_TI2, pm, pn, y_frag, gate_frag, up_frag)
+                load_swiglu(x_TI2, weights_T, pm, pn, y_frag, gate_frag, up_frag)
                 if warp_groups:  # each lane's amax, then the warp's (its group's) by one redux.sync
                     lane_amax = T.alloc_fragment((tile_m, tile_n // vec), "float32")
                     inv_v = T.alloc_fragment((tile_m, tile_n // vec), "float32")
@@ -144,18 +176,30 @@ def get_swiglu_forward_kernel(
     return swiglu_forward
 
 
+def backward_tile(inter: int, elem_bytes: int) -> tuple[int, int, int, int]:
+    """``(vec, tile_m, tile_n, threads)`` of the backward kernel for ``I = inter``."""
+    vec = vector_width(inter, elem_bytes)
+    return (vec, *blockwise_tile(inter, (1, 128), vec))
+
+
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited: bool = True):
-    """``(x_T2I, grad_TI, grad_T2I)`` kernel: ``[d gate | d up]`` of ``silu(gate) * up``.
+def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited: bool = True,
+                               weighted: bool = False, clamp: float | None = None):
+    """``(x_T2I, grad_TI, grad_T2I, rows_1, weights_T, grad_w_TN)`` kernel: ``[d gate | d up]`` of
+    ``silu(gate) * up``.
 
     ``x_T2I`` and ``grad_T2I`` are ``[T, 2 * I]`` rows viewed as ``[T, 2, I]``, so a tile's column
     bound is ``I`` in both halves: a tile reaching past ``I`` is cut there by the copies' bounds
     guards, instead of spilling into the ``up`` half (at I = 300 or 7232, say). The results go
     to fragments in the loads' layout and leave as 16-byte vector stores. ``limited`` as in
-    :func:`get_swiglu_forward_kernel`."""
+    :func:`get_swiglu_forward_kernel`.
+
+    ``weighted``: the gradient is scaled by ``weights_T[t]``, and each CTA writes its columns' share
+    of the weight's gradient, ``sum(grad * silu(gate) * up)``, to ``grad_w_TN[t, pn]`` (N: the column
+    tiles), which the wrapper sums (no atomics: the sum's order is fixed). ``clamp`` as in
+    :func:`get_swiglu_forward_kernel`; a clamped input's gradient is zero."""
     num_tokens = T.dynamic("num_tokens")
-    vec = vector_width(inter, T.dtype(dtype).bytes)
-    tile_m, tile_n, threads = blockwise_tile(inter, (1, 128), vec)
+    vec, tile_m, tile_n, threads = backward_tile(inter, T.dtype(dtype).bytes)
     layout = vector_layout(tile_m, tile_n, threads, vec)
 
     @T.prim_func
@@ -163,7 +207,9 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited:
         x_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
         grad_TI: T.Tensor[(num_tokens, inter), grad_dtype],
         grad_T2I: T.Tensor[(num_tokens, 2, inter), dtype],
-        rows_1: T.Tensor[(1,), "int32"],
+        rows_1: T.Tensor[(1,), T.int32],
+        weights_T: T.Tensor[(num_tokens,), T.float32],
+        grad_w_TN: T.Tensor[(num_tokens, T.ceildiv(inter, tile_n)), T.float32],
     ):
         tiles_n = T.ceildiv(inter, tile_n)
         with T.Kernel(T.ceildiv(num_tokens, tile_m) * tiles_n, threads=threads) as pid:
@@ -173,24 +219,40 @@ def get_swiglu_backward_kernel(inter: int, dtype: str, grad_dtype: str, limited:
             grad_frag = T.alloc_fragment((tile_m, tile_n), grad_dtype)
             d_gate_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             d_up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
-            T.annotate_layout(
-                {gate_frag: layout, up_frag: layout, grad_frag: layout, d_gate_frag: layout, d_up_frag: layout}
-            )
+            act_frag = T.alloc_fragment((tile_m, tile_n), "float32")
+            act_sum = T.alloc_fragment((tile_m,), "float32")
+            T.annotate_layout({gate_frag: layout, up_frag: layout, grad_frag: layout, d_gate_frag: layout,
+                               d_up_frag: layout, act_frag: layout})
             if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
                 T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], gate_frag, disable_tma=True)
                 T.copy(x_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], up_frag, disable_tma=True)
                 T.copy(grad_TI[pm * tile_m, pn * tile_n], grad_frag, disable_tma=True)
                 for i, j in T.Parallel(tile_m, tile_n):
-                    gate = T.cast(gate_frag[i, j], "float32")
-                    up = T.cast(up_frag[i, j], "float32")
+                    gate_in = T.cast(gate_frag[i, j], "float32")
+                    up_in = T.cast(up_frag[i, j], "float32")
+                    gate, up = clamp_gate(gate_in, clamp), clamp_up(up_in, clamp)
                     grad = T.cast(grad_frag[i, j], "float32")
+                    scaled = T.ieee_mul(grad, row_weight(weights_T, pm * tile_m + i)) if weighted else grad
                     sig = T.ieee_fdiv(T.float32(1), T.ieee_add(T.float32(1), T.exp(-gate)))
-                    # (grad * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
+                    # (scaled * up) * (sig * (1 + gate * (1 - sig))), each operation rounded
                     d_silu = T.ieee_mul(sig, T.ieee_add(T.float32(1), T.ieee_mul(gate, T.ieee_sub(T.float32(1), sig))))
-                    d_gate_frag[i, j] = T.cast(T.ieee_mul(T.ieee_mul(grad, up), d_silu), dtype)
-                    d_up_frag[i, j] = T.cast(T.ieee_mul(grad, T.ieee_mul(gate, sig)), dtype)
+                    d_gate = T.ieee_mul(T.ieee_mul(scaled, up), d_silu)
+                    d_up = T.ieee_mul(scaled, T.ieee_mul(gate, sig))
+                    if clamp is not None:  # no gradient flows through a clamped input
+                        d_gate = T.if_then_else(gate_in > T.float32(clamp), T.float32(0), d_gate)
+                        d_up = T.if_then_else(T.abs(up_in) > T.float32(clamp), T.float32(0), d_up)
+                    d_gate_frag[i, j] = T.cast(d_gate, dtype)
+                    d_up_frag[i, j] = T.cast(d_up, dtype)
+                    if weighted:  # columns past I (a ragged tile) hold no data
+                        act_frag[i, j] = T.if_then_else(
+                            pn * tile_n + j < inter, T.ieee_mul(grad, T.ieee_mul(silu(gate), up)), T.float32(0)
+                        )
                 T.copy(d_gate_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 0, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
                 T.copy(d_up_frag, grad_T2I[pm * tile_m : (pm + 1) * tile_m, 1, pn * tile_n : (pn + 1) * tile_n], disable_tma=True)
+                if weighted:
+                    T.reduce_sum(act_frag, act_sum, dim=1)
+                    for i in T.Parallel(tile_m):
+                        grad_w_TN[pm * tile_m + i, pn] = act_sum[i]
 
     return swiglu_backward
 
@@ -210,23 +272,46 @@ def _rows_arg(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
     return rows if rows is not None else torch.empty((1,), dtype=torch.int32, device=x_TI2.device)
 
 
-def swiglu(x_TI2: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+def _weights_arg(weights_T: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
+    """``weights_T``, checked, or (unweighted: the kernel never reads it) an uninitialized stand-in."""
+    if weights_T is not None:
+        return check_weights(weights_T, x_TI2).contiguous()
+    return torch.empty((x_TI2.shape[0],), dtype=torch.float32, device=x_TI2.device)
+
+
+def swiglu(
+    x_TI2: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor:
     """TileLang :func:`kernels.quant.reference.swiglu`: ``y_TI`` ``[T, I]`` in ``x_TI2.dtype``
     (``x_TI2`` on a CUDA device; copied first if not contiguous); CTAs past ``rows[0]`` return
     at once."""
     inter = _check_x(x_TI2)
     limited, rows = rows is not None, _rows_arg(rows, x_TI2)
+    weighted, weights_T = weights_T is not None, _weights_arg(weights_T, x_TI2)
+    clamp = check_clamp(clamp)
     t = x_TI2.shape[0]
     y_TI = torch.empty((t, inter), dtype=x_TI2.dtype, device=x_TI2.device)
     if t == 0 or inter == 0:
         return y_TI
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS, limited)
-    kernel(x_TI2.contiguous(), y_TI, torch.empty((t, -(-inter // 128)), device=x_TI2.device), rows)  # scales unused
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS, limited,
+                                       weighted=weighted, clamp=clamp)
+    scales_unused = torch.empty((t, -(-inter // 128)), device=x_TI2.device)
+    kernel(x_TI2.contiguous(), y_TI, scales_unused, rows, weights_T)
     return y_TI
 
 
 def swiglu_per_token_cast(
-    x_TI2: torch.Tensor, *, group: int = 128, round_sf: bool = False, pack_sf: bool = False
+    x_TI2: torch.Tensor,
+    *,
+    group: int = 128,
+    round_sf: bool = False,
+    pack_sf: bool = False,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TileLang :func:`kernels.quant.reference.swiglu_per_token_cast`: ``q_TI`` ``[T, I]``
     float8_e4m3fn and ``sf_TG`` ``[T, ceil(I / group)]`` float32 (uint8 when ``pack_sf``); ``group``
@@ -237,26 +322,44 @@ def swiglu_per_token_cast(
         raise ValueError(f"group: expected a power of two from 2 to 1024, got {group}")
     if pack_sf and not round_sf:
         raise ValueError("pack_sf: expected round_sf=True (only power-of-two scales pack), got round_sf=False")
+    weighted, weights_T = weights_T is not None, _weights_arg(weights_T, x_TI2)
+    clamp = check_clamp(clamp)
     t = x_TI2.shape[0]
     q_TI = torch.empty((t, inter), dtype=E4M3, device=x_TI2.device)
     sf_TG = torch.empty((t, -(-inter // group)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_TI2.device)
     if t == 0 or inter == 0:
         return q_TI, sf_TG
-    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS, False)
-    kernel(x_TI2.contiguous(), q_TI, sf_TG, _rows_arg(None, x_TI2))
+    kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS,
+                                       False, weighted=weighted, clamp=clamp)
+    kernel(x_TI2.contiguous(), q_TI, sf_TG, _rows_arg(None, x_TI2), weights_T)
     return q_TI, sf_TG
 
 
-def swiglu_backward(x_TI2: torch.Tensor, grad_TI: torch.Tensor, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_backward(
+    x_TI2: torch.Tensor,
+    grad_TI: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    weights_T: torch.Tensor | None = None,
+    clamp: float | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """TileLang :func:`kernels.quant.reference.swiglu_backward`: ``grad_TI2`` ``[T, 2 * I]`` in
-    ``x_TI2.dtype``; CTAs past ``rows[0]`` return at once."""
+    ``x_TI2.dtype`` (with ``weights_T``, also float32 ``grad_weights_T`` ``[T]``); CTAs past
+    ``rows[0]`` return at once."""
     inter = _check_x(x_TI2)
     limited, rows = rows is not None, _rows_arg(rows, x_TI2)
+    weighted, weights = weights_T is not None, _weights_arg(weights_T, x_TI2)
+    clamp = check_clamp(clamp)
     t = x_TI2.shape[0]
     check_tensor("grad_TI", grad_TI, dtype=FLOAT_DTYPES, shape=(t, inter), device=x_TI2.device)
     grad_TI2 = torch.empty_like(x_TI2, memory_format=torch.contiguous_format)
-    if t == 0 or inter == 0:
+    _, _, tile_n, _ = backward_tile(inter, x_TI2.element_size())
+    grad_w_TN = torch.empty((t, -(-inter // tile_n)), dtype=torch.float32, device=x_TI2.device)  # unweighted: unused
+    if t and inter:
+        kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype), limited,
+                                            weighted, clamp)
+        kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter), rows, weights,
+               grad_w_TN)
+    if not weighted:
         return grad_TI2
-    kernel = get_swiglu_backward_kernel(inter, tl_dtype(x_TI2.dtype), tl_dtype(grad_TI.dtype), limited)
-    kernel(x_TI2.contiguous().view(t, 2, inter), grad_TI.contiguous(), grad_TI2.view(t, 2, inter), rows)
-    return grad_TI2
+    return grad_TI2, grad_w_TN.sum(dim=1)

@@ -1,14 +1,17 @@
-"""Routing: router scores, top-k expert choice and weights, hash routing, load statistics.
+"""Routing: router scores, top-k expert choice and weights, the gate to physical replicas, hash
+routing, load statistics.
 
 ``reference.py`` is the specification. On devices where :func:`kernels.select.use_tilelang` is true,
 ``topk_route`` (and ``topk_route_with_counts``) run the one-kernel router of
-``topk_route_kernel.py`` and ``expert_counts`` runs ``expert_counts_kernel.py``, except where the
-reference alone has what the call asks for: float64 logits, or logits that need a gradient (the
-kernel's weights are not differentiable; ``topk_weights`` is). Kernel paths check shapes, dtypes
-and devices but no values (that would cost a host sync per call): for a token whose logits are
-not finite the kernel's routes are unspecified (a NaN score can win, with a NaN weight), where the
-reference raises. Callers that must reject NaN/Inf
-logits check them once where they sync anyway (the MoE router does).
+``topk_route_kernel.py``, ``gate`` runs that kernel with its gate stages (``gate_kernel.py``; when
+``topk + num_shared`` fits a warp) and ``expert_counts`` runs ``expert_counts_kernel.py``, except
+where the reference alone has what the call asks for: float64 logits, or logits that need a
+gradient (the kernel's weights are not differentiable; ``topk_weights`` is). ``physical_map.py``
+holds the logical -> physical replica map and the rule that picks a replica. Kernel paths check
+shapes, dtypes and devices but no values (that would cost a host sync per call): for a token whose
+logits are not finite the kernel's routes are unspecified (a NaN score can win, with a NaN weight),
+where the reference raises. Callers that must reject NaN/Inf logits check them once where they
+sync anyway (the MoE router does).
 """
 
 import torch
@@ -16,11 +19,16 @@ import torch
 from kernels.select import use_tilelang
 
 from . import reference
-from .reference import hash_route, score, sequence_balance_stats, topk_weights
+from .physical_map import PhysicalMap, physical_routes
+from .reference import GateRoutes, hash_route, score, sequence_balance_stats, topk_weights
 
 __all__ = [
+    "GateRoutes",
+    "PhysicalMap",
     "expert_counts",
+    "gate",
     "hash_route",
+    "physical_routes",
     "score",
     "sequence_balance_stats",
     "topk_route",
@@ -63,6 +71,17 @@ def topk_route_with_counts(
         return kernel(logits_TE, **options, with_counts=True)
     topk_idx_TK, topk_weights_TK = reference.topk_route(logits_TE, **options)
     return topk_idx_TK, topk_weights_TK, reference.expert_counts(topk_idx_TK, logits_TE.shape[1])
+
+
+def gate(logits_TE: torch.Tensor, **options) -> GateRoutes:
+    """Routes on physical replicas, with shared routes, a token mask and fixed routes; see
+    :func:`kernels.routing.reference.gate`."""
+    shared = options.get("num_shared", 0)
+    if isinstance(shared, int) and options.get("topk", 0) + shared <= 32 and _router_kernel_applies(logits_TE, options):
+        from .gate_kernel import gate as kernel
+
+        return kernel(logits_TE, **options)
+    return reference.gate(logits_TE, **options)
 
 
 def expert_counts(topk_idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

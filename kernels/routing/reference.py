@@ -8,6 +8,7 @@ Shape suffixes:
     E  experts
     K  routes per token (top-k)
     V  vocabulary (rows of a hash-routing table)
+    N  shared experts routed as fixed extra routes
     B  sequences in a batch
     S  tokens per sequence
 
@@ -20,6 +21,7 @@ float64 for float64 logits (so gradients can be checked in double precision).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ from kernels.validate import (
     check_positive,
     check_tensor,
 )
+
+from .physical_map import PhysicalMap, physical_routes
 
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -130,6 +134,104 @@ def topk_route(
         logits_TE, topk_idx_TK, scoring=scoring, normalize=normalize, routed_scaling_factor=routed_scaling_factor
     )
     return topk_idx_TK, weights_TK
+
+
+@dataclass(frozen=True)
+class GateRoutes:
+    """What :func:`gate` returns.
+
+    Fields:
+        physical_idx_TK: [T, K + N] int64 routes for the dispatcher: the K chosen experts' physical
+            slots, then the N shared routes' slots (logical ids without a map); -1 = no route.
+        logical_idx_TK: [T, K] int64 the chosen logical experts (-1 for a masked token): the input
+            of :func:`topk_weights` for weights with a gradient, and of the load statistics.
+        weights_TK: [T, K + N] float32 (float64 for float64 logits): the K routes' weights as
+            :func:`topk_weights` gives them, then 1.0 for each shared route; 0 where the route is -1.
+        counts_E: [E] int32 routes per logical routed expert (:func:`expert_counts` of
+            ``logical_idx_TK``), or None when not asked for.
+    """
+
+    physical_idx_TK: torch.Tensor
+    logical_idx_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    counts_E: torch.Tensor | None = None
+
+
+def gate(
+    logits_TE: torch.Tensor,
+    *,
+    topk: int,
+    scoring: str = "softmax",
+    bias_E: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int | None = None,
+    normalize: bool = False,
+    routed_scaling_factor: float = 1.0,
+    physical_map: PhysicalMap | None = None,
+    num_shared: int = 0,
+    token_mask_T: torch.Tensor | None = None,
+    fixed_T: torch.Tensor | None = None,
+    fixed_idx_TK: torch.Tensor | None = None,
+    with_counts: bool = False,
+) -> GateRoutes:
+    """The routing gate: :func:`topk_route`'s choice of logical experts, then the routes the
+    dispatcher takes, on physical replicas.
+
+    * ``physical_map``: every route (shared ones included) goes to a replica of its logical expert by
+      the rule of :mod:`kernels.routing.physical_map`; without it, routes stay logical ids.
+    * ``num_shared``: shared experts as N extra routes of every token, to logical experts
+      ``E .. E + N - 1`` with weight 1.0 (for a layer that sends its shared experts through dispatch,
+      so they can be replicated and placed like routed ones, instead of running them locally).
+    * ``token_mask_T``: False marks a token that is not routed (padding, a token another rank
+      serves): all its routes are -1 with weight 0, and it adds nothing to the counts.
+    * ``fixed_T`` / ``fixed_idx_TK``: a token with ``fixed_T`` True takes the K logical experts of
+      its ``fixed_idx_TK`` row instead of the top-k (hash-routed layers, a replay of recorded routes);
+      its weights are those experts' scores, as for chosen ones. The token mask wins over it.
+
+    Args:
+        logits_TE, topk, scoring, bias_E, num_groups, topk_groups, normalize, routed_scaling_factor:
+            as for :func:`topk_route`.
+        physical_map: a map with ``E + N`` rows on the logits' device, or None.
+        num_shared: N >= 0.
+        token_mask_T: [T] bool, or None (every token routed).
+        fixed_T: [T] bool, or None; given together with ``fixed_idx_TK``.
+        fixed_idx_TK: [T, K] int32 or int64 experts in ``[0, E)`` or -1, distinct per token (not
+            checked), or None. Read only where ``fixed_T`` is True.
+        with_counts: also return ``counts_E``.
+    """
+    logical_idx_TK, _ = topk_route(logits_TE, topk=topk, scoring=scoring, bias_E=bias_E, num_groups=num_groups,
+                                   topk_groups=topk_groups)
+    num_tokens, num_experts = logits_TE.shape
+    device = logits_TE.device
+    if isinstance(num_shared, bool) or not isinstance(num_shared, int) or num_shared < 0:
+        raise ValueError(f"num_shared: expected an int >= 0, got {num_shared!r}")
+    if (fixed_T is None) != (fixed_idx_TK is None):
+        raise ValueError(f"fixed_idx_TK: expected it given with fixed_T, got fixed_T "
+                         f"{'None' if fixed_T is None else 'a tensor'} and fixed_idx_TK "
+                         f"{'None' if fixed_idx_TK is None else 'a tensor'}")
+    if fixed_T is not None:
+        check_tensor("fixed_T", fixed_T, dtype=torch.bool, shape=(num_tokens,), device=device)
+        check_tensor("fixed_idx_TK", fixed_idx_TK, dtype=INDEX_DTYPES, shape=(num_tokens, topk), device=device)
+        check_index_range("fixed_idx_TK", fixed_idx_TK[fixed_T], num_experts)
+        logical_idx_TK = torch.where(fixed_T[:, None], fixed_idx_TK.long(), logical_idx_TK)
+    routed_T = torch.ones(num_tokens, dtype=torch.bool, device=device)
+    if token_mask_T is not None:
+        routed_T = check_tensor("token_mask_T", token_mask_T, dtype=torch.bool, shape=(num_tokens,), device=device)
+        logical_idx_TK = torch.where(routed_T[:, None], logical_idx_TK, -1)
+    weights_TK = topk_weights(logits_TE, logical_idx_TK, scoring=scoring, normalize=normalize,
+                              routed_scaling_factor=routed_scaling_factor, values=False)
+    shared_TN = torch.arange(num_experts, num_experts + num_shared, device=device).expand(num_tokens, num_shared)
+    routes_TK = torch.cat([logical_idx_TK, torch.where(routed_T[:, None], shared_TN, -1)], dim=1)
+    weights_TK = torch.cat([weights_TK, routed_T[:, None].to(weights_TK.dtype).expand(num_tokens, num_shared)], dim=1)
+    if physical_map is not None:
+        if not isinstance(physical_map, PhysicalMap):
+            raise TypeError(f"physical_map: expected a PhysicalMap, got {type(physical_map).__name__}")
+        if physical_map.num_experts != num_experts + num_shared:
+            raise ValueError(f"physical_map: expected {num_experts + num_shared} rows (experts + shared), got "
+                             f"{physical_map.num_experts}")
+        routes_TK = physical_routes(routes_TK, physical_map)
+    counts_E = expert_counts(logical_idx_TK, num_experts) if with_counts else None
+    return GateRoutes(routes_TK, logical_idx_TK, weights_TK, counts_E)
 
 
 def _stable_topk(values_TN: torch.Tensor, k: int) -> torch.Tensor:

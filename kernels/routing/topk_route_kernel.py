@@ -1,7 +1,8 @@
 """TileLang kernel of the whole router: scores, bias, group-limited stable top-k, weights, counts.
 
 Computes :func:`kernels.routing.reference.topk_route` (and, optionally, the per-expert counts of
-:func:`kernels.routing.reference.expert_counts` of its result) in one launch.
+:func:`kernels.routing.reference.expert_counts` of its result) in one launch; with the gate's
+stages compiled in, :func:`kernels.routing.reference.gate` (``gate_kernel.py`` says how).
 ``docs/design/routing.md`` has the design and the figures that decided it.
 
 Design: one warp per token, ``WARPS`` tokens per CTA (with counts, a grid of at most
@@ -45,6 +46,7 @@ Shape suffixes:
 """
 
 import functools
+from dataclasses import dataclass
 
 import tilelang
 import torch
@@ -105,11 +107,22 @@ def get_topk_route_kernel(
     normalize: bool,
     with_counts: bool,
     compact: bool = True,
+    *,
+    num_shared: int = 0,
+    with_map: bool = False,
+    with_mask: bool = False,
+    with_fixed: bool = False,
 ):
     """The router for one configuration (see the module doc); the token count and the grid
     (``num_ctas``, each warp routing tokens ``WARPS`` * ``num_ctas`` apart) are dynamic.
-    ``compact=False`` keeps the kept groups in place (the sweep's comparison)."""
+    ``compact=False`` keeps the kept groups in place (the sweep's comparison). The gate's stages
+    (``kernels.routing.gate_kernel``): ``num_shared`` extra routes, replicas picked from a physical
+    map, a token mask and fixed routes; the tensors of those left out are not read."""
     num_tokens = T.dynamic("num_tokens")
+    mask_len, fixed_len, fixed_k = T.dynamic("mask_len"), T.dynamic("fixed_len"), T.dynamic("fixed_k")
+    map_rows, replicas = T.dynamic("map_rows"), T.dynamic("replicas")
+    logical_len, logical_k = T.dynamic("logical_len"), T.dynamic("logical_k")
+    routes = topk + num_shared
     slots, group_lanes, lane_groups = lane_layout(num_experts, num_groups, topk_groups)
     group_size = num_experts // num_groups
     grouped = topk_groups < num_groups
@@ -136,10 +149,19 @@ def get_topk_route_kernel(
     def topk_route_kernel(
         logits_TE: T.Tensor[(num_tokens, num_experts), logits_dtype],
         bias_E: T.Tensor[(num_experts,), T.float32],
-        topk_idx_TK: T.Tensor[(num_tokens, topk), T.int64],
-        topk_weights_TK: T.Tensor[(num_tokens, topk), T.float32],
+        topk_idx_TK: T.Tensor[(num_tokens, routes), T.int64],
+        topk_weights_TK: T.Tensor[(num_tokens, routes), T.float32],
         counts_E: T.Tensor[(num_experts,), T.int32],
+        token_mask_T: T.Tensor[(mask_len,), T.bool],
+        fixed_T: T.Tensor[(fixed_len,), T.bool],
+        fixed_idx_TK: T.Tensor[(fixed_len, fixed_k), T.int64],
+        log2phy_ER: T.Tensor[(map_rows, replicas), T.int32],
+        cdf_ER: T.Tensor[(map_rows, replicas), T.float64],
+        expert_term_E: T.Tensor[(map_rows,), T.float64],
+        logical_idx_TK: T.Tensor[(logical_len, logical_k), T.int64],
         routed_scaling_factor: T.float32,
+        token_step: T.float64,
+        source_term: T.float64,
         num_ctas: T.int32,
     ):
         with T.Kernel(num_ctas, threads=threads) as block:
@@ -172,6 +194,10 @@ def get_topk_route_kernel(
             expert = T.alloc_var(T.int32)
             my_expert = T.alloc_var(T.int32)
             my_weight = T.alloc_var(T.float32)
+            draw = T.alloc_var(T.float64)
+            fixed_id = T.alloc_var(T.int64)
+            routed = T.alloc_var(T.int32)
+            pick = T.alloc_var(T.int32)
 
             if with_counts:
                 for s in T.serial(T.ceildiv(num_experts, threads)):
@@ -299,7 +325,17 @@ def get_topk_route_kernel(
                         if lane == k and top > KEY_NEG_INF:
                             my_expert = expert
 
-                    # 4. Weights (normalized over the K routes in rank order, then scaled), indices, counts.
+                    # 4. Fixed routes, the token mask; weights (normalized over the K routes in rank
+                    # order, then scaled), shared routes, replicas, indices, counts.
+                    if with_fixed:
+                        if fixed_T[token] and lane < topk:  # an id off [0, E) reads as -1: reads stay in bounds
+                            fixed_id = fixed_idx_TK[token, lane]
+                            my_expert = T.if_then_else(fixed_id >= 0 and fixed_id < num_experts,
+                                                       T.Cast(T.int32, fixed_id), -1)
+                    if with_mask:
+                        routed = T.Cast(T.int32, token_mask_T[token])
+                        if routed == 0:
+                            my_expert = -1
                     my_weight = 0.0
                     if lane < topk and my_expert >= 0:
                         my_weight = scores_WE[warp, my_expert]
@@ -310,10 +346,31 @@ def get_topk_route_kernel(
                         if total > 0:
                             my_weight = my_weight / total
                     if lane < topk:
-                        topk_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
-                        topk_weights_TK[token, lane] = my_weight * routed_scaling_factor
+                        my_weight = my_weight * routed_scaling_factor
                         if with_counts and my_expert >= 0:
                             T.atomic_add(hist_E[my_expert], 1)
+                        if with_map:
+                            logical_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
+                    if num_shared:
+                        if lane >= topk and lane < routes and (not with_mask or routed != 0):
+                            my_expert = num_experts + lane - topk
+                            my_weight = 1.0
+                    if with_map:
+                        if lane < routes and my_expert >= 0:
+                            # The draw of kernels.routing.physical_map, rounded op by op as torch does.
+                            draw = T.call_extern("float64", "__dadd_rn", T.call_extern(
+                                "float64", "__dadd_rn",
+                                T.call_extern("float64", "__dmul_rn", T.Cast(T.float64, token), token_step),
+                                source_term), expert_term_E[my_expert])
+                            draw = T.call_extern("float64", "__dmul_rn", draw - T.floor(draw),
+                                                 cdf_ER[my_expert, replicas - 1])
+                            pick = 0
+                            for r in T.serial(replicas - 1):
+                                pick = pick + T.Cast(T.int32, draw >= cdf_ER[my_expert, r])
+                            my_expert = log2phy_ER[my_expert, pick]
+                    if lane < routes:
+                        topk_idx_TK[token, lane] = T.Cast(T.int64, my_expert)
+                        topk_weights_TK[token, lane] = my_weight
                 if with_counts:
                     T.sync_warp()  # the warp's shared row is read before its next token writes it
 
@@ -351,9 +408,11 @@ def _router(
     logits_dtype: torch.dtype,
     normalize: bool,
     with_counts: bool,
+    gate: tuple[int, bool, bool, bool] = (0, False, False, False),
 ):
     """The compiled kernel of one configuration, its options validated once (cached: a call with a
-    known configuration costs a dictionary look-up)."""
+    known configuration costs a dictionary look-up). ``gate``: ``(num_shared, with_map, with_mask,
+    with_fixed)``, the gate's stages (see ``get_topk_route_kernel``)."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring: expected one of {SCORINGS}, got {scoring!r}")
     check_positive("topk", topk)
@@ -375,8 +434,12 @@ def _router(
     allowed = topk_groups * (num_experts // num_groups)
     if topk > min(allowed, WARP):
         raise ValueError(f"topk: expected at most {min(allowed, WARP)}, got {topk}")
+    num_shared, with_map, with_mask, with_fixed = gate
+    if topk + num_shared > WARP:
+        raise ValueError(f"num_shared: expected at most {WARP - topk} (a warp's lanes less topk), got {num_shared}")
     return get_topk_route_kernel(
-        num_experts, topk, num_groups, topk_groups, scoring, LOGIT_DTYPES[logits_dtype], bool(normalize), with_counts
+        num_experts, topk, num_groups, topk_groups, scoring, LOGIT_DTYPES[logits_dtype], bool(normalize), with_counts,
+        num_shared=num_shared, with_map=with_map, with_mask=with_mask, with_fixed=with_fixed,
     )
 
 
@@ -409,6 +472,18 @@ def topk_route(
         topk_weights_TK: [T, K] float32.
         counts_E: [E] int32, only with ``with_counts``.
     """
+    idx_TK, weights_TK, counts_E = launch(logits_TE, bias_E, topk=topk, scoring=scoring, num_groups=num_groups,
+                                          topk_groups=topk_groups, normalize=normalize,
+                                          routed_scaling_factor=routed_scaling_factor, with_counts=with_counts)
+    return (idx_TK, weights_TK, counts_E) if with_counts else (idx_TK, weights_TK)
+
+
+def launch(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, *, topk: int, scoring: str, num_groups: int,
+           topk_groups: int | None, normalize: bool, routed_scaling_factor: float, with_counts: bool,
+           gate: "GateLaunch | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks the logits and bias (attributes only), allocates the outputs and runs the router:
+    ``(topk_idx_TK, topk_weights_TK, counts_E)``, ``[T, K + num_shared]`` routes with ``gate``;
+    ``counts_E`` is zeros unless ``with_counts``."""
     # Cheap checks only (no host sync, no per-call validation of the options beyond the cache key).
     if not isinstance(logits_TE, torch.Tensor) or logits_TE.dtype not in LOGIT_DTYPES:
         check_tensor("logits_TE", logits_TE, dtype=tuple(LOGIT_DTYPES))
@@ -418,7 +493,9 @@ def topk_route(
     if not logits_TE.is_contiguous() or logits_TE.data_ptr() % 16:  # rows are read with 16-byte loads
         logits_TE = logits_TE.clone(memory_format=torch.contiguous_format)
     num_tokens, num_experts = logits_TE.shape
-    kernel = _router(num_experts, topk, num_groups, topk_groups, scoring, logits_TE.dtype, normalize, with_counts)
+    gate = gate or GateLaunch.absent(logits_TE.device)
+    kernel = _router(num_experts, topk, num_groups, topk_groups, scoring, logits_TE.dtype, normalize, with_counts,
+                     gate.flags)
     device = logits_TE.device
     if bias_E is None:
         bias_E = torch.zeros(num_experts, dtype=torch.float32, device=device)  # + 0.0 is exact
@@ -427,15 +504,45 @@ def topk_route(
     check_cuda("bias_E", bias_E)
     bias_E = bias_E.contiguous()
 
-    topk_idx_TK = torch.empty(num_tokens, topk, dtype=torch.int64, device=device)
-    topk_weights_TK = torch.empty(num_tokens, topk, dtype=torch.float32, device=device)
+    routes = topk + gate.flags[0]
+    topk_idx_TK = torch.empty(num_tokens, routes, dtype=torch.int64, device=device)
+    topk_weights_TK = torch.empty(num_tokens, routes, dtype=torch.float32, device=device)
     counts_E = (torch.zeros if with_counts else torch.empty)(num_experts, dtype=torch.int32, device=device)
     if num_tokens:
-        kernel(logits_TE, bias_E, topk_idx_TK, topk_weights_TK, counts_E, float(routed_scaling_factor),
+        kernel(logits_TE, bias_E, topk_idx_TK, topk_weights_TK, counts_E, gate.token_mask_T, gate.fixed_T,
+               gate.fixed_idx_TK, gate.log2phy_ER, gate.cdf_ER, gate.expert_term_E, gate.logical_idx_TK,
+               float(routed_scaling_factor), gate.token_step, gate.source_term,
                grid_size(num_tokens, with_counts, device))
-    if with_counts:
-        return topk_idx_TK, topk_weights_TK, counts_E
-    return topk_idx_TK, topk_weights_TK
+    return topk_idx_TK, topk_weights_TK, counts_E
+
+
+@dataclass(frozen=True)
+class GateLaunch:
+    """The gate's inputs of one launch (``kernels.routing.gate_kernel`` builds them); a stage left
+    out gets one-element stand-ins that the kernel does not read. ``flags``: ``(num_shared,
+    with_map, with_mask, with_fixed)``."""
+
+    flags: tuple[int, bool, bool, bool]
+    token_mask_T: torch.Tensor
+    fixed_T: torch.Tensor
+    fixed_idx_TK: torch.Tensor
+    log2phy_ER: torch.Tensor
+    cdf_ER: torch.Tensor
+    expert_term_E: torch.Tensor
+    logical_idx_TK: torch.Tensor
+    token_step: float = 0.0
+    source_term: float = 0.0
+
+    @staticmethod
+    @functools.cache
+    def absent(device: torch.device) -> "GateLaunch":
+        def one(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return GateLaunch(flags=(0, False, False, False), token_mask_T=one(1, dtype=torch.bool),
+                          fixed_T=one(1, dtype=torch.bool), fixed_idx_TK=one(1, 1, dtype=torch.int64),
+                          log2phy_ER=one(1, 1, dtype=torch.int32), cdf_ER=one(1, 1, dtype=torch.float64),
+                          expert_term_E=one(1, dtype=torch.float64), logical_idx_TK=one(1, 1, dtype=torch.int64))
 
 
 def grid_size(num_tokens: int, with_counts: bool, device: torch.device, ctas_per_sm: int = COUNT_CTAS_PER_SM) -> int:

@@ -1,7 +1,8 @@
 """Every dispatcher backend against one definition: combine(expert(dispatch(x))) with expert e
 multiplying by e + 1 is ``sum_k w_k (e_k + 1) x`` (and its gradients), for balanced and skewed
 routing (experts without tokens), -1 routes and tokens without any, a rank with no tokens (idle), FP8
-payloads (and FP8 rows home too, where a backend has that); ``nvlink`` and ``deepep`` (the adapter to DeepEP's Buffer, over ep-runtime's facade of
+payloads (and FP8 rows home too, where a backend has that), FP4 (e2m1) payloads where a backend
+carries them (``all_to_all``; the others refuse e2m1 in the config); ``nvlink`` and ``deepep`` (the adapter to DeepEP's Buffer, over ep-runtime's facade of
 it) give ``all_to_all``'s bits and hand each expert the same rows in the same order, ``hierarchical`` (nvlink inside nodes, all_to_all between them) the same rows; a rank that
 dispatches more tokens than the receive buffers hold gets an error naming the limit; routes naming
 an expert out of range, or one expert twice for a token, get an error naming ``topk_idx_TK``
@@ -13,13 +14,13 @@ over NVLink symmetric memory with the TileLang kernels)."""
 
 import pytest
 import torch
-from dispatch_workers import (FP8_COMBINE, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
+from dispatch_workers import (carries, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
                               nvlink_without_routes)
 
 from launch.local import launch_local
 
 CASES = [("balanced", 37, False), ("skewed", 37, False), ("masked", 37, False), ("idle", 37, False),
-         ("balanced", 64, True), ("masked", 37, True), ("masked", 37, "combine")]
+         ("balanced", 64, True), ("masked", 37, True), ("masked", 37, "combine"), ("masked", 37, "e2m1")]
 TOL = {"out": 1e-6, "grad_x": 1e-5, "grad_w": 1e-6}  # float32 sums of a few float32 products
 # FP8 rows home: each rank's part of an element is off by at most 2^-4 of itself (e4m3's 3 mantissa
 # bits), and the parts share the element's sign here (positive weights and factors); the gradients
@@ -63,7 +64,8 @@ def test_backends_conform(world, ranks_per_node, backends):
             routes = r.pop("routes_received")
             assert routes > 0 or "skewed" in case, (rank, case)
             fp8_combine = case.endswith("-fp8-combine")
-            assert sorted(r) == sorted(b for b in backends if not fp8_combine or b in FP8_COMBINE), (rank, case)
+            payload = {case_name(*c): c[2] for c in CASES}[case]
+            assert sorted(r) == sorted(b for b in backends if carries(b, payload)), (rank, case)
             for backend, errs in r.items():
                 two_stages = TOL_FP8_COMBINE_TWO_STAGES if backend == "hierarchical" else TOL_FP8_COMBINE
                 tol = two_stages if fp8_combine else TOL

@@ -103,11 +103,11 @@ def test_make_dispatcher_without_a_group_is_the_identity_all_to_all_with_the_con
                                    "deepep": DeepEPDispatcher, "hierarchical": HierarchicalDispatcher}
     ctx = single_process(torch.device("cpu"))
     for name in DISPATCHERS:
-        cfg = MoEConfig(num_experts=16, alignment=16, fp8_dispatch=True, fp8_combine=name != "deepep", dispatcher=name)
+        cfg = MoEConfig(num_experts=16, alignment=16, dispatch_format="e4m3", fp8_combine=name != "deepep", dispatcher=name)
         d = make_dispatcher(cfg, ctx)
         assert type(d) is AllToAllDispatcher and d.group is None and (d.world, d.ep_rank) == (1, 0), name
-        assert (d.num_experts, d.num_local_experts, d.alignment, d.fp8, d.fp8_combine) == (16, 16, 16, True,
-                                                                                            name != "deepep"), name
+        assert (d.num_experts, d.num_local_experts, d.alignment, d.dispatch_format, d.fp8_combine) == (
+            16, 16, 16, "e4m3", name != "deepep"), name
     bad = MoEConfig()
     object.__setattr__(bad, "dispatcher", "mpi")  # past the config's own check
     with pytest.raises(ValueError, match=r"^model\.moe\.dispatcher: expected one of \('all_to_all', 'nvlink', "
@@ -179,3 +179,23 @@ def test_bad_dispatch_and_combine_arguments_are_named(call, error, message):
     x, idx, w = torch.randn(5, 3), torch.tensor([[0, 2], [1, -1], [3, 0], [-1, -1], [2, 1]]), torch.rand(5, 2)
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         call(d, x, idx, w)
+
+
+def test_masked_tokens_reach_only_the_shared_experts(seed):
+    """A token the mask leaves out gets no routed expert and adds no load; the others route as
+    without a mask."""
+    moe = layer(topk=2)
+    x = torch.randn(2, 5, HIDDEN)
+    mask_BS = torch.rand(2, 5) < 0.6
+    mask_BS[0, 0], mask_BS[1, 4] = True, False
+    out = moe(x, mask_BS)
+    load_E = moe.load_E.clone()
+    plain = moe(x)
+    x_TD = x.flatten(0, 1)
+    routes_TK = moe.router(x_TD).topk_idx_TK
+    assert int(load_E.sum()) == 2 * int(mask_BS.sum())
+    assert torch.equal(load_E, torch.bincount(routes_TK[mask_BS.flatten()].flatten(), minlength=8).int())
+    torch.testing.assert_close(out[~mask_BS], moe.shared(x_TD)[~mask_BS.flatten()])
+    torch.testing.assert_close(out[mask_BS], plain[mask_BS])
+    with pytest.raises(ValueError, match=r"^token_mask_BS: expected a 2-D tensor, got shape \(10,\)"):
+        moe(x, mask_BS.flatten())

@@ -80,3 +80,19 @@ def test_help_states_every_default():
         if field.name in ("min_lr_ratio", "resume", "overwrite", "profile", "name", "out_dir"):  # said in words
             continue
         assert f"(default {field.default}" in text, field.name
+
+
+def test_e2m1_dispatch_only_where_the_dispatcher_carries_it(tmp_path):
+    """``all_to_all`` carries FP4 tokens of an even width; ``nvlink`` and ``deepep`` are refused
+    them before any process starts."""
+    odd = tmp_path / "odd.toml"
+    odd.write_text("[model]\nnum_heads = 1\n")
+    assert config("--dispatch-format", "e2m1").model.moe.dispatch_format == "e2m1"
+    for dispatcher in ("nvlink", "deepep"):
+        with pytest.raises(ValueError, match=rf"^--dispatch-format: expected bf16 or e4m3 with the {dispatcher} "
+                                             r"dispatcher \(e2m1 travels over all_to_all only\), got 'e2m1'$"):
+            config("--dispatcher", dispatcher, "--dispatch-format", "e2m1")
+    with pytest.raises(ValueError, match=r"^--hidden: expected an even size with e2m1 dispatch"):
+        config("--config", str(odd), "--dispatch-format", "e2m1", "--hidden", "63")
+    with pytest.raises(SystemExit):  # argparse's choices
+        config("--dispatch-format", "fp4")

@@ -86,6 +86,23 @@ def test_routes_pick_replicas_as_the_plan_does(seed):
     assert set(routes.flatten().tolist()) == {2, 3, 7, 10}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_gate_routes_to_the_plans_replicas(seed, device):
+    """The router's gate with a rank's map (the kernel on a GPU) picks the replicas the plan picks
+    for that rank's tokens."""
+    from kernels.routing import gate
+
+    topo = Topology.uniform(2, 2)
+    phy2log = torch.tensor([[0, 1, 5, 5, 2, 3, 4, 5, 6, 7, 5, 2, 0, 1, 6, 7]])
+    (placement,) = placements_from_plan(plan_from_phy2log(phy2log, torch.ones(1, 8), topo, traffic=None))
+    logits_TE = torch.randn(1000, 8)
+    for rank in range(4):
+        routes = gate(logits_TE.to(device), topk=3, scoring="sigmoid",
+                      physical_map=placement.physical_map(rank).to(device))
+        want = placement.physical_route(routes.logical_idx_TK.cpu(), ep_rank=rank)
+        assert torch.equal(routes.physical_idx_TK.cpu(), want)
+
+
 def test_ranks_of_a_node_with_one_token_each_spread_over_the_replicas():
     """Expert 0 on every rank of one node, one route each: the source term sends the four ranks'
     first tokens to different replicas, not all to one."""
@@ -185,5 +202,6 @@ def test_two_ranks_replicas_switch_and_training():
 def test_the_route_tables_are_not_in_the_state_dict():
     """The placement, not a checkpoint's state dict, says where experts are."""
     layer = _layer(PLAN_A)
-    assert {"route_fraction_ER", "route_log2phy_ER"} <= {name for name, _ in layer.named_buffers()}
-    assert not {"route_fraction_ER", "route_log2phy_ER"} & set(layer.state_dict())
+    tables = {"route_log2phy_ER", "route_cdf_ER", "route_draw_E"}
+    assert tables <= {name for name, _ in layer.named_buffers()}
+    assert not tables & set(layer.state_dict())

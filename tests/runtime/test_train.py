@@ -46,18 +46,19 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
 
 
 @needs_two_workers
-def test_fp8_dispatch_trains(tmp_path):
-    """Loss falls, and the first step's loss is not the one without FP8 (the flag reaches the
-    dispatch: the tokens' rounding to e4m3 changes the forward)."""
-    cfg = config(tmp_path, "fp8", "--fp8-dispatch", "--ep", "2")
-    assert cfg.model.moe.fp8_dispatch
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_quantized_dispatch_trains(tmp_path, fmt):
+    """Loss falls, and the first step's loss is not the one without quantized dispatch (the flag
+    reaches the dispatch: the tokens' rounding to e4m3 or e2m1 changes the forward)."""
+    cfg = config(tmp_path, fmt, "--dispatch-format", fmt, "--ep", "2")
+    assert cfg.model.moe.dispatch_format == fmt
     results = launch_local(worker, cfg, nproc=2)
     losses = results[0]["losses"]
     assert results[1]["losses"] == losses  # every rank logs the global mean
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
     plain = launch_local(worker, dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=1),
                                                      model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
-                                                         cfg.model.moe, fp8_dispatch=False))), nproc=2)
+                                                         cfg.model.moe, dispatch_format="bf16"))), nproc=2)
     assert plain[0]["losses"] == plain[1]["losses"] and plain[0]["losses"][0] != losses[0]
 
 
@@ -111,9 +112,9 @@ def test_cli_refuses_a_job_before_starting_it(tmp_path, args, message):
 
 
 def test_v4_preset_from_the_command_line(tmp_path):
-    cfg = config(tmp_path, "v4", "--model", "v4", "--fp8-dispatch", "--topk", "1")
+    cfg = config(tmp_path, "v4", "--model", "v4", "--dispatch-format", "e4m3", "--topk", "1")
     assert cfg.model.mhc is not None and cfg.model.engram is not None
-    assert cfg.model.moe.fp8_dispatch and cfg.model.moe.router.topk == 1
+    assert cfg.model.moe.dispatch_format == "e4m3" and cfg.model.moe.router.topk == 1
     with pytest.raises(ValueError, match="model.engram.layers"):
         config(tmp_path, "v4", "--model", "v4", "--layers", "2")  # Engram sits on layer 2
 

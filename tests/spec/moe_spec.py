@@ -15,7 +15,11 @@ For each token ``x`` (``D`` wide) of a layer with ``E`` routed experts, ``K`` ro
 
 With FP8 dispatch an expert sees its token cast to e4m3 and back, per token and 128 columns
 (DeepSeek's convention, in float32: ``sf = max(amax, 1e-4) / 448``, ``q = e4m3(x * (448 /
-max(amax, 1e-4)))``, seen as ``q * sf``); the backward passes the gradient straight through the cast.
+max(amax, 1e-4)))``, seen as ``q * sf``); with FP4 dispatch, cast to e2m1 under two levels of
+scales per token (``gsf = max(amax_token, 1e-4) / (448 * 6)``, per 16 columns ``sf = e4m3(max(amax /
+amax_token * 448, 2^-9))``, each value the nearest e2m1 magnitude of ``x / (sf * gsf)``, ties to the
+even code, saturating at 6, seen as that magnitude times ``sf * gsf``). The backward passes the
+gradient straight through either cast.
 
 Weights are given as ``MoEParams`` (float64 leaves the caller may differentiate); ``params_of``
 reads them off an ``ep_runtime.moe.MoELayer`` by the layout its docstrings state (an expert's
@@ -32,6 +36,8 @@ import torch
 F64 = torch.float64
 E4M3_MAX = 448.0
 FP8_GROUP = 128
+FP4_GROUP = 16
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7
 
 
 @dataclass(frozen=True)
@@ -178,9 +184,32 @@ def fp8_roundtrip(x_D: torch.Tensor) -> torch.Tensor:
     return x_D + (torch.cat(parts).to(F64) - x_D.detach())
 
 
-def moe_layer(x_TD: torch.Tensor, p: MoEParams, r: RouterSpec, *, fp8: bool = False,
+def fp4_roundtrip(x_D: torch.Tensor) -> torch.Tensor:
+    """The token as an expert sees it after FP4 dispatch; the gradient passes straight through."""
+    x32 = x_D.detach().float()
+    row = torch.clamp(x32.abs().max(), min=1e-4)
+    gsf = row / torch.tensor(448.0 * 6)
+    grid = torch.tensor(E2M1_MAGNITUDES)
+    even = torch.arange(len(E2M1_MAGNITUDES)) % 2 == 0
+    parts = []
+    for start in range(0, x32.shape[0], FP4_GROUP):
+        g = x32[start:start + FP4_GROUP]
+        sf = torch.clamp(g.abs().max() / row * 448.0, min=2.0**-9).to(torch.float8_e4m3fn).float()
+        v = g * (1.0 / (sf * gsf))
+        dist = (v.abs().clamp(max=6.0)[:, None] - grid).abs()
+        nearest = dist == dist.min(dim=1, keepdim=True).values
+        pick = torch.where((nearest & even).any(1), (nearest & even).float().argmax(1), nearest.float().argmax(1))
+        parts.append(torch.where(v < 0, -grid[pick], grid[pick]) * (sf * gsf))
+    return x_D + (torch.cat(parts).to(F64) - x_D.detach())
+
+
+ROUNDTRIPS = {"bf16": lambda x_D: x_D, "e4m3": fp8_roundtrip, "e2m1": fp4_roundtrip}  # by dispatch format
+
+
+def moe_layer(x_TD: torch.Tensor, p: MoEParams, r: RouterSpec, *, wire: str = "bf16",
               masked=None) -> tuple[torch.Tensor, list[list[int]]]:
-    """``out_TD`` (float64) and each token's routes (-1 where masked).
+    """``out_TD`` (float64) and each token's routes (-1 where masked); ``wire``: the dispatch
+    format the routed experts see their tokens in (``bf16``: as they are).
 
     ``masked(x_D) -> set of route positions k`` drops routes after the weights are computed
     (weight 0, no expert), as a caller masking the router's picks does."""
@@ -189,7 +218,7 @@ def moe_layer(x_TD: torch.Tensor, p: MoEParams, r: RouterSpec, *, fp8: bool = Fa
         x = x_TD[t].to(F64)
         chosen, w, _ = route(x, p, r)
         drop = masked(x) if masked is not None else set()
-        x_in = fp8_roundtrip(x) if fp8 else x
+        x_in = ROUNDTRIPS[wire](x)
         y = torch.zeros_like(x)
         for k, e in enumerate(chosen):
             if k not in drop:

@@ -7,8 +7,9 @@ that drops one of them cannot pass."""
 
 import pytest
 import torch
-from moe_spec import (F64, RouterSpec, assert_close, balance_loss, initial_expert_weights, moe_layer, params_of,
-                      route, scaled_error)
+import torch.nn.functional as F
+from moe_spec import (F64, RouterSpec, assert_close, balance_loss, fp4_roundtrip, initial_expert_weights, moe_layer,
+                      params_of, route, scaled_error)
 
 from ep_runtime.config import MoEConfig, RouterConfig
 from ep_runtime.dispatch import AllToAllDispatcher
@@ -31,11 +32,12 @@ ROUTERS = {  # one option away from BASE each; the pairs that interact together
 }
 
 
-def make_layer(router: dict, *, shared: int = 1, fp8: bool = False, alignment: int = 4,
+def make_layer(router: dict, *, shared: int = 1, wire: str = "bf16", alignment: int = 4,
                fp8_combine: bool = False) -> MoELayer:
     cfg = MoEConfig(num_experts=EXPERTS, expert_hidden=INTER, num_shared_experts=shared, alignment=alignment,
-                    fp8_dispatch=fp8, fp8_combine=fp8_combine, router=RouterConfig(**(BASE | router)))
-    dispatcher = AllToAllDispatcher(num_experts=EXPERTS, alignment=alignment, fp8=fp8, fp8_combine=fp8_combine)
+                    dispatch_format=wire, fp8_combine=fp8_combine, router=RouterConfig(**(BASE | router)))
+    dispatcher = AllToAllDispatcher(num_experts=EXPERTS, alignment=alignment, dispatch_format=wire,
+                                    fp8_combine=fp8_combine)
     layer = MoELayer(cfg, HIDDEN, dispatcher, ep_rank=0, seed=SEED)
     with torch.no_grad():  # a bias large enough to change picks (it steers selection only)
         layer.router.bias_E.copy_(torch.linspace(-0.1, 0.1, EXPERTS)[torch.randperm(EXPERTS)])
@@ -57,10 +59,10 @@ def run_layer(layer: MoELayer, x_BSD: torch.Tensor, g_BSD: torch.Tensor) -> dict
     return got
 
 
-def run_spec(layer: MoELayer, x_BSD: torch.Tensor, g_BSD: torch.Tensor, *, fp8: bool = False, params=None):
+def run_spec(layer: MoELayer, x_BSD: torch.Tensor, g_BSD: torch.Tensor, *, wire: str = "bf16", params=None):
     p = params if params is not None else params_of(layer)
     x = x_BSD.flatten(0, 1).to(F64).requires_grad_()
-    out, routes = moe_layer(x, p, RouterSpec.of(layer.cfg.router), fp8=fp8)
+    out, routes = moe_layer(x, p, RouterSpec.of(layer.cfg.router), wire=wire)
     (out * g_BSD.flatten(0, 1).to(F64)).sum().backward()
     want = {"out": out.detach().view(x_BSD.shape), "grad_x": x.grad.view(x_BSD.shape)}
     grads = {name: t.grad if t.grad is not None else torch.zeros_like(t) for name, t in p.leaves().items()}
@@ -112,15 +114,43 @@ def test_fp8_dispatch_is_the_spec_of_the_cast_tokens(alignment, fp8_combine, see
     global HIDDEN
     hidden, HIDDEN = HIDDEN, 160
     try:
-        layer = make_layer({}, fp8=True, alignment=alignment, fp8_combine=fp8_combine)
+        layer = make_layer({}, wire="e4m3", alignment=alignment, fp8_combine=fp8_combine)
         x, g = torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
         x[0, 0, 5] = 40.0  # one large value: its group's scale, not the token's other group's
-        want, _ = run_spec(layer, x, g, fp8=True)
+        want, _ = run_spec(layer, x, g, wire="e4m3")
         got = run_layer(layer, x, g)
         compare(got, want)
-        exact, _ = run_spec(layer, x, g, fp8=False)
+        exact, _ = run_spec(layer, x, g)
         assert scaled_error(got["out"], exact["out"]) > 10 * TOL  # the cast is seen
         assert (got["out"] - exact["out"]).abs().max() <= 2.0**-4 * float(exact["out"].abs().max())
+    finally:
+        HIDDEN = hidden
+
+
+def test_fp4_dispatch_is_the_spec_of_the_cast_tokens(seed):
+    """FP4 dispatch: the experts see the e2m1 round trip of their tokens under two levels of scales
+    (per token, and e4m3 per 16 columns: hidden 40 is two full groups and a ragged one), exactly as
+    the spec casts them. The stated error: a value an expert sees is within half the top e2m1 step
+    (2 scale units) of its group's scale, which e4m3 rounding makes at most ``amax / 6 * 17/16``:
+    within ``amax / 6 * 17/16`` of the token's value, per group of 16 columns. The layer's output
+    is then off by at most a quarter of its largest magnitude here."""
+    global HIDDEN
+    hidden, HIDDEN = HIDDEN, 40
+    try:
+        layer = make_layer({}, wire="e2m1")
+        x, g = torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN)
+        x[0, 0, 5] = 40.0  # one large value: the token's scale; its other groups' e4m3 scales are small
+        want, _ = run_spec(layer, x, g, wire="e2m1")
+        got = run_layer(layer, x, g)
+        compare(got, want)
+        tokens = x.flatten(0, 1).double()
+        seen = torch.stack([fp4_roundtrip(t) for t in tokens])
+        amax = F.pad(tokens.abs(), (0, -HIDDEN % 16)).view(tokens.shape[0], -1, 16).amax(2)
+        bound = (amax / 6 * 17 / 16).repeat_interleave(16, 1)[:, :HIDDEN]
+        assert ((seen - tokens).abs() <= bound).all()
+        exact, _ = run_spec(layer, x, g)
+        assert scaled_error(got["out"], exact["out"]) > 10 * TOL  # the cast is seen
+        assert (got["out"] - exact["out"]).abs().max() <= 0.25 * float(exact["out"].abs().max())
     finally:
         HIDDEN = hidden
 

@@ -18,6 +18,13 @@ TOPK = 4
 
 
 FP8_COMBINE = ("all_to_all", "nvlink", "hierarchical")  # the backends with an FP8 combine
+FP4_DISPATCH = ("all_to_all",)  # the backends that carry e2m1 tokens (the others refuse them in the config)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def carries(backend: str, fp8: bool | str) -> bool:
+    """Whether ``backend`` runs the payload ``fp8`` names (see :func:`make_dispatcher`)."""
+    return (fp8 != "combine" or backend in FP8_COMBINE) and (fp8 != "e2m1" or backend in FP4_DISPATCH)
 
 
 def _error_of(error_type: type[Exception], call) -> str:
@@ -76,11 +83,13 @@ def deepep_combine_of_float32_rows() -> str:
 
 
 def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_tokens: int):
-    """``fp8``: False, True (FP8 dispatch) or "combine" (FP8 dispatch and combine)."""
-    fp8, fp8_combine = bool(fp8), fp8 == "combine"
+    """``fp8``: False, True (FP8 dispatch), "combine" (FP8 dispatch and combine) or "e2m1" (FP4
+    dispatch, ``FP4_DISPATCH`` only)."""
     if backend == "all_to_all":
-        return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
-                                  fp8_combine=fp8_combine)
+        wire = "e2m1" if fp8 == "e2m1" else "e4m3" if fp8 else "bf16"
+        return AllToAllDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, dispatch_format=wire,
+                                  fp8_combine=fp8 == "combine")
+    fp8, fp8_combine = bool(fp8), fp8 == "combine"
     if backend == "deepep":  # the adapter, over ep-runtime's facade of DeepEP's Buffer
         return DeepEPDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
                                 buffer_api=deep_ep_facade)
@@ -159,7 +168,7 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
     results = {}
     max_tokens = max(t for _, t, _ in cases)
     dispatchers = {(backend, fp8): make_dispatcher(backend, ctx, num_experts, fp8, max_tokens)
-                   for _, _, fp8 in cases for backend in backends if fp8 != "combine" or backend in FP8_COMBINE}
+                   for _, _, fp8 in cases for backend in backends if carries(backend, fp8)}
     for case, num_tokens, fp8 in cases:
         name = case_name(case, num_tokens, fp8)
         if case == "idle" and ctx.rank == 0:  # one rank with no tokens (it still receives)
@@ -169,7 +178,13 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
         # Token t of rank r carries r * 1000 + t in column 0, so rows say where they came from.
         x = torch.randn(num_tokens, HIDDEN, generator=g).to(ctx.device)
         x[:, 0] = ctx.rank * 1000 + torch.arange(num_tokens, device=ctx.device)
-        if fp8:  # integers in [-7, 7] with a 7 in every 128-group: scale 7/448 = 2^-6, no cast error
+        if fp8 == "e2m1":  # e2m1 magnitudes with a 6 in every 16-group: each group's scale is 1 up to its
+            # float32 rounding (448 * 6 / 2688), so the cast errs by that rounding only
+            grid = torch.tensor(E2M1_MAGNITUDES)
+            signs = torch.randint(2, x.shape, generator=g) * 2 - 1
+            x = (grid[torch.randint(len(grid), x.shape, generator=g)] * signs).to(ctx.device)
+            x[:, 0], x[:, 1::16] = torch.arange(num_tokens, device=ctx.device) % 8 - 4, 6
+        elif fp8:  # integers in [-7, 7] with a 7 in every 128-group: scale 7/448 = 2^-6, no cast error
             x = (x * 3).round().clamp(-7, 7)
             x[:, 0], x[:, 1], x[:, 128] = torch.arange(num_tokens, device=ctx.device) % 8 - 4, 7, -7
         want = expected(x, idx, weights)
@@ -224,7 +239,7 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
 
 
 def case_name(case: str, num_tokens: int, fp8: bool | str) -> str:
-    return f"{case}-{num_tokens}" + {False: "", True: "-fp8", "combine": "-fp8-combine"}[fp8]
+    return f"{case}-{num_tokens}" + {False: "", True: "-fp8", "combine": "-fp8-combine", "e2m1": "-e2m1"}[fp8]
 
 
 def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -> dict:

@@ -20,7 +20,8 @@ TOKENS, HIDDEN = 24, 32
 
 def moe_config(routing: str, fp8: bool, dispatcher: str = "all_to_all") -> MoEConfig:
     # hidden 32 < one FP8 group: a ragged group; alignment 4 gives padding rows.
-    return MoEConfig(num_experts=8, expert_hidden=16, num_shared_experts=1, alignment=4, fp8_dispatch=fp8,
+    return MoEConfig(num_experts=8, expert_hidden=16, num_shared_experts=1, alignment=4,
+                     dispatch_format="e4m3" if fp8 else "bf16",
                      dispatcher=dispatcher, max_tokens_per_rank=TOKENS,
                      router=RouterConfig(scoring="sigmoid", topk=2 if routing != "skewed" else 1,
                                          num_groups=2, topk_groups=2))
@@ -35,7 +36,7 @@ def build_layer(cfg: MoEConfig, ctx, routing: str) -> MoELayer:
     torch.manual_seed(1234)
     if cfg.dispatcher == "deepep" and ctx.ep_group is not None:  # the adapter over ep-runtime's facade of DeepEP
         dispatcher = DeepEPDispatcher(num_experts=cfg.num_experts, group=ctx.ep_group, alignment=cfg.alignment,
-                                      fp8=cfg.fp8_dispatch, buffer_api=deep_ep_facade)
+                                      fp8=cfg.dispatch_format == "e4m3", buffer_api=deep_ep_facade)
     else:
         dispatcher = make_dispatcher(cfg, ctx)
     layer = MoELayer(cfg, HIDDEN, dispatcher, ep_rank=ctx.ep_rank, seed=7).to(ctx.device)
@@ -44,12 +45,14 @@ def build_layer(cfg: MoEConfig, ctx, routing: str) -> MoELayer:
     if routing == "masked":  # some routes masked, and whole tokens without any route
         forward = layer.router.forward
 
-        def masked(x_TD):  # chosen by the token's values, so EP and single process mask alike
-            r = forward(x_TD)
+        def masked(x_TD, **options):  # chosen by the token's values, so EP and single process mask alike
+            r = forward(x_TD, **options)  # no placement: the physical routes are the logical ones
             idx = r.topk_idx_TK.clone()
             for t in range(x_TD.shape[0]):
                 idx[t, sorted(masked_routes(x_TD[t]))] = -1
-            return dataclasses.replace(r, topk_idx_TK=idx, topk_weights_TK=r.topk_weights_TK * (idx >= 0))
+            counts = torch.bincount(idx[idx >= 0], minlength=cfg.num_experts).int()
+            return dataclasses.replace(r, topk_idx_TK=idx, physical_idx_TK=idx, counts_E=counts,
+                                       topk_weights_TK=r.topk_weights_TK * (idx >= 0))
 
         layer.router.forward = masked
     return layer
@@ -94,7 +97,7 @@ def spec_errors(layer: MoELayer, ep, x_TD, g_TD, out, grad_x, routing: str) -> d
         w13, w2 = torch.cat(parts13), torch.cat(parts2)
     p = params_of(layer, w13.cpu(), w2.cpu())
     x = x_TD.detach().cpu().to(F64).requires_grad_()
-    want, _ = moe_layer(x, p, RouterSpec.of(layer.cfg.router), fp8=layer.cfg.fp8_dispatch,
+    want, _ = moe_layer(x, p, RouterSpec.of(layer.cfg.router), wire=layer.cfg.dispatch_format,
                         masked=masked_routes if routing == "masked" else None)
     (want * g_TD.cpu().to(F64)).sum().backward()
     grads = {name: t.grad if t.grad is not None else torch.zeros_like(t) for name, t in p.leaves().items()}

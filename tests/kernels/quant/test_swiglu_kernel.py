@@ -156,3 +156,44 @@ def test_compiles_for_sm90a():
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)
+
+
+OPTIONS = {"weighted": (True, None), "clamped": (False, 2.5), "weighted_clamped": (True, 2.5)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("t,inter", [(1, 64), (130, 300), (257, 2048)])
+def test_weights_and_clamp_match_reference(t, inter, option, seed):
+    """Per-row weights and the clamp, forward (plain and fused with the cast) and backward, against
+    the reference on the same GPU (tolerances as above; the weights' gradient is a sum over I taken
+    in another order, so it is compared to float32 rounding of such a sum)."""
+    weighted, clamp = OPTIONS[option]
+    x_TI2, grad_TI = swiglu_input(t, inter, dtype=torch.bfloat16, device="cuda", seed=seed)
+    weights_T = torch.rand(t, device="cuda") + 0.1 if weighted else None
+    options = dict(weights_T=weights_T, clamp=clamp)
+    poison_allocator("cuda")
+    assert_within_one_ulp(swiglu(x_TI2, **options), reference.swiglu(x_TI2, **options))
+    q, sf = swiglu_per_token_cast(x_TI2, round_sf=True, **options)
+    q_ref, sf_ref = reference.swiglu_per_token_cast(x_TI2, round_sf=True, **options)
+    assert int(e4m3_steps_apart(q, q_ref).max()) <= 1 and torch.equal(sf, sf_ref)
+    out, expected = swiglu_backward(x_TI2, grad_TI, **options), reference.swiglu_backward(x_TI2, grad_TI, **options)
+    if not weighted:
+        assert_within_one_ulp(out, expected)
+        return
+    assert_within_one_ulp(out[0], expected[0])
+    assert out[1].dtype == torch.float32 and out[1].shape == (t,)
+    torch.testing.assert_close(out[1], expected[1], rtol=1e-5, atol=1e-5 * inter)
+
+
+def test_weights_and_clamp_compile_for_sm90a():
+    """The options in each kernel: the weight read only when weighted, the clamp's limit a constant."""
+    with lowering.compile_only():
+        for (weighted, clamp), cast, one_row in [((True, 7.0), True, False), ((True, None), False, True),
+                                                 ((False, 7.0), False, False), ((True, 7.0), True, True)]:
+            source = lowering.kernel_source(get_swiglu_forward_kernel(
+                2048, "bfloat16", 128, cast, True, False, one_row, False, weighted=weighted, clamp=clamp))
+            assert ("weights_T[" in source) == weighted and ("7.000000e+00" in source) == (clamp is not None)
+        for (weighted, clamp), inter in [((True, 7.0), 300), ((True, None), 2048), ((False, 7.0), 64)]:
+            source = lowering.kernel_source(get_swiglu_backward_kernel(inter, "bfloat16", "bfloat16", True, weighted, clamp))
+            assert ("grad_w_TN[" in source) == weighted and ("7.000000e+00" in source) == (clamp is not None)

@@ -1,0 +1,185 @@
+"""The per-token casts with FP4 values or e4m3 scales: ``per_token_cast_fp4`` (e2m1, UE8M0 scales),
+``per_token_cast_fp4_e4m3_sf`` (e2m1, e4m3 scales under a float32 scale per token) and
+``per_token_cast_e4m3_sf`` (e4m3 values, the same two-level scales); one factory, specialised on
+the value format and the scales (see :mod:`kernels.quant.reference` for the function computed).
+
+A CTA takes one token: the row is staged in shared memory (the two-level scales need the row's
+amax before any group's scale, and an e2m1 byte needs two neighbouring values), each group's amax
+reduced from a register copy, the scales written, then every output byte computed from the staged
+row: an e2m1 code is the count of grid midpoints the magnitude passes (the reference's rule, no
+rounding mode involved), two codes a byte.
+
+Shape suffixes: T tokens, D hidden, H packed bytes (``D / 2``), G scale groups.
+"""
+
+import tilelang
+import torch
+from tilelang import language as T
+
+from kernels.quant import reference
+from kernels.quant.reference import (
+    AMAX_FLOOR,
+    E2M1_ABOVE,
+    E2M1_FROM,
+    E2M1_MAX,
+    E4M3,
+    E4M3_LEAST,
+    E4M3_MAX,
+    FLOAT_DTYPES,
+)
+from kernels.tiles import PASS_CONFIGS, abs_of, check_cuda, is_pow2, tl_dtype, to_e4m3
+from kernels.validate import check_tensor
+
+FORMATS = ("e2m1", "e4m3")  # the values' format
+SCALES = ("ue8m0", "e4m3")  # the scales' format
+THREADS = 128
+MAX_ROW_BYTES = 32 * 1024  # the staged row's shared memory; wider rows run the reference
+REFERENCES = {
+    ("e2m1", "ue8m0"): reference.per_token_cast_fp4,
+    ("e2m1", "e4m3"): reference.per_token_cast_fp4_e4m3_sf,
+    ("e4m3", "e4m3"): reference.per_token_cast_e4m3_sf,
+}
+
+
+def supports_group(group: object) -> bool:
+    """Groups the per-token scaled kernels (this cast and its cast back) take: powers of two, 2 to 1024."""
+    return type(group) is int and is_pow2(group) and 2 <= group <= 1024
+
+
+def supports(num_cols: int, group: object, elem_bytes: int) -> bool:
+    """Rows this cast takes: a group :func:`supports_group` takes, the row within ``MAX_ROW_BYTES``
+    of shared memory."""
+    return supports_group(group) and num_cols * elem_bytes <= MAX_ROW_BYTES
+
+
+def e2m1_code(v):
+    """The e2m1 code (0..15, as int32) of a float32 value, as :func:`kernels.quant.reference.e2m1_codes`
+    (an expression built here, in Python)."""
+    mag = T.abs(v)
+    code = T.if_then_else(v < T.float32(0), 8, 0)
+    for t in E2M1_ABOVE:
+        code = code + T.if_then_else(mag > T.float32(t), 1, 0)
+    for t in E2M1_FROM:
+        code = code + T.if_then_else(mag >= T.float32(t), 1, 0)
+    return code
+
+
+@tilelang.jit(pass_configs=PASS_CONFIGS)
+def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_format: str, in_dtype: str):
+    """``(x_TD, q, sf_TG[, gsf_T])`` kernel: ``q`` is ``[T, D / 2]`` uint8 for ``fmt="e2m1"``,
+    ``[T, D]`` e4m3 for ``"e4m3"``; ``sf_TG`` uint8 exponents for ``sf_format="ue8m0"`` (e2m1
+    only), e4m3 for ``"e4m3"``, which adds ``gsf_T``."""
+    assert fmt in FORMATS and sf_format in SCALES and (fmt, sf_format) != ("e4m3", "ue8m0")
+    num_rows = T.dynamic("num_rows")
+    groups = -(-num_cols // group)
+    tile_n = groups * group  # whole groups; columns past num_cols load as zero
+    qmax = E2M1_MAX if fmt == "e2m1" else E4M3_MAX
+    q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
+    sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
+    gsf_dtype = "float32"
+
+    @T.macro
+    def body(x_TD, q, sf_TG, gsf_T):
+        with T.Kernel(num_rows, threads=THREADS) as row:
+            x_S = T.alloc_shared((1, tile_n), in_dtype)
+            inv_S = T.alloc_shared((1, groups), "float32")
+            x_frag = T.alloc_fragment((1, tile_n), in_dtype)
+            abs_frag = T.alloc_fragment((1, tile_n), in_dtype)
+            amax = T.alloc_fragment((1, groups), in_dtype)
+            T.copy(x_TD[row, 0], x_S, disable_tma=True)
+            T.copy(x_S, x_frag)
+            abs_of(x_frag, abs_frag)
+            T.reduce_max(T.reshape(abs_frag, [1, groups, group]), amax, dim=2)
+            if sf_format == "ue8m0":
+                for i, g in T.Parallel(1, groups):
+                    clamped = T.max(T.cast(amax[i, g], "float32"), T.float32(AMAX_FLOOR))
+                    bits = T.reinterpret(T.ieee_fdiv(clamped, T.float32(qmax)), "int32")
+                    exponent = (bits >> 23) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+                    sf_TG[row, g] = T.cast(exponent + 127, "uint8")
+                    inv_S[i, g] = T.reinterpret((127 - exponent) << 23, "float32")
+            else:
+                row_amax = T.alloc_fragment((1,), in_dtype)
+                T.reduce_max(abs_frag, row_amax, dim=1)  # the groups' largest amax
+                for i, g in T.Parallel(1, groups):
+                    top = T.max(T.cast(row_amax[i], "float32"), T.float32(AMAX_FLOOR))
+                    ratio = T.ieee_fdiv(T.cast(amax[i, g], "float32"), top)
+                    sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
+                    gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
+                    sf_TG[row, g] = sf
+                    inv_S[i, g] = T.ieee_fdiv(T.float32(1), T.cast(sf, "float32") * gsf)
+                    if g == 0:
+                        gsf_T[row] = gsf
+            if fmt == "e2m1":
+                for i, j in T.Parallel(1, tile_n // 2):
+                    if j < q_cols:
+                        inv = inv_S[i, 2 * j // group]
+                        lo = e2m1_code(T.cast(x_S[i, 2 * j], "float32") * inv)
+                        hi = e2m1_code(T.cast(x_S[i, 2 * j + 1], "float32") * inv)
+                        q[row, j] = T.cast(lo | (hi << 4), "uint8")
+            else:
+                for i, j in T.Parallel(1, tile_n):
+                    if j < q_cols:
+                        q[row, j] = to_e4m3(T.cast(x_S[i, j], "float32") * inv_S[i, j // group])
+
+    if sf_format == "ue8m0":
+
+        @T.prim_func
+        def per_token_scaled_cast(
+            x_TD: T.Tensor[(num_rows, num_cols), in_dtype],
+            q: T.Tensor[(num_rows, q_cols), q_dtype],
+            sf_TG: T.Tensor[(num_rows, groups), sf_dtype],
+        ):
+            body(x_TD, q, sf_TG, None)
+
+        return per_token_scaled_cast
+
+    @T.prim_func
+    def per_token_scaled_cast(
+        x_TD: T.Tensor[(num_rows, num_cols), in_dtype],
+        q: T.Tensor[(num_rows, q_cols), q_dtype],
+        sf_TG: T.Tensor[(num_rows, groups), sf_dtype],
+        gsf_T: T.Tensor[(num_rows,), gsf_dtype],
+    ):
+        body(x_TD, q, sf_TG, gsf_T)
+
+    return per_token_scaled_cast
+
+
+def per_token_scaled_cast(
+    x_TD: torch.Tensor, *, group: int, fmt: str, sf_format: str
+) -> tuple[torch.Tensor, ...]:
+    """The TileLang twin of the reference's ``per_token_cast_fp4`` (``fmt="e2m1"``,
+    ``sf_format="ue8m0"``), ``per_token_cast_fp4_e4m3_sf`` (``"e2m1"``, ``"e4m3"``) and
+    ``per_token_cast_e4m3_sf`` (``"e4m3"``, ``"e4m3"``): same arguments, same results.
+
+    Args:
+        x_TD: ``[T, D]`` float32, bfloat16 or float16 on a CUDA device (``D`` even for e2m1;
+            copied first if not contiguous); :func:`supports` says which widths.
+        group: columns per scale, a power of two from 2 to 1024.
+        fmt, sf_format: see above.
+
+    Returns:
+        ``(q, sf_TG)`` with UE8M0 scales, ``(q, sf_TG, gsf_T)`` with e4m3 scales.
+    """
+    check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
+    check_cuda("x_TD", x_TD)
+    if fmt not in FORMATS or sf_format not in SCALES or (fmt, sf_format) == ("e4m3", "ue8m0"):
+        raise ValueError(f"fmt, sf_format: expected e2m1 with ue8m0 or e4m3 scales, or e4m3 with e4m3 scales, "
+                         f"got {fmt!r}, {sf_format!r}")
+    t, d = x_TD.shape
+    if fmt == "e2m1" and d % 2:
+        raise ValueError(f"x_TD: expected an even width (two e2m1 values a byte), got shape {tuple(x_TD.shape)}")
+    if not supports(d, group, x_TD.element_size()):
+        raise ValueError(f"group: expected a power of two in [2, 1024] and rows of at most {MAX_ROW_BYTES} bytes, "
+                         f"got group {group} with shape {tuple(x_TD.shape)}")
+    device = x_TD.device
+    q = (torch.empty((t, d // 2), dtype=torch.uint8, device=device) if fmt == "e2m1"
+         else torch.empty((t, d), dtype=E4M3, device=device))
+    sf_TG = torch.empty((t, -(-d // group)), dtype=torch.uint8 if sf_format == "ue8m0" else E4M3, device=device)
+    out = (q, sf_TG) if sf_format == "ue8m0" else (q, sf_TG, torch.empty(t, dtype=torch.float32, device=device))
+    if t == 0:
+        return out
+    if d == 0:  # no groups; the reference gives the floor's per-token scale
+        return REFERENCES[fmt, sf_format](x_TD, group=group)
+    get_per_token_scaled_cast_kernel(d, group, fmt, sf_format, tl_dtype(x_TD.dtype))(x_TD.contiguous(), *out)
+    return out

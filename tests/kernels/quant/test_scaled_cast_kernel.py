@@ -1,0 +1,104 @@
+"""The per-token e2m1 / e4m3-scaled cast kernels and their casts back against the reference, bit for
+bit (codes, scales, per-token scales and dequantized values), every output written; and their
+lowering to sm_90a on the CPU."""
+
+import pytest
+import torch
+
+from kernels import lowering
+from kernels.quant import reference
+from kernels.quant.scaled_cast_back_kernel import get_per_token_scaled_cast_back_kernel, per_token_scaled_cast_back
+from kernels.quant.scaled_cast_kernel import get_per_token_scaled_cast_kernel, per_token_scaled_cast
+from kernels.testing import cast_input, poison_allocator
+
+REFERENCES = {  # (fmt, sf_format) -> the reference cast
+    ("e2m1", "ue8m0"): reference.per_token_cast_fp4,
+    ("e2m1", "e4m3"): reference.per_token_cast_fp4_e4m3_sf,
+    ("e4m3", "e4m3"): reference.per_token_cast_e4m3_sf,
+}
+CASES = [  # (T, D, group, input dtype)
+    (0, 7168, 16, torch.bfloat16),
+    (3, 64, 32, torch.float32),
+    (37, 100, 16, torch.bfloat16),  # a ragged last group
+    (130, 300, 128, torch.float16),
+    (257, 7168, 16, torch.bfloat16),  # the dispatch wire at DeepSeek-V3's hidden
+    (64, 7168, 32, torch.float32),
+    (5, 2, 2, torch.float32),
+    (9, 0, 16, torch.bfloat16),
+]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,sf_format", list(REFERENCES), ids=["fp4_ue8m0", "fp4_e4m3_sf", "fp8_e4m3_sf"])
+@pytest.mark.parametrize("t,d,group,dtype", CASES)
+def test_cast_matches_reference_bit_for_bit(t, d, group, dtype, fmt, sf_format, seed):
+    x = cast_input(t, d, dtype=dtype, seed=seed)
+    poison_allocator("cuda")
+    got = per_token_scaled_cast(x.cuda(), group=group, fmt=fmt, sf_format=sf_format)
+    want = REFERENCES[fmt, sf_format](x, group=group)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride()
+        assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,sf_format", list(REFERENCES), ids=["fp4_ue8m0", "fp4_e4m3_sf", "fp8_e4m3_sf"])
+@pytest.mark.parametrize("t,d,group,dtype", CASES)
+def test_cast_back_matches_reference_bit_for_bit(t, d, group, dtype, fmt, sf_format, out_dtype, seed):
+    q, sf, *gsf = REFERENCES[fmt, sf_format](cast_input(t, d, dtype=dtype, seed=seed), group=group)
+    gsf = gsf[0] if gsf else None
+    poison_allocator("cuda")
+    got = per_token_scaled_cast_back(q.cuda(), sf.cuda(), None if gsf is None else gsf.cuda(), group=group,
+                                     out_dtype=out_dtype)
+    if fmt == "e2m1":
+        want = reference.cast_back_fp4(q, sf, group=group, gsf_T=gsf, out_dtype=out_dtype)
+    else:
+        want = reference.cast_back_e4m3_sf(q, sf, gsf, group=group, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (t, d)
+    assert torch.equal(as_bytes(got.cpu()), as_bytes(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "call,error,argname",
+    [
+        (lambda x: per_token_scaled_cast(x.int(), group=16, fmt="e2m1", sf_format="e4m3"), TypeError, "x_TD"),
+        (lambda x: per_token_scaled_cast(x.cpu(), group=16, fmt="e2m1", sf_format="e4m3"), ValueError, "x_TD"),
+        (lambda x: per_token_scaled_cast(x[:, :5], group=16, fmt="e2m1", sf_format="e4m3"), ValueError, "x_TD"),
+        (lambda x: per_token_scaled_cast(x, group=24, fmt="e2m1", sf_format="e4m3"), ValueError, "group"),
+        (lambda x: per_token_scaled_cast(x, group=16, fmt="e4m3", sf_format="ue8m0"), ValueError, "fmt, sf_format"),
+        (lambda x: per_token_scaled_cast_back(x, torch.ones(4, 16, device="cuda"), None, group=16), TypeError, "q"),
+    ],
+    ids=["dtype", "device", "odd_width", "group", "format", "q_dtype"],
+)
+def test_bad_input_names_the_argument(call, error, argname):
+    with pytest.raises(error, match=f"^{argname}: expected"):
+        call(torch.randn(4, 256, device="cuda"))
+
+
+# The dispatch wire (e2m1, e4m3 scales over 16 columns) at DeepSeek-V3's hidden and the tiny
+# model's, the other conventions, ragged widths.
+SPECIALIZATIONS = [  # (num_cols, group, fmt, sf_format, dtype)
+    (7168, 16, "e2m1", "e4m3", "bfloat16"),
+    (64, 16, "e2m1", "e4m3", "float32"),
+    (7168, 32, "e2m1", "ue8m0", "bfloat16"),
+    (100, 32, "e2m1", "ue8m0", "float16"),
+    (7168, 128, "e4m3", "e4m3", "bfloat16"),
+    (300, 128, "e4m3", "e4m3", "float32"),
+]
+
+
+def test_compiles_for_sm90a():
+    with lowering.compile_only():
+        for num_cols, group, fmt, sf_format, dtype in SPECIALIZATIONS:
+            cast = lowering.kernel_source(get_per_token_scaled_cast_kernel(num_cols, group, fmt, sf_format, dtype))
+            back = lowering.kernel_source(get_per_token_scaled_cast_back_kernel(num_cols, group, fmt, sf_format, dtype))
+            # IEEE divisions for the scales (never a reciprocal multiply), as the reference
+            assert "__fdiv_rn" in cast, (num_cols, fmt, sf_format)
+            assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
