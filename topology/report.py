@@ -35,8 +35,8 @@ def _read_load(path: str) -> dict:
     p = Path(path)
     try:
         doc = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a routes .pt given for the load JSON, say
+        raise ValueError(f"{path}: expected a load JSON, got a file that is not JSON text ({exc})") from exc
     if isinstance(doc, list):
         doc = {"load": doc}
     if not isinstance(doc, dict) or "load" not in doc:

@@ -73,6 +73,10 @@ def test_plan_command_reports_bad_input(tmp_path):
     with pytest.raises(SystemExit, match="^ep-runtime plan: --load .*load"):
         report.main(["--topology", pcie, "--load", str(load)])
     load.write_text(json.dumps({"load": [[1.0, 2.0, 3.0]]}))
+    routes = tmp_path / "routes.pt"  # a routes file where the held-out load JSON belongs
+    torch.save(torch.zeros(4, 2, dtype=torch.long), routes)
+    with pytest.raises(SystemExit, match=f"^ep-runtime plan: --held-out {routes}: .*expected a load JSON"):
+        report.main(["--topology", pcie, "--load", str(load), "--held-out", str(routes)])
     with pytest.raises(SystemExit, match="^--physical: expected a multiple of the 8 GPUs and at least the 3 experts"):
         report.main(["--topology", pcie, "--load", str(load), "--physical", "12"])
 
