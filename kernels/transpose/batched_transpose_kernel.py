@@ -31,12 +31,11 @@ import torch
 from tilelang import language as T
 
 from kernels.cache_hints import hinted_load
-from kernels.tiles import PASS_CONFIGS, check_cuda, tl_dtype, vector_layout, vector_width
+from kernels.tiles import PASS_CONFIGS, VECTOR_BYTES, check_cuda, tl_dtype, vector_width
 from kernels.validate import check_tensor
 
 BITS_DTYPES = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
 MAX_THREADS = 256
-VECTOR_BYTES = 16
 SWIZZLE = 8  # row groups whose chunks a tile row's XOR swizzle keeps apart (the reads' lanes_m)
 REGISTER_ROW_BYTES = 32  # output rows up to this long: transposed in registers (two vectors a row)
 # the register kernel's CTA: 128 threads 2.02 us, 64 / 256 threads 2.11 / 2.21 at [8, 16, 7168] bf16 on an
