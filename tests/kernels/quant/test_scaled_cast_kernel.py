@@ -102,3 +102,30 @@ def test_compiles_for_sm90a():
             # IEEE divisions for the scales (never a reciprocal multiply), as the reference
             assert "__fdiv_rn" in cast, (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
+
+
+def e2m1_edge_values() -> torch.Tensor:
+    """float32 magnitudes at and one ulp either side of every e2m1 grid value and midpoint, a dense
+    sweep of [0, 7], values past 6, subnormals and zeros, both signs."""
+    grid = torch.tensor(reference.E2M1_VALUES)
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([6.5, 7.0, 1e3])])
+    up, down = torch.nextafter(points, torch.tensor(1e9)), torch.nextafter(points, torch.tensor(0.0))
+    tiny = torch.tensor([0.0, 1e-40, 1e-30, 0.24999])
+    v = torch.cat([points, up, down, torch.linspace(0, 7, 4001), tiny])
+    return torch.cat([v, -v])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,sf_format", [("e2m1", "ue8m0"), ("e2m1", "e4m3")], ids=["fp4_ue8m0", "fp4_e4m3_sf"])
+def test_e2m1_codes_at_every_edge(fmt, sf_format):
+    """Rows whose first value is 6 (a UE8M0 scale of exactly 1: the codes are the values' own),
+    the rest the edge values: the kernel's arithmetic encoding against the reference's count of
+    the midpoints passed, byte for byte."""
+    v = e2m1_edge_values()
+    width = 512
+    body = torch.nn.functional.pad(v, (0, -v.numel() % (width - 1))).view(-1, width - 1)
+    x = torch.cat([torch.full((body.shape[0], 1), 6.0), body], dim=1)
+    got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
+    want = REFERENCES[fmt, sf_format](x, group=width)
+    for g, w in zip(got, want):
+        assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
