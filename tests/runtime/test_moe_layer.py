@@ -297,10 +297,10 @@ def test_the_grouped_gemm_path_equals_the_loop(seed, monkeypatch):
     assert _scaled_error(grouped[:n], looped[:n]) < 2e-2  # bfloat16 GEMMs
     grad_PD = torch.randn_like(looped)[:n]
     params = (x_PD, experts.w13_EDI2, experts.w2_EID)
-    for got, want in zip(torch.autograd.grad(grouped[:n], params, grad_PD),
-                         torch.autograd.grad(looped[:n], params, grad_PD)):
-        assert _scaled_error(got[:n] if got.shape == x_PD.shape else got,
-                             want[:n] if want.shape == x_PD.shape else want) < 2e-2
+    got_x, *got_w = torch.autograd.grad(grouped[:n], params, grad_PD)
+    want_x, *want_w = torch.autograd.grad(looped[:n], params, grad_PD)
+    for got, want in zip([got_x[:n], *got_w], [want_x[:n], *want_w]):  # capacity rows' gradients: unspecified
+        assert _scaled_error(got, want) < 2e-2
     # The grouped path's calls first, then the loop's (its 3 experts with tokens, no bound).
     bound = layout.offsets_E[-1:]
     assert torch.equal(forward_rows[0], bound) and torch.equal(backward_rows[0], bound)
