@@ -87,9 +87,8 @@ class DispatchFn(torch.autograd.Function):
         routed_RK = pos_RK >= 0
         grad_TD = transport.reduce_home(grad_PD.contiguous(), routed_RK.float(), route)
         grad_weights_TK = None
+        # Weights that reach no loss get zeros here, not None (autograd materializes the gradient).
         if ctx.needs_input_grad[1]:  # the same on every rank, so the collectives stay in step
-            if grad_weights_RK is None:
-                grad_weights_RK = torch.zeros(pos_RK.shape, dtype=torch.float32, device=pos_RK.device)
             # where, not a product: rows of routes elsewhere may hold anything (a backend's stale rows).
             grad_weights_TK = transport.gather_weights_home(torch.where(routed_RK, grad_weights_RK, 0.0), route)
         return grad_TD, grad_weights_TK, None, None, None, None

@@ -1,14 +1,18 @@
 """The MoE layer as the README uses it on one process: bad construction and input are named, a
-batch without tokens passes, ``update_bias`` balances without an auxiliary loss, and the router's
-bias stays float32 through module casts."""
+batch without tokens passes, ``update_bias`` balances without an auxiliary loss, the router's
+bias stays float32 through module casts and its weights and balance loss add no host sync, and
+the experts' grouped-GEMM (CUDA) path equals their loop."""
 
 import types
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
+import ep_runtime.experts as experts_module
 from ep_runtime.config import MoEConfig, RouterConfig
 from ep_runtime.dispatch import AllToAllDispatcher
+from ep_runtime.experts import GroupedExperts, SwiGLUFn
 from ep_runtime.moe import MoELayer
 
 HIDDEN = 16
@@ -32,8 +36,6 @@ def test_bad_construction_and_input_are_named():
         MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=8, alignment=1), ep_rank=1, seed=0)
     with pytest.raises(ValueError, match="^num_experts: expected a positive int, got 0"):
         AllToAllDispatcher(num_experts=0)
-    from ep_runtime.experts import GroupedExperts
-
     with pytest.raises(ValueError, match=r"^logical_ids: expected 2 experts, got 3$"):
         GroupedExperts(2, HIDDEN, 8, seed=0, logical_ids=(0, 1, 2))
     moe = layer()
@@ -199,3 +201,110 @@ def test_masked_tokens_reach_only_the_shared_experts(seed):
     torch.testing.assert_close(out[mask_BS], plain[mask_BS])
     with pytest.raises(ValueError, match=r"^token_mask_BS: expected a 2-D tensor, got shape \(10,\)"):
         moe(x, mask_BS.flatten())
+    with pytest.raises(TypeError, match=r"^token_mask_BS: expected dtype torch.bool, got torch.int64$"):
+        moe(x, mask_BS.long())
+    with pytest.raises(ValueError, match=r"^token_mask_BS: expected a tensor on cpu, got one on meta$"):
+        moe(x, mask_BS.to("meta"))
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of tensor values into Python (on a GPU, each is a host sync)."""
+
+    READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", None) in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_router_weights_and_balance_loss_add_no_host_sync(seed):
+    """The router checks its logits once; its differentiable weights and the balance loss skip
+    the value checks of the reference ops (a sync each on a GPU) on those checked logits."""
+    from kernels.routing import gate, score, sequence_balance_stats
+    from kernels.validate import check_finite
+
+    router = layer(topk=2, aux_loss_coef=0.01).router
+    c = router.cfg
+    with HostReads() as forward:
+        routing = router(torch.randn(2 * 5, HIDDEN))
+    with HostReads() as routes:
+        check_finite("router logits", routing.logits_TE)
+        gate(routing.logits_TE, topk=c.topk, scoring=c.scoring, bias_E=router.bias_E, num_groups=c.num_groups,
+             topk_groups=c.topk_groups, with_counts=True)
+    assert forward.count == routes.count > 0
+    scores_BSE = score(routing.logits_TE, c.scoring, values=False).unflatten(0, (2, 5))
+    with HostReads() as loss:
+        router.balance_loss(routing, batch=2)
+    with HostReads() as stats:
+        sequence_balance_stats(scores_BSE, routing.topk_idx_TK.unflatten(0, (2, 5)))
+    assert loss.count == stats.count
+
+
+def _record_rows(monkeypatch, name):
+    """The ``rows`` bound of every call of ``ep_runtime.experts.<name>`` (which still runs)."""
+    bounds, original = [], getattr(experts_module, name)
+
+    def recorded(*args, rows=None, **kwargs):
+        bounds.append(rows)
+        return original(*args, rows=rows, **kwargs)
+
+    monkeypatch.setattr(experts_module, name, recorded)
+    return bounds
+
+
+def test_swiglu_fn_hands_its_row_bound_to_both_ops(seed, monkeypatch):
+    """Rows past the bound are unspecified (the CPU reference computes them, a GPU kernel skips
+    them): what SwiGLUFn owes is the bound, forward and backward."""
+    forward_rows, backward_rows = _record_rows(monkeypatch, "swiglu"), _record_rows(monkeypatch, "swiglu_backward")
+    x_TI2 = torch.randn(6, 16, requires_grad=True)
+    rows = torch.tensor([4], dtype=torch.int32)
+    SwiGLUFn.apply(x_TI2, rows).sum().backward()
+    assert forward_rows == [rows] and backward_rows == [rows]
+
+
+class _ClaimsCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: which path GroupedExperts takes, seen on the CPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _scaled_error(got, want):
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def test_the_grouped_gemm_path_equals_the_loop(seed, monkeypatch):
+    """``torch._grouped_mm`` runs on the CPU too: the CUDA path in bfloat16 against the float32 loop,
+    forward and backward, with an expert without tokens and capacity rows past the last segment
+    (unspecified in the grouped path, whose SwiGLU gets the bound)."""
+    experts = GroupedExperts(4, HIDDEN, 8, seed=seed)
+    assert experts.logical_ids == (0, 1, 2, 3)  # slots hold experts 0.. by default
+    idx = torch.tensor([[0, 2], [2, -1], [3, 0], [-1, -1], [2, 0], [3, 2]])  # none to expert 1
+    x_PD, layout, _ = AllToAllDispatcher(num_experts=4, alignment=1).dispatch(torch.randn(6, HIDDEN), idx,
+                                                                             torch.rand(6, 2))
+    x_PD = torch.cat([x_PD, torch.randn(5, HIDDEN)]).requires_grad_()
+    n = int(layout.offsets_E[-1])
+    assert layout.offsets_E.tolist() == [3, 3, 7, 9] and x_PD.shape[0] == n + 5
+    forward_rows, backward_rows = _record_rows(monkeypatch, "swiglu"), _record_rows(monkeypatch, "swiglu_backward")
+    grouped, looped = experts._grouped(x_PD, layout), experts._looped(x_PD, layout)
+    assert grouped.dtype == torch.float32
+    assert _scaled_error(grouped[:n], looped[:n]) < 2e-2  # bfloat16 GEMMs
+    grad_PD = torch.randn_like(looped)[:n]
+    params = (x_PD, experts.w13_EDI2, experts.w2_EID)
+    got_x, *got_w = torch.autograd.grad(grouped[:n], params, grad_PD)
+    want_x, *want_w = torch.autograd.grad(looped[:n], params, grad_PD)
+    for got, want in zip([got_x[:n], *got_w], [want_x[:n], *want_w]):  # capacity rows' gradients: unspecified
+        assert _scaled_error(got, want) < 2e-2
+    # The grouped path's calls first, then the loop's (its 3 experts with tokens, no bound).
+    bound = layout.offsets_E[-1:]
+    assert torch.equal(forward_rows[0], bound) and torch.equal(backward_rows[0], bound)
+    assert forward_rows[1:] == backward_rows[1:] == [None] * 3
+    with torch.no_grad():
+        picked = experts(x_PD.detach().as_subclass(_ClaimsCuda), layout).as_subclass(torch.Tensor)
+    assert torch.equal(picked[:n], grouped[:n].detach())

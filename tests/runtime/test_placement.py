@@ -199,9 +199,13 @@ def test_two_ranks_replicas_switch_and_training():
     assert results[0]["train"] == results[1]["train"]
 
 
-def test_the_route_tables_are_not_in_the_state_dict():
-    """The placement, not a checkpoint's state dict, says where experts are."""
+def test_the_route_tables_follow_the_layer_and_are_not_in_the_state_dict():
+    """The placement, not a checkpoint's state dict, says where experts are; a switch after the
+    layer moved (to a GPU in training; "meta" stands in for it here) puts its tables there too."""
     layer = _layer(PLAN_A)
     tables = {"route_log2phy_ER", "route_cdf_ER", "route_draw_E"}
     assert tables <= {name for name, _ in layer.named_buffers()}
+    assert not tables & set(layer.state_dict())
+    layer.to("meta").set_placement(_placement(PLAN_B))
+    assert {layer.get_buffer(name).device.type for name in tables} == {"meta"}
     assert not tables & set(layer.state_dict())
