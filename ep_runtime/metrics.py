@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, MoEConfig
 
 # Dense bf16 tensor-core peaks, TFLOP/s, by a name the device's contains (the longest that matches
 # wins: "H100 PCIe" before "H100"). Devices not listed, and CPUs, get no MFU.
@@ -30,16 +30,14 @@ def peak_tflops(device: torch.device) -> float | None:
 def active_params(cfg: ModelConfig) -> int:
     """Weights a token multiplies with, per forward (matrices only: embeddings and the Engram
     tables are looked up, norms and biases are elementwise). Per block: attention ``4 D^2``
-    (qkv, out), and the FFN: a dense SwiGLU ``3 D F`` (``F = model.dense_hidden``), or the router
-    ``E D`` plus the ``topk`` routed experts and the shared experts, ``3 D I`` each; the LM head
+    (qkv, out), and the FFN: a dense SwiGLU ``3 D F`` (``F = model.dense_hidden``), or the MoE
+    layer's (``moe_active_params``: router, ``topk`` routed and the shared experts); the LM head
     ``V D``. With mHC (``n`` streams) each sublayer's projection ``n (n + 2) n D`` and the head's
     ``n n D``; with Engram (``C`` hash columns of ``e`` wide rows) its key ``C e n D``, value
     ``C e D`` and short conv ``4 n D``."""
-    d, moe = cfg.hidden, cfg.moe
-    expert = 3 * d * moe.expert_hidden
-    ffn_moe = moe.num_experts * d + (moe.router.topk + moe.num_shared_experts) * expert
+    d = cfg.hidden
     total = cfg.num_layers * 4 * d * d + cfg.dense_layers * 3 * d * cfg.dense_hidden
-    total += (cfg.num_layers - cfg.dense_layers) * ffn_moe + cfg.vocab_size * d
+    total += (cfg.num_layers - cfg.dense_layers) * moe_active_params(cfg.moe, d) + cfg.vocab_size * d
     if cfg.mhc is not None:
         n = cfg.mhc.n
         total += cfg.num_layers * 2 * n * (n + 2) * n * d + n * n * d
@@ -48,6 +46,12 @@ def active_params(cfg: ModelConfig) -> int:
         memory = (e.max_ngram - 1) * e.num_heads * e.head_dim
         total += len(e.layers) * (memory * n * d + memory * d + 4 * n * d)
     return total
+
+
+def moe_active_params(moe: MoEConfig, hidden: int) -> int:
+    """Weights a token multiplies with in one MoE layer: the router ``E D``, and the ``topk``
+    routed experts and the shared experts, ``3 D I`` each (SwiGLU: ``w13`` ``2 D I``, ``w2`` ``I D``)."""
+    return moe.num_experts * hidden + (moe.router.topk + moe.num_shared_experts) * 3 * hidden * moe.expert_hidden
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

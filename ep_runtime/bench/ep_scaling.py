@@ -11,7 +11,15 @@ For each EP size (the job cut into EP groups of that size that run side by side,
 Per size: the MoE layer's forward+backward time (router, dispatch, experts, combine, shared
 expert) and tokens/s over the group; dispatch and combine alone (no autograd, expert outputs
 replaced by the received tokens) with GB/s per rank; ``all_to_all_single`` of the same bytes for
-comparison; load imbalance (max/mean routes per rank and per expert).
+comparison; load imbalance (max/mean routes per rank and per expert). Against communication: the
+same layer with no token leaving the rank (``ep_local.py``: every rank alone at EP 1 with its
+``E / n`` experts, fed its same tokens, so it computes the same expert rows) as ``local_ms``; the
+exposed communication ``exposed_comm_ms = layer_ms - local_ms`` and ``exposed_comm_pct`` of
+``layer_ms`` (None where ``E / n`` < top-k; 0 at EP 1, its own baseline); and
+``model_tflops_per_gpu``, the layer's forward+backward model FLOPs per rank (router, top-k routed
+and the shared expert: ``metrics.moe_active_params``) over ``layer_ms``. Efficiency against EP 1 mixes the links'
+cost with the GEMM shapes (an EP 1 expert gets 1/n of the rows an EP n expert gets); the baseline
+has EP n's shapes.
 
 Bytes counted per rank: dispatch, the token rows this rank sends to *other* ranks (one row per
 token per destination rank) as they travel: ``hidden`` bytes of FP8 plus ``ceil(hidden/128)``
@@ -48,6 +56,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import StartWorkers, need_start
+from .ep_local import comm_figures, layer_flops, local_spec
 from .progress import Progress
 from .record import device_name, head_commit
 from .timer import EventTimer
@@ -195,18 +204,7 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         if group is not None:
             dist.barrier(group=group, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
 
-    def layer_step():
-        x = x_TD.detach().requires_grad_()
-        layer(x[None]).backward(grad_TD[None])
-        for p in layer.parameters():
-            p.grad = None
-
-    layer_ms = []
-    for i in range(spec.warmup + spec.iters):
-        sync()
-        ms = timer.time(layer_step)
-        if i >= spec.warmup:
-            layer_ms.append(ms)
+    layer_ms = _time_layer(spec, layer, x_TD, grad_TD, timer, sync)
     load_E = layer.load_E.to(device=device, dtype=torch.int64)
 
     out = {}
@@ -244,9 +242,18 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
                 if i >= spec.warmup:
                     a2a_ms.append(ms)
 
+    # The baseline without communication (ep_local.py), every rank at once, on the same tokens.
+    del layer  # DeepSeek-V3's experts at EP 2 take 22 GB with their gradients: one layer at a time
+    local = local_spec(spec, size) if size > 1 else None
+    local_ms = [0.0] * spec.iters
+    if local is not None:
+        baseline = _build_layer(local, _make_dispatcher(local, None, device, tokens), ep_rank=0, device=device,
+                                dtype=dtype)
+        local_ms = _time_layer(spec, baseline, x_TD, grad_TD, timer, sync)
+
     # The slowest rank of the group sets the pace: max over ranks per iteration, then the median.
-    times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters], dtype=torch.float64,
-                         device=device)
+    times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters, local_ms],
+                         dtype=torch.float64, device=device)
     counts = torch.tensor([sum(send_rows) - send_rows[rank], sum(recv_rows) - recv_rows[rank], routes_here],
                           dtype=torch.float64, device=device)
     per_rank = torch.zeros(size, 3, dtype=torch.float64, device=device)
@@ -255,7 +262,7 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(per_rank, group=group)
         dist.all_reduce(load_E, group=group)
-    layer_t, dispatch_t, combine_t, a2a_t = (statistics.median(r) for r in times.tolist())
+    layer_t, dispatch_t, combine_t, a2a_t, local_t = (statistics.median(r) for r in times.tolist())
     sent_rows, back_rows, routes = per_rank.T.tolist()
     dispatch_bytes = max(sent_rows) * _dispatch_row_bytes(spec, dtype)
     combine_bytes = max(back_rows) * spec.hidden * torch.empty((), dtype=dtype).element_size()
@@ -271,8 +278,29 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         "a2a_same_bytes_gbps_per_rank": dispatch_bytes / a2a_t / 1e6 if group is not None else None,
         "rank_imbalance": max(routes) / (sum(routes) / len(routes)) if sum(routes) else 1.0,
         "expert_imbalance": float(load_E.max() / load_E.float().mean()) if int(load_E.sum()) else 1.0,
+        # EP 1 is its own baseline; None where the rank's experts are fewer than top-k
+        **comm_figures(layer_t, layer_t if size == 1 else local_t if local is not None else None,
+                       layer_flops(_moe_config(spec), spec.hidden, tokens)),
     }
     return row
+
+
+def _time_layer(spec: BenchSpec, layer, x_TD, grad_TD, timer: EventTimer, sync) -> list[float]:
+    """``layer``'s forward+backward on ``x_TD`` (gradient ``grad_TD``), ms: the ``spec.iters``
+    iterations after ``spec.warmup``, each after ``sync()``."""
+    def step():
+        x = x_TD.detach().requires_grad_()
+        layer(x[None]).backward(grad_TD[None])
+        for p in layer.parameters():
+            p.grad = None
+
+    times = []
+    for i in range(spec.warmup + spec.iters):
+        sync()
+        ms = timer.time(step)
+        if i >= spec.warmup:
+            times.append(ms)
+    return times
 
 
 def rows_per_rank(idx_TK, num_local_experts: int, world: int) -> list[int]:
@@ -297,16 +325,10 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
     (DeepSeek-V3's 256 experts would take 45 GB of host memory in float32 first)."""
     import torch
 
-    from ..config import MoEConfig, RouterConfig
     from ..moe import MoELayer
 
-    router = RouterConfig(scoring="sigmoid", topk=spec.topk, num_groups=spec.num_groups,
-                          topk_groups=spec.topk_groups, routed_scaling_factor=spec.routed_scaling_factor,
-                          bias_update_rate=0.0)
-    cfg = MoEConfig(num_experts=spec.num_experts, expert_hidden=spec.expert_hidden, num_shared_experts=1,
-                    alignment=spec.alignment, dispatch_format="e4m3" if spec.fp8_dispatch else "bf16", router=router)
     with torch.device("meta"):
-        layer = MoELayer(cfg, spec.hidden, dispatcher, ep_rank=ep_rank, seed=spec.seed)
+        layer = MoELayer(_moe_config(spec), spec.hidden, dispatcher, ep_rank=ep_rank, seed=spec.seed)
     layer = layer.to(dtype=dtype).to_empty(device=device)
     g = torch.Generator(device).manual_seed(spec.seed * 1_000_003 + ep_rank)
     with torch.no_grad():
@@ -320,13 +342,29 @@ def _build_layer(spec: BenchSpec, dispatcher, *, ep_rank: int, device, dtype):
     return layer
 
 
+def _moe_config(spec: BenchSpec):
+    from ..config import MoEConfig, RouterConfig
+
+    router = RouterConfig(scoring="sigmoid", topk=spec.topk, num_groups=spec.num_groups,
+                          topk_groups=spec.topk_groups, routed_scaling_factor=spec.routed_scaling_factor,
+                          bias_update_rate=0.0)
+    return MoEConfig(num_experts=spec.num_experts, expert_hidden=spec.expert_hidden, num_shared_experts=1,
+                     alignment=spec.alignment, dispatch_format="e4m3" if spec.fp8_dispatch else "bf16", router=router)
+
+
 def _row_line(r: dict) -> str:
-    a2a = f"{r['a2a_same_bytes_gbps_per_rank']:7.2f}" if r["a2a_same_bytes_gbps_per_rank"] is not None else "      -"
+    a2a = _or_dash(r["a2a_same_bytes_gbps_per_rank"], "7.2f")
     return (f"{r['mode']:>6} EP {r['ep']:>3} {r['tokens_per_rank']:>7} tok/rank | layer {r['layer_ms']:9.3f} ms "
             f"{r['layer_tokens_per_s']:12.0f} tok/s | dispatch {r['dispatch_ms']:8.3f} ms "
             f"{r['dispatch_gbps_per_rank']:7.2f} GB/s | combine {r['combine_ms']:8.3f} ms "
             f"{r['combine_gbps_per_rank']:7.2f} GB/s | a2a {a2a} GB/s | imbalance rank {r['rank_imbalance']:.2f} "
-            f"expert {r['expert_imbalance']:.2f}")
+            f"expert {r['expert_imbalance']:.2f} | local {_or_dash(r['local_ms'], '8.3f')} ms exposed comm "
+            f"{_or_dash(r['exposed_comm_ms'], '8.3f')} ms {_or_dash(r['exposed_comm_pct'], '5.1f')} % | "
+            f"{r['model_tflops_per_gpu']:7.3f} TFLOP/s/GPU")
+
+
+def _or_dash(value: float | None, fmt: str) -> str:
+    return format(value, fmt) if value is not None else "-".rjust(int(fmt.split(".")[0]))
 
 
 # ---------------------------------------------------------------------------------------------
