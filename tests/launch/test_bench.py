@@ -31,14 +31,22 @@ def test_ep_scaling_runs_at_ep_1_and_2(tmp_path):
         assert row["tokens_per_rank"] == (256 if mode == "weak" else 512 // ep)
         assert row["layer_ms"] > 0 and row["dispatch_ms"] > 0 and row["combine_ms"] > 0
         assert row["rank_imbalance"] >= 1 and row["expert_imbalance"] >= 1
+        # hidden 128, 8 experts, top-2, one shared expert of 128: 6 FLOPs a weight a token (fwd+bwd)
+        assert row["layer_flops_per_rank"] == 6 * row["tokens_per_rank"] * (8 * 128 + 3 * 3 * 128 * 128)
+        assert row["model_tflops_per_gpu"] == row["layer_flops_per_rank"] / row["layer_ms"] / 1e9
+        assert row["local_ms"] > 0 and row["exposed_comm_ms"] == row["layer_ms"] - row["local_ms"]
+        assert row["exposed_comm_pct"] == 100 * row["exposed_comm_ms"] / row["layer_ms"]
         if ep == 1:
             assert row["layer_efficiency"] == 1 and row["dispatch_bytes_per_rank"] == 0
             assert row["a2a_same_bytes_gbps_per_rank"] is None
+            assert row["local_ms"] == row["layer_ms"]  # its own baseline
         else:  # about half of the rows go to the other rank: hidden 128 FP8 bytes + one float32 scale each
             assert 0.3 * 256 * 132 < row["dispatch_bytes_per_rank"] <= 256 * 132
             assert row["dispatch_gbps_per_rank"] > 0 and row["a2a_same_bytes_gbps_per_rank"] > 0
+            assert row["local_ms"] != row["layer_ms"]  # a layer of its own, timed apart
     assert (tmp_path / "ep_scaling_small.png").stat().st_size > 10_000
-    assert "weak EP   2" in done.stdout
+    assert re.search(r"^\s*weak EP\s+2 .* \| local +[\d.]+ ms exposed comm +-?[\d.]+ ms +-?[\d.]+ % \| +[\d.]+ "
+                     r"TFLOP/s/GPU \| efficiency layer [\d.]+$", done.stdout, re.M)
 
 
 def test_bench_lists_every_benchmark_module_and_refuses_other_names(capsys):
