@@ -11,7 +11,7 @@ layer takes beyond it is communication (and the waits it brings) that nothing hi
     exposed_comm_ms = layer_ms - local_ms        exposed_comm_pct = 100 * exposed_comm_ms / layer_ms
 
 Both times are medians of the slowest rank per iteration, so the difference can come out slightly
-negative where communication costs nothing (EP 1: the layer is its own baseline, exposed 0).
+negative where communication is all hidden. EP 1 is its own baseline: exposed 0.
 
 Model FLOPs per rank: ``6 T N`` for forward+backward (2 per weight forward, 4 backward), ``N`` the
 weights a token multiplies with in the layer (``metrics.moe_active_params``: router, ``topk``
