@@ -27,6 +27,7 @@ import torch.distributed as dist
 from kernels.validate import check_index_range, check_positive, check_routes, check_tensor
 
 from ..dispatch.all_to_all import home_rows, sum_home
+from . import low_latency
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
@@ -133,13 +134,14 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm=None):
-        if low_latency_mode:
-            raise NotImplementedError("low_latency_mode: ep-runtime's DeepEP facade provides normal mode only")
+        if enable_shrink:
+            raise NotImplementedError("enable_shrink: masking failed ranks is not provided by ep-runtime's DeepEP facade")
         self.group = group
         self.rank, self.group_size = dist.get_rank(group), dist.get_world_size(group)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self.runtime = True
+        self._combine_buffer: torch.Tensor | None = None  # get_next_low_latency_combine_buffer's rows
 
     # Static helpers of DeepEP's API.
     @staticmethod
@@ -163,6 +165,11 @@ class Buffer:
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         return Config(Buffer.num_sms, _chunks(_COMBINE_CHUNKS, num_ranks), 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return 0  # no RDMA buffer: the transport allocates its messages per call
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
@@ -274,6 +281,78 @@ class Buffer:
             weights = self._sum_home(topk_weights[:received], handle)
         return combined, weights, _event(async_finish)
 
+    # The low-latency API (any Buffer serves it; ``low_latency_mode`` changes nothing).
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """``(recv_x, recv_count, handle, event, hook)`` as DeepEP's: ``x`` bf16 ``[T, H]`` (T at most
+        ``num_max_dispatch_tokens_per_rank``, the same on every rank, as top-k is) goes once per
+        route to the rank of its expert; ``recv_x`` is packed ``[L, W * M, H]`` (see
+        :class:`~ep_runtime.compat.low_latency.LowLatencyDispatch`): an expert's rows at the front,
+        by source rank in rank order, by token within one. FP8 casts per 1x128 as DeepEP's kernel
+        (``round_scale``: power-of-two scales; ``use_ue8m0``: as packed exponents). ``handle`` is
+        DeepEP's ``(src_info, layout_range, M, H, num_experts)``. ``cumulative_local_expert_recv_stats``
+        (``[L]`` int32) gets ``recv_count`` added. The rows have arrived when the call returns (no
+        host sync: one ``all_to_all_single`` of fixed size), so the hook of ``return_recv_hook`` is a
+        callable with nothing left to do. Refused: ``dispatch_wait_recv_cost_stats`` (no per-rank wait
+        to time)."""
+        _refuse_wait_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+        _check_hook(async_finish, return_recv_hook)
+        low_latency.check_dispatch_args(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group_size,
+                                        use_fp8, round_scale, use_ue8m0)
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats, dtype=torch.int32,
+                         shape=(num_experts // self.group_size,), device=x.device)
+        got = low_latency.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, self.group,
+                                   use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats.add_(got.recv_count)
+        handle = (got.src_info, got.layout_range, num_max_dispatch_tokens_per_rank, x.shape[1], num_experts)
+        return got.recv_x, got.recv_count, handle, _event(async_finish), _hook(return_recv_hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """``(combined_x [T, H] bf16, event, hook)`` as DeepEP's: ``x`` ``[L, W * M, H]`` bf16, the
+        experts' rows in the dispatch's packed layout (with ``zero_copy``, the rows written into
+        :meth:`get_next_low_latency_combine_buffer` instead), goes home, where each token's rows are
+        summed in float32 with ``topk_weights`` (``topk_idx`` and ``topk_weights`` are the
+        dispatch's ``[T, K]``), cast once, into ``out`` when given. The hook as dispatch's. Refused:
+        ``use_logfmt`` (DeepEP's lossy 10-bit LogFMT rows would give other values) and
+        ``combine_wait_recv_cost_stats``."""
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt: the LogFMT combine format is not provided; rows travel as bf16")
+        _refuse_wait_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+        _check_hook(async_finish, return_recv_hook)
+        src_info, layout_range, max_tokens, hidden, num_experts = handle
+        low_latency.check_combine_args(x, topk_idx, topk_weights, layout_range, max_tokens, hidden, num_experts,
+                                       self.group_size)
+        if out is not None:
+            check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden), device=x.device)
+        if zero_copy:
+            if self._combine_buffer is None or self._combine_buffer.shape != x.shape:
+                raise ValueError("zero_copy: expected rows written into get_next_low_latency_combine_buffer(handle) "
+                                 f"of shape {tuple(x.shape)}, got {_shape(self._combine_buffer)}")
+            x = self._combine_buffer
+        combined = low_latency.combine(x, topk_idx, topk_weights, layout_range, max_tokens, num_experts, self.group)
+        if out is not None:
+            combined = out.copy_(combined)
+        return combined, _event(async_finish), _hook(return_recv_hook)
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The ``[L, W * M, H]`` bf16 rows a ``zero_copy`` combine of ``handle``'s dispatch sends."""
+        src_info, _, max_tokens, hidden, num_experts = handle
+        shape = (num_experts // self.group_size, self.group_size * max_tokens, hidden)
+        if self._combine_buffer is None or self._combine_buffer.shape != shape:
+            self._combine_buffer = torch.empty(shape, dtype=torch.bfloat16, device=src_info.device)
+        return self._combine_buffer
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: no state outlives a low-latency call."""
+
     def _check_routes(self, topk_idx, topk_weights, is_token_in_rank, num_experts: int) -> None:
         """Routes that would be lost otherwise: ids outside the experts that ``num_tokens_per_expert``
         counts, or to a rank ``is_token_in_rank`` does not send the token to (the host syncs are
@@ -334,6 +413,28 @@ def _chunks(table: dict[int, int], num_ranks: int) -> int:
     if num_ranks not in table:
         raise ValueError(f"num_ranks: expected one of {sorted(table)}, got {num_ranks}")
     return table[num_ranks]
+
+
+def _check_hook(async_finish: bool, return_recv_hook: bool) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish, return_recv_hook: expected at most one of them, got both")
+
+
+def _received() -> None:
+    """A receive hook: the rows arrived at the call, nothing is left to receive."""
+
+
+def _hook(return_recv_hook: bool):
+    return _received if return_recv_hook else None
+
+
+def _refuse_wait_stats(name: str, stats: torch.Tensor | None) -> None:
+    if stats is not None:
+        raise NotImplementedError(f"{name}: per-rank receive wait times are not measured; pass None")
+
+
+def _shape(t: torch.Tensor | None):
+    return None if t is None else tuple(t.shape)
 
 
 def _wait(previous_event: EventOverlap | None) -> None:
