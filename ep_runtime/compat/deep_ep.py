@@ -1,9 +1,12 @@
-"""DeepEP's ``deep_ep.Buffer`` API (intranode normal mode) on ep-runtime, so code written for DeepEP
-runs here: ``get_dispatch_layout``, ``dispatch`` (fresh, cached with a handle, worst-case padded,
+"""DeepEP's ``deep_ep.Buffer`` API (intranode) on ep-runtime, so code written for DeepEP runs here.
+Normal mode: ``get_dispatch_layout``, ``dispatch`` (fresh, cached with a handle, worst-case padded,
 bf16 or FP8 ``(data, scales)``), ``combine`` (an unweighted sum of each token's rows, weights
-summed per slot), ``EventOverlap``, ``Config``.
+summed per slot), ``EventOverlap``, ``Config``. Low-latency mode: ``low_latency_dispatch`` (packed
+per local expert, bf16 or FP8 with float32, power-of-two or UE8M0 scales), ``low_latency_combine``
+(weighted, zero-copy, into ``out``), receive hooks, ``get_next_low_latency_combine_buffer``,
+``clean_low_latency_buffer``; its transport is :mod:`ep_runtime.compat.low_latency`.
 
-Semantics follow DeepEP's: rank r owns experts ``[r * L, (r + 1) * L)``; a token travels once to
+Normal mode's semantics follow DeepEP's: rank r owns experts ``[r * L, (r + 1) * L)``; a token travels once to
 each rank holding one of its experts; received rows are grouped by source rank in rank order, by
 token index within a rank; ``recv_topk_idx`` holds local expert indices (-1 for experts
 elsewhere, whose weights are 0); ``handle[0]`` is the inclusive prefix over source ranks of the
@@ -11,7 +14,9 @@ tokens each rank receives. The transport is ``all_to_all_single`` over the buffe
 GPUs, gloo on CPU), with one host sync per fresh dispatch for the counts, as DeepEP's normal mode
 has. Everything runs on the current stream: ``async_finish`` records an event there and
 ``previous_event`` is waited on first; ``Config`` (SMs, chunk sizes) is validated and otherwise
-has nothing to tune. Low-latency mode and internode (RDMA) buffers are not provided.
+has nothing to tune. Internode (RDMA) buffers and rank masking (``enable_shrink``) are not provided;
+the RDMA-only knobs (``num_rdma_bytes``, ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``,
+``allow_mnnvl``) change no result and are accepted and ignored.
 
 Shape letters: T tokens, H hidden, K routes per token, E experts, L local experts, W ranks, N
 received rows.
@@ -125,8 +130,8 @@ class Handle(NamedTuple):
 
 
 class Buffer:
-    """DeepEP's ``Buffer`` over ``group`` (intranode normal mode). Byte sizes and queue pairs are
-    accepted and ignored: the transport sizes its own messages."""
+    """DeepEP's ``Buffer`` over ``group`` (intranode, both modes whatever ``low_latency_mode`` says).
+    Byte sizes and queue pairs are accepted and ignored: the transport sizes its own messages."""
 
     num_sms: int = 20
 

@@ -8,7 +8,9 @@ most min(K, L) of one rank's experts): its routes to that peer first, by expert,
 empty slots after them, marked by local expert -1. The receiver packs the rows by local expert,
 source rank, token; DeepEP's layout, with its rank blocks in rank order where DeepEP's come in
 arrival order. Combine sends each packed row back into the slot it came in by, and the home rank
-sums the slots of a token's routes with the router weights.
+sums the slots of a token's routes with the router weights. The fixed size is the price of no
+host sync: every call moves W * C messages a rank each way, where DeepEP's kernels move the routes
+only (W times DeepEP's bytes when every rank dispatches M tokens, K <= L).
 
 Shape letters: T tokens, H hidden, K routes per token, E experts, L local experts, W ranks, M the
 most tokens a rank dispatches, P = W * M packed rows per local expert, C message slots per peer,
