@@ -14,7 +14,7 @@ only (W times DeepEP's bytes when every rank dispatches M tokens, K <= L).
 
 Shape letters: T tokens, H hidden, K routes per token, E experts, L local experts, W ranks, M the
 most tokens a rank dispatches, P = W * M packed rows per local expert, C message slots per peer,
-G scale groups (H / 128), B message bytes.
+G scale groups (H / 128), R routes (T * K), B message bytes.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_max_dispatch_tok
     send = torch.empty(world * capacity + 1, body_bytes + _META_BYTES, dtype=torch.uint8, device=device)
     send[:, body_bytes:] = 255  # meta -1: an empty slot
     slot_TK = route_slots(topk_idx_TK, num_experts, world, capacity)
-    send.index_copy_(0, torch.where(slot_TK >= 0, slot_TK, world * capacity).flatten(), message_RB)  # last row: masked routes
+    masked_to_last = torch.where(slot_TK >= 0, slot_TK, world * capacity).flatten()  # the last row is not sent
+    send.index_copy_(0, masked_to_last, message_RB)
     recv = _exchange(send[:-1], group)
 
     meta_WC2 = recv[:, body_bytes:].contiguous().view(torch.int32).view(world, capacity, 2)
@@ -199,8 +200,9 @@ def check_combine_args(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     check_device_routes(topk_idx, num_experts)
 
 
-def combine(y_LPH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, layout_range_LW: torch.Tensor,
-            num_max_dispatch_tokens_per_rank: int, num_experts: int, group: dist.ProcessGroup) -> torch.Tensor:
+def combine(y_LPH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+            layout_range_LW: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+            group: dist.ProcessGroup) -> torch.Tensor:
     """``[T, H]`` bf16: each token's rows back from its experts, summed in float32 with
     ``topk_weights`` in route order (masked routes add nothing), cast once."""
     world = dist.get_world_size(group)
@@ -208,7 +210,8 @@ def combine(y_LPH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: tor
     capacity = slots_per_peer(num_max_dispatch_tokens_per_rank, topk_idx_TK.shape[1], local)
     counts_WL = (layout_range_LW & ((1 << _COUNT_BITS) - 1)).T
     row = packed_rows(counts_WL, capacity, y_LPH.shape[1]).flatten()
-    rows = y_LPH.reshape(-1, hidden).index_select(0, row.clamp(max=y_LPH.shape[0] * y_LPH.shape[1] - 1))  # empty slots: any row, unread
+    y_rows = y_LPH.reshape(-1, hidden)
+    rows = y_rows.index_select(0, row.clamp(max=y_rows.shape[0] - 1))  # an empty slot sends any row; nobody reads it
     back = _exchange(rows, group)
     slot_TK = route_slots(topk_idx_TK, num_experts, world, capacity)
     return weighted_reduce(back, slot_TK, topk_weights_TK, out_dtype=torch.bfloat16)

@@ -100,7 +100,8 @@ def low_latency_checks(num_tokens: int, hidden: int, num_experts: int, topk: int
                                                pack_sf=flags.get("use_ue8m0", False))
                         got_sf = scales[i, :n].contiguous()
                         got_sf = got_sf.view(torch.uint8) if "ue8m0" in mode else got_sf
-                        back = cast_back(data[i, :n], unpack_scales(scales[i, :n]), block=(1, 128), out_dtype=torch.float32)
+                        back = cast_back(data[i, :n], unpack_scales(scales[i, :n]), block=(1, 128),
+                                         out_dtype=torch.float32)
                         error_ok = bool(((back - want.float()).abs() <= want.float().abs() / 16 +  # e4m3's rounding
                                          unpack_scales(scales[i, :n]).repeat_interleave(128, 1) / 2**9).all())
                         rows_ok &= torch.equal(data[i, :n].view(torch.uint8), q.view(torch.uint8)) \
@@ -111,14 +112,14 @@ def low_latency_checks(num_tokens: int, hidden: int, num_experts: int, topk: int
                 else:
                     check(f"{tag}: rows", all(torch.equal(recv_x[i, :w.shape[0]], w) for i, w in enumerate(want_rows)))
                     simulated = recv_x
-                if x_name == "rank" and not flags.get("round_scale"):  # DeepEP's: a rank block holds its rank's rows
-                    check(f"{tag}: by source", all(bool((simulated[i, int(begin[i, j]):int(begin[i, j] + n), :-128]
-                                                         == j - 128).all())
-                                                   and torch.equal(simulated[i, int(begin[i, j]):int(begin[i, j] + n), -1],
-                                                                   src_info[i, int(begin[i, j]):int(begin[i, j] + n)]
-                                                                   .to(torch.bfloat16))
-                                                   for i in range(local) for j, n in
-                                                   enumerate((layout_range[i] & (2**32 - 1)).tolist())))
+                if x_name == "rank" and not flags.get("round_scale"):  # DeepEP's: rank j's block holds j - 128
+                    by_source = True  # and its last column the token index that src_info gives
+                    for i in range(local):
+                        for j, (b, n) in enumerate(zip(begin[i].tolist(), (layout_range[i] & (2**32 - 1)).tolist())):
+                            block = simulated[i, b:b + n]
+                            by_source &= bool((block[:, :-128] == j - 128).all()) \
+                                and torch.equal(block[:, -1], src_info[i, b:b + n].to(torch.bfloat16))
+                    check(f"{tag}: by source", by_source)
 
                 y = (simulated.float() * factor_E[rank * local:(rank + 1) * local, None, None]).to(torch.bfloat16)
                 mine = simulated_rows(x, flags)
@@ -170,7 +171,8 @@ def error_checks(buffer, x, topk_idx, topk_weights, max_tokens: int, num_experts
                                                                return_recv_hook=True),
                            ValueError, "async_finish, return_recv_hook: expected at most one"),
         "stats dtype": (lambda: buffer.low_latency_dispatch(
-            x, topk_idx, max_tokens, num_experts, cumulative_local_expert_recv_stats=torch.zeros(rows.shape[0], device=x.device)),
+            x, topk_idx, max_tokens, num_experts,
+            cumulative_local_expert_recv_stats=torch.zeros(rows.shape[0], device=x.device)),
             TypeError, "cumulative_local_expert_recv_stats: expected dtype torch.int32"),
         "wait stats": (lambda: buffer.low_latency_dispatch(
             x, topk_idx, max_tokens, num_experts, dispatch_wait_recv_cost_stats=torch.zeros(2, dtype=torch.int64,
@@ -183,7 +185,7 @@ def error_checks(buffer, x, topk_idx, topk_weights, max_tokens: int, num_experts
         "combine weights": (lambda: buffer.low_latency_combine(rows, topk_idx, topk_weights[:, 1:], handle),
                             ValueError, "topk_weights: expected shape"),
         "out shape": (lambda: buffer.low_latency_combine(rows, topk_idx, topk_weights, handle,
-                                                         out=torch.empty(1, x.shape[1], dtype=torch.bfloat16, device=x.device)),
+                                                         out=rows[0, :1]),
                       ValueError, "out: expected shape"),
         "zero-copy of another shape": (lambda: deep_ep.Buffer(group).low_latency_combine(
             rows, topk_idx, topk_weights, handle, zero_copy=True), ValueError, "zero_copy: expected rows written"),
