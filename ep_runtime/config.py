@@ -37,6 +37,9 @@ class RouterConfig:
     routed_scaling_factor: float = 1.0
     bias_update_rate: float = 1e-3  # aux-loss-free balancing step; 0 disables it
     aux_loss_coef: float = 0.0  # sequence-wise balance loss weight; 0 disables it
+    # Route each token by its input minus the mean of its sequence's inputs up to it (causal, not
+    # differentiated): a direction the sequence's tokens share then steers none of them.
+    center_inputs: bool = False
 
     def __post_init__(self):
         p = "model.moe.router"
@@ -47,6 +50,7 @@ class RouterConfig:
             _require(_is_int(self.topk_groups) and 1 <= self.topk_groups <= self.num_groups, f"{p}.topk_groups",
                      f"an int in [1, num_groups={self.num_groups}]", self.topk_groups)
         _require(isinstance(self.normalize, bool), f"{p}.normalize", "a bool", self.normalize)
+        _require(isinstance(self.center_inputs, bool), f"{p}.center_inputs", "a bool", self.center_inputs)
         _require(_is_number(self.routed_scaling_factor), f"{p}.routed_scaling_factor", "a finite number",
                  self.routed_scaling_factor)
         for name in ("bias_update_rate", "aux_loss_coef"):

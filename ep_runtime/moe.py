@@ -128,7 +128,7 @@ class MoELayer(nn.Module):
                          device=x_BSD.device)
             token_mask_BS = token_mask_BS.flatten()
         x_TD = x_BSD.flatten(0, -2)
-        routing = self.router(x_TD, physical_map=self.physical_map, token_mask_T=token_mask_BS)
+        routing = self.router(x_TD, physical_map=self.physical_map, token_mask_T=token_mask_BS, batch=x_BSD.shape[0])
         x_PD, layout, handle = self.dispatcher.dispatch(x_TD, routing.physical_idx_TK, routing.topk_weights_TK)
         out_TD = self.dispatcher.combine(self.experts(x_PD, layout), handle)
         if self.shared is not None:

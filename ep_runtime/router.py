@@ -26,6 +26,20 @@ class Routing:
     counts_E: torch.Tensor  # int32 routes per logical expert
 
 
+def causal_sequence_mean(x_TD: torch.Tensor, batch: int | None, token_mask_T: torch.Tensor | None) -> torch.Tensor:
+    """Each token's mean of its sequence's rows up to and including it (``batch`` sequences of equal
+    length, one after another; masked tokens count for none); a sequence's masked head gets zeros.
+    The CPU probe in ``docs/performance.md`` is why: at DeepSeek-V3's router widths a direction
+    that a sequence's router inputs share sent all its tokens to the same experts."""
+    if type(batch) is not int or batch < 1 or x_TD.shape[0] % batch:
+        raise ValueError(f"batch: expected the number of sequences, a positive int dividing the {x_TD.shape[0]} "
+                         f"tokens (model.moe.router.center_inputs needs it), got {batch!r}")
+    x_BSD = x_TD.view(batch, -1, x_TD.shape[1])
+    kept_BS1 = (torch.ones(x_BSD.shape[:2], device=x_TD.device) if token_mask_T is None
+                else token_mask_T.view(batch, -1).float())[..., None]
+    return ((x_BSD * kept_BS1).cumsum(1) / kept_BS1.cumsum(1).clamp(min=1)).view_as(x_TD)
+
+
 class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int, cfg: RouterConfig):
         super().__init__()
@@ -35,11 +49,15 @@ class Router(nn.Module):
         self.register_buffer("bias_E", torch.zeros(num_experts))
 
     def forward(self, x_TD: torch.Tensor, *, physical_map: PhysicalMap | None = None,
-                token_mask_T: torch.Tensor | None = None) -> Routing:
+                token_mask_T: torch.Tensor | None = None, batch: int | None = None) -> Routing:
         """Routes ``x_TD``'s tokens; with ``physical_map`` each route also picks its expert's
-        replica in the same gate; ``token_mask_T`` ([T] bool, False: not routed) leaves tokens out."""
+        replica in the same gate; ``token_mask_T`` ([T] bool, False: not routed) leaves tokens out.
+        ``batch``: the sequences ``x_TD`` holds, one after another (``cfg.center_inputs`` needs it)."""
         c = self.cfg
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        x_TD = x_TD.float()
+        if c.center_inputs:
+            x_TD = x_TD - causal_sequence_mean(x_TD.detach(), batch, token_mask_T)
+        logits_TE = F.linear(x_TD, self.weight.float())
         check_finite("router logits", logits_TE)  # a NaN/Inf logit is an error (the layer's one host sync)
         with torch.no_grad():
             routes = gate(logits_TE.detach(), topk=c.topk, scoring=c.scoring, bias_E=self.bias_E.float(),

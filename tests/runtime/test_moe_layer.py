@@ -308,3 +308,34 @@ def test_the_grouped_gemm_path_equals_the_loop(seed, monkeypatch):
     with torch.no_grad():
         picked = experts(x_PD.detach().as_subclass(_ClaimsCuda), layout).as_subclass(torch.Tensor)
     assert torch.equal(picked[:n], grouped[:n].detach())
+
+
+def test_centered_router_inputs_are_causal_and_leave_masked_tokens_out():
+    """``center_inputs``: each token routed by its input minus the mean of its sequence's inputs up
+    to it, by hand; a later token, another sequence or a masked token changes none of its logits."""
+    moe = layer(topk=2, center_inputs=True)
+    router, batch, seq = moe.router, 2, 5
+    x = torch.randn(batch * seq, 16, generator=torch.Generator().manual_seed(0))
+    x_BSD = x.view(batch, seq, 16)
+    mean_BSD = torch.stack([x_BSD[:, :s + 1].mean(1) for s in range(seq)], dim=1)
+    want = (x_BSD - mean_BSD).reshape(-1, 16) @ router.weight.detach().T
+    logits = router(x, batch=batch).logits_TE
+    torch.testing.assert_close(logits, want)
+    later = x.clone()
+    later[3] += 10  # the fourth token of the first sequence
+    changed = (router(later, batch=batch).logits_TE != logits).any(1)
+    assert changed.tolist() == [False, False, False, True, True] + [False] * seq
+    mask = torch.ones(batch * seq, dtype=torch.bool)
+    mask[1] = False
+    masked = router(x, batch=batch, token_mask_T=mask).logits_TE
+    other = x.clone()
+    other[1] += 10
+    again = router(other, batch=batch, token_mask_T=mask).logits_TE
+    assert torch.equal(again[mask], masked[mask]) and not torch.equal(masked, logits)
+    with pytest.raises(ValueError, match="^batch: expected the number of sequences"):
+        router(x)
+    out = moe(x_BSD.clone().requires_grad_())  # the layer passes its sequences
+    out.sum().backward()
+    assert out.shape == x_BSD.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="^model.moe.router.center_inputs: expected a bool"):
+        RouterConfig(center_inputs=1)
