@@ -332,8 +332,11 @@ def test_centered_router_inputs_are_causal_and_leave_masked_tokens_out():
     other[1] += 10
     again = router(other, batch=batch, token_mask_T=mask).logits_TE
     assert torch.equal(again[mask], masked[mask]) and not torch.equal(masked, logits)
-    with pytest.raises(ValueError, match="^batch: expected the number of sequences"):
-        router(x)
+    whole = x_BSD[0].reshape(seq, 16)  # one sequence alone routes as it does beside the other
+    torch.testing.assert_close(router(whole, batch=1).logits_TE, logits[:seq])
+    for bad in (None, 0, 4):  # 4 does not divide the 10 tokens
+        with pytest.raises(ValueError, match=f"^batch: expected .* dividing the 10 tokens .*, got {bad}$"):
+            router(x, batch=bad)
     out = moe(x_BSD.clone().requires_grad_())  # the layer passes its sequences
     out.sum().backward()
     assert out.shape == x_BSD.shape and torch.isfinite(out).all()
