@@ -340,5 +340,7 @@ def test_centered_router_inputs_are_causal_and_leave_masked_tokens_out():
     out = moe(x_BSD.clone().requires_grad_())  # the layer passes its sequences
     out.sum().backward()
     assert out.shape == x_BSD.shape and torch.isfinite(out).all()
+    assert torch.equal(moe.load_E, router(x, batch=batch).counts_E)
+    assert not torch.equal(moe.load_E, router(x, batch=seq).counts_E)  # 5 sequences of 2 would route otherwise
     with pytest.raises(ValueError, match="^model.moe.router.center_inputs: expected a bool"):
         RouterConfig(center_inputs=1)
