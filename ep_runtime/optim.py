@@ -39,30 +39,36 @@ def learning_rate(step: int, t: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def make_optimizer(model: nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`, fused on CUDA: one pass over the weights, gradients and
+    moments (the unfused form's seven passes took 141 of a 320 ms v3-layer step on an H200)."""
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, fused=device.type == "cuda")
+
+
+def _sum_of_squares(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    return nn.utils.get_total_norm(grads).float().square().to(device)
+
+
 def grad_norm(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tensor:
     """The whole model's gradient norm (float32 scalar on ``ctx.device``), the same on every rank."""
-    def squares(params: list[nn.Parameter]) -> torch.Tensor:
-        grads = [p.grad.float().square().sum() for p in params if p.grad is not None]
-        return torch.stack(grads).sum() if grads else torch.zeros((), device=ctx.device)
-
     sharded = model.expert_parameters() + model.sharded_parameters()
-    total = squares(model.dense_parameters()).to(ctx.device)
+    total = _sum_of_squares(model.dense_parameters(), ctx.device)
     if ctx.distributed:
         stage_ranks = ctx.world_size // ctx.pp_size
         replicas = stage_ranks // ctx.ep_size
-        total = total / stage_ranks + squares(sharded).to(ctx.device) / replicas
+        total = total / stage_ranks + _sum_of_squares(sharded, ctx.device) / replicas
         with ctx.activity("the gradient-norm all-reduce"):
             dist.all_reduce(total)
     else:
-        total = total + squares(sharded).to(ctx.device)
+        total = total + _sum_of_squares(sharded, ctx.device)
     return total.sqrt()
 
 
 def clip_grad_norm(model: TinyDeepSeek, ctx: ParallelContext, max_norm: float) -> torch.Tensor:
-    """Scales every gradient by ``min(1, max_norm / norm)``; returns the norm before clipping."""
+    """Scales every gradient by ``min(1, max_norm / (norm + 1e-6))``; returns the norm before clipping."""
     norm = grad_norm(model, ctx)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
+    nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm

@@ -44,7 +44,7 @@ from .metrics import MetricsLog, StepTimes, peak_tflops, plot_loss, read_metrics
 from .experts import GroupedExperts
 from .model import Attention, TinyDeepSeek
 from .options import job_config_from_args, train_parser
-from .optim import clip_grad_norm, grad_norm, learning_rate, param_groups
+from .optim import clip_grad_norm, grad_norm, learning_rate, make_optimizer
 from .failures import FailureWatch, report_failure, restart_count
 from .parallel import ParallelContext, init_parallel
 from .pipeline import PipelineSchedule, PipelineStage
@@ -73,11 +73,14 @@ def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if dist.get_world_size(group) == 1:  # nothing to add up: no copies into buckets and back
+            if data_ranks > 1:
+                torch._foreach_div_([p.grad for p in params], data_ranks)
+            continue
         for grads in _buckets([p.grad for p in params], REDUCE_BUCKET_ELEMENTS):
             flat = torch.cat([g.flatten() for g in grads])
-            if dist.get_world_size(group) > 1:
-                with ctx.activity("the gradient all-reduce"):
-                    dist.all_reduce(flat, group=group)
+            with ctx.activity("the gradient all-reduce"):
+                dist.all_reduce(flat, group=group)
             flat /= data_ranks
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(chunk.view_as(g))
@@ -194,7 +197,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)
     data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)
-    optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr)
+    optimizer = make_optimizer(model, t, ctx.device)
     data = MarkovText(cfg.model.vocab_size, seed=t.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -245,7 +248,11 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
         profiler.start()
     rebalancer = (Rebalancer(model, optimizer, ctx, every=t.replan_every, max_moved=t.replan_max_moved,
                              expert_groups=cfg.model.moe.router.num_groups) if t.replan_every else None)
-    losses = []
+    def batch_of(step: int) -> torch.Tensor:  # this rank's slice of the step's global batch
+        return data.batch(t.batch_size, t.seq_len + 1, seed=t.seed * 1_000_003 + step,
+                          first=ctx.rank % data_ranks * t.batch_size)
+
+    losses, upcoming_BS = [], batch_of(first_step)
     for step in range(first_step, t.steps + 1):
         at.step = step
         if fault:
@@ -253,8 +260,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                 saver.wait()
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
-        tokens_BS = data.batch(t.batch_size, t.seq_len + 1, seed=t.seed * 1_000_003 + step,
-                               first=ctx.rank % data_ranks * t.batch_size)  # this rank's slice of the global batch
+        tokens_BS = upcoming_BS
         if pipe is None:
             with autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
@@ -271,6 +277,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        upcoming_BS = batch_of(step + 1)  # on the host while the GPU runs the optimizer (it idled 10 ms a step)
         load_LE = global_expert_load(model, ctx)
         for moe, load_E in zip(model.moe_layers, load_LE):
             moe.router.update_bias(load_E)
