@@ -16,8 +16,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,37 @@ class Activity:
         return None if what is None else (what, time.monotonic() - self.since)
 
 
+
+
+class DeviceWaits:
+    """Waits on peers that run on the device (the nvlink backend's in-kernel barriers,
+    ``kernels.signal_kernel``): each spins at most ``timeout_s`` (the job's ``--timeout``), then
+    writes the peer it waited for into a word of pinned host memory and traps. This process's
+    words, each with what its waits are, so that its failure names the wait rather than the CUDA
+    error the trap leaves behind; reading a word makes no CUDA call, so a thread can while the
+    main one is blocked on the device."""
+
+    def __init__(self, timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self._words: list[tuple[torch.Tensor, Callable[[int], str]]] = []
+
+    def word(self, what: Callable[[int], str]) -> torch.Tensor:
+        """A zeroed int32 ``[2]`` for a kernel's report ``[1 + peer, epoch]`` (pinned where CUDA
+        is); ``what(peer)`` names the wait, e.g. ``rank 0's signal in the nvlink barrier``."""
+        word = torch.zeros(2, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        self._words.append((word, what))
+        return word
+
+    def gave_up(self) -> str | None:
+        """``waited 45 s on the device for ...``, for the first wait that gave up; None if none has."""
+        for word, what in self._words:
+            peer = int(word[0])
+            if peer:
+                return f"waited {self.timeout_s:.0f} s on the device for {what(peer - 1)}"
+        return None
+
+
+DEVICE_WAITS = DeviceWaits()  # this process's; parallel.init_parallel sets the job's timeout
 
 
 class RankFailed(RuntimeError):
@@ -108,16 +141,17 @@ def report_failure(ctx: RankInJob, exc: BaseException, *, step: int, grace_s: fl
     rank responsible. An error of this rank's own is reported at once. A communication error
     waits up to ``grace_s`` for the other ranks' reports, then names the ranks that reported an
     error of their own or, if none did, the ranks that never reported (withheld, hung or dead)."""
-    comm = is_communication_error(exc)
-    mine = {"where": ctx.where, "step": step, "error": _summary(exc), "comm": comm}
+    device_wait = DEVICE_WAITS.gave_up()  # the CUDA error is its trap's: name the wait instead
+    comm = is_communication_error(exc) and device_wait is None
+    mine = {"where": ctx.where, "step": step, "error": device_wait or _summary(exc), "comm": comm}
     waiting = ctx.activity.waiting()
     if not comm:
         if ctx.store is not None:
             with contextlib.suppress(Exception):  # a courtesy to the other ranks; the error stands anyway
                 ctx.store.set(_report_key(ctx.rank), json.dumps(mine))
                 ctx.store.add(_report_key("count"), 1)
-        return RankFailed(f"{ctx.where} failed at step {step}: {mine['error']}", rank=ctx.rank,
-                          culprits=(ctx.rank,), primary=True)
+        failed = f"{device_wait} at step {step}" if device_wait else f"failed at step {step}: {mine['error']}"
+        return RankFailed(f"{ctx.where} {failed}", rank=ctx.rank, culprits=(ctx.rank,), primary=True)
     during = f" after {waiting[1]:.0f} s in {waiting[0]}" if waiting else ""
     message = f"{ctx.where} stopped at step {step}{during}: a collective failed ({mine['error']})"
     if ctx.store is None:
@@ -197,11 +231,16 @@ class FailureWatch:
                 os._exit(1)
 
     def _end_if_stuck(self, store: dist.Store) -> None:
-        """Ends this process, reported as the job's failure, once its current wait passed the timeout."""
+        """Ends this process, reported as the job's failure, once its current wait passed the timeout
+        or a wait on the device gave up."""
         waiting = self.ctx.activity.waiting()
-        if waiting is None or waiting[1] < self.timeout_s or self._done.is_set():
+        if waiting is not None and waiting[1] >= self.timeout_s:
+            error = f"waited {waiting[1]:.0f} s in {waiting[0]}"
+        else:
+            error = DEVICE_WAITS.gave_up()
+        if error is None or self._done.is_set():
             return
-        step, error = self.step(), f"waited {waiting[1]:.0f} s in {waiting[0]}"
+        step = self.step()
         failure = RankFailed(f"{self.ctx.where} {error} at step {step}", rank=self.ctx.rank, culprits=(self.ctx.rank,),
                              primary=True)
         with contextlib.suppress(Exception):  # the store's host may be the peer it waits for

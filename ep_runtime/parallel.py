@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ParallelConfig
-from .failures import Activity, restart_count
+from .failures import DEVICE_WAITS, Activity, restart_count
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    DEVICE_WAITS.timeout_s = cfg.timeout_s  # a kernel waits on peers no longer than a collective
     store = None
     if not dist.is_initialized():
         store = job_store(rank, world, timeout)

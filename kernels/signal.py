@@ -24,6 +24,10 @@ class Signal:
         epoch_1: int32 [1], the barriers this rank passed (on the device: a CUDA graph replays on).
         tickets_1: int32 [1], the passing kernel's CTAs done so far (0 between kernels).
         rank: this rank.
+        timeout_ns: how long a wait spins before it gives up (then the kernel traps).
+        report_2: int32 [2] in pinned host memory (the device writes it through unified
+            addressing), or None: a wait that gives up writes ``[1 + the peer it waited for, the
+            epoch]`` there first, so that the host names the wait rather than the trap's CUDA error.
     """
 
     flags_W: torch.Tensor
@@ -32,7 +36,14 @@ class Signal:
     epoch_1: torch.Tensor
     tickets_1: torch.Tensor
     rank: int
+    timeout_ns: int = 120 * 10**9  # past any skew of the ranks' first-call compiles
+    report_2: torch.Tensor | None = None
 
     @property
     def world(self) -> int:
         return self.own_W.shape[0]
+
+    @property
+    def report_address(self) -> int:
+        """Where a wait that gives up reports (0: nowhere)."""
+        return 0 if self.report_2 is None else self.report_2.data_ptr()

@@ -9,8 +9,10 @@ the signals' flight over NVLink.
   kernels that stored into the peers have completed (stream order, or PDL's wait for the one before
   it), so their stores are visible to every GPU before the signal.
 - ``wait_peers`` (macro; every thread of a CTA): thread w spins (acquire loads at system scope)
-  until peer w's flag here holds the epoch, then a CTA barrier; a peer that never signals traps
-  after ``TIMEOUT_S`` instead of hanging the device. Epochs compare by wrapping difference and
+  until peer w's flag here holds the epoch, then a CTA barrier. A peer that never signals does not
+  hang the device: after the signal's ``timeout_ns`` the thread writes the peer and the epoch into
+  the signal's host-mapped report (a later thread's overwrite names another silent peer), fences at
+  system scope and traps. Epochs compare by wrapping difference and
   flags are never reset, so a late reader cannot miss a signal.
 - ``count_epoch`` (macro; every thread, at the kernel's end): the last CTA to take a ticket stores
   the epoch on the device (every CTA read the previous one first) and resets the tickets, so a
@@ -30,15 +32,14 @@ from kernels.tiles import PASS_CONFIGS
 
 from kernels.signal import Signal
 
-TIMEOUT_S = 120  # past any skew of the ranks' first-call compiles; a stuck peer still fails the job
-
 SOURCE = r"""
 __device__ __forceinline__ void ep_signal_sys(int* flags0, long long delta, int index, int epoch) {
   int* flag = reinterpret_cast<int*>(reinterpret_cast<char*>(flags0) + delta) + index;
   __threadfence_system();
   asm volatile("st.release.sys.global.b32 [%0], %1;" :: "l"(flag), "r"(epoch) : "memory");
 }
-__device__ __forceinline__ void ep_wait_sys(const int* flag, int epoch, unsigned long long timeout_ns) {
+__device__ __forceinline__ void ep_wait_sys(const int* flag, int epoch, long long timeout_ns, long long report,
+                                            int peer) {
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   for (;;) {
@@ -46,7 +47,16 @@ __device__ __forceinline__ void ep_wait_sys(const int* flag, int epoch, unsigned
     asm volatile("ld.acquire.sys.global.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
     if ((int)((unsigned)seen - (unsigned)epoch) >= 0) return;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > timeout_ns) __trap();
+    if (now - start > (unsigned long long)timeout_ns) {
+      volatile int* words = reinterpret_cast<volatile int*>(report);
+      if (words != nullptr) {  // plain stores: host memory need not take atomics; any silent peer will do
+        words[1] = epoch;
+        __threadfence_system();
+        words[0] = peer + 1;
+        __threadfence_system();
+      }
+      __trap();
+    }
   }
 }
 """
@@ -54,7 +64,7 @@ __device__ __forceinline__ void ep_wait_sys(const int* flag, int epoch, unsigned
 
 def in_kernel_barrier(world: int):
     """The macros ``signal_peers(flags_W, delta_W, epoch, rank, first)``, ``wait_peers(own_W,
-    epoch, rank)`` and ``count_epoch(epoch_1, tickets_1, epoch, blocks)`` for ``world`` ranks (CTAs
+    epoch, rank, timeout_ns, report)`` (the signal's bound and report address) and ``count_epoch(epoch_1, tickets_1, epoch, blocks)`` for ``world`` ranks (CTAs
     of at least ``world`` threads; ``flags_W`` is rank 0's copy, the peers' reached at their byte
     offsets inside the signal's C helper, out of TileLang's bounds checks; ``epoch`` is
     ``epoch_1[0] + 1`` as every CTA read it first)."""
@@ -67,11 +77,10 @@ def in_kernel_barrier(world: int):
             T.call_extern("handle", "ep_signal_sys", T.address_of(flags_W[0]), delta_W[tid], rank, epoch)
 
     @T.macro
-    def wait_peers(own_W, epoch, rank):
+    def wait_peers(own_W, epoch, rank, timeout_ns, report):
         tid = T.get_thread_binding()
         if T.And(tid < world, tid != rank):
-            T.call_extern("handle", "ep_wait_sys", T.address_of(own_W[tid]), epoch,
-                          T.uint64(TIMEOUT_S * 1_000_000_000))
+            T.call_extern("handle", "ep_wait_sys", T.address_of(own_W[tid]), epoch, timeout_ns, report, tid)
         T.sync_threads()
 
     @T.macro
@@ -87,7 +96,8 @@ def in_kernel_barrier(world: int):
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_barrier_kernel(world: int):
-    """``(flags_W, own_W, delta_W, epoch_1, tickets_1, rank)``: one CTA passing the barrier."""
+    """``(flags_W, own_W, delta_W, epoch_1, tickets_1, rank, timeout_ns, report)``: one CTA passing
+    the barrier."""
     signal_peers, wait_peers, count_epoch = in_kernel_barrier(world)
 
     @T.prim_func
@@ -98,13 +108,15 @@ def get_barrier_kernel(world: int):
         epoch_1: T.Tensor[(1,), T.int32],
         tickets_1: T.Tensor[(1,), T.int32],
         rank: T.int32,
+        timeout_ns: T.int64,
+        report: T.int64,
     ):
         with T.Kernel(1, threads=-(-world // 32) * 32):
             chained()
             epoch = T.alloc_local((1,), T.int32)
             epoch[0] = epoch_1[0] + 1
             signal_peers(flags_W, delta_W, epoch[0], rank, True)
-            wait_peers(own_W, epoch[0], rank)
+            wait_peers(own_W, epoch[0], rank, timeout_ns, report)
             count_epoch(epoch_1, tickets_1, epoch[0], 1)
 
     return barrier_kernel
@@ -113,17 +125,19 @@ def get_barrier_kernel(world: int):
 def barrier_alone(signal: Signal) -> None:
     """The barrier as a kernel of its own (after everything before it in the stream)."""
     kernel = get_barrier_kernel(signal.world)
-    kernel(signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.rank)
+    kernel(signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.rank,
+           signal.timeout_ns, signal.report_address)
 
 
 def signal_args(signal: Signal | None, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A signalled kernel's ``(flags_W, own_W, delta_W, epoch_1, tickets_1)``; stand-ins (never
-    read) for the same kernel's unsignalled build."""
+    """A signalled kernel's ``(flags_W, own_W, delta_W, epoch_1, tickets_1, timeout_ns, report)``;
+    stand-ins (never read) for the same kernel's unsignalled build."""
     if signal is not None:
-        return signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1
+        return (signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.timeout_ns,
+                signal.report_address)
     stand_in = torch.empty(world + 1, dtype=torch.int64, device=device)  # one allocation on the hot path
     flags = stand_in.view(torch.int32)
-    return flags[:world], flags[:world], stand_in[:world], flags[world:world + 1], flags[world + 1:world + 2]
+    return flags[:world], flags[:world], stand_in[:world], flags[world:world + 1], flags[world + 1:world + 2], 0, 0
 
 
 def check_signal(signal: Signal, device: torch.device, world: int) -> None:
@@ -137,3 +151,9 @@ def check_signal(signal: Signal, device: torch.device, world: int) -> None:
         t = getattr(signal, name)
         if t.dtype != torch.int32 or t.device != device:
             raise ValueError(f"signal.{name}: expected int32 on {device}, got {t.dtype} on {t.device}")
+    if signal.timeout_ns <= 0:
+        raise ValueError(f"signal.timeout_ns: expected > 0, got {signal.timeout_ns}")
+    report = signal.report_2
+    if report is not None and (report.shape != (2,) or report.dtype != torch.int32 or not report.is_pinned()):
+        raise ValueError(f"signal.report_2: expected int32 [2] in pinned host memory, got {report.dtype} "
+                         f"{tuple(report.shape)} on {report.device} (pinned: {report.is_pinned()})")

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from kernels.comm import PeerRegion, Signal
 from kernels.select import use_tilelang
 
+from ..failures import DEVICE_WAITS
+
 ALIGN = 256  # byte alignment of every region (vector stores need 16)
 
 
@@ -148,8 +150,11 @@ class CudaHeap:
         self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
         flags = [h[nbytes:nbytes + self.world * 4].view(torch.int32) for h in whole]
         counters = torch.zeros(2, dtype=torch.int32, device=device)
+        ranks = dist.get_process_group_ranks(group)
+        report = DEVICE_WAITS.word(lambda peer: f"rank {ranks[peer]}'s signal in the nvlink barrier")
         self._signal = Signal(flags_W=flags[0], own_W=flags[self.rank], delta_W=self.delta_W, epoch_1=counters[:1],
-                              tickets_1=counters[1:], rank=self.rank)
+                              tickets_1=counters[1:], rank=self.rank, timeout_ns=int(DEVICE_WAITS.timeout_s * 1e9),
+                              report_2=report)
         self.barrier()
 
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
@@ -168,7 +173,8 @@ class CudaHeap:
 
     def barrier(self, channel: int = 0) -> None:
         if self.handle is not None:  # one rank: no peer to wait for; stream order does the rest
-            self.handle.barrier(channel=channel)
+            # bounded as the in-kernel barrier is (torch's kernel then asserts: a CUDA error, unnamed)
+            self.handle.barrier(channel=channel, timeout_ms=int(DEVICE_WAITS.timeout_s * 1000))
 
     def signal(self) -> Signal | None:
         if self.handle is None or not use_tilelang(self.delta_W.device):  # no peers, or no kernel to pass it

@@ -185,7 +185,7 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                                rows_dtype: str | None = None, group: int = 128, signalled: bool = False,
                                staged: bool | None = None):
     """``(y_PD, sf_PG, pos_TK, weights_TK, rows_SD, sf_SG, home_TW, out_TD, rank, flags_W, own_W, delta_W,
-    epoch_1, tickets_1)`` kernel of
+    epoch_1, tickets_1, timeout_ns, report)`` kernel of
     :func:`kernels.reduce.reference.reduce_sum_home` (``sf_PG`` is never read): a thread reduces its
     vector of token t's own row (the weighted reduce's macro, rounded to the output dtype as
     ``reduce_put`` stores it), then adds it and the returned rows' vectors in rank order, every load
@@ -231,6 +231,8 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
         delta_W: T.Tensor[(world,), "int64"],
         epoch_1: T.Tensor[(1,), "int32"],
         tickets_1: T.Tensor[(1,), "int32"],
+        timeout_ns: T.int64,
+        report: T.int64,
     ):
         with T.Kernel(num_tokens * tiles, threads=threads) as pid:
             chained()
@@ -256,7 +258,7 @@ def get_reduce_sum_home_kernel(num_cols: int, topk: int, y_dtype: str, out_dtype
                 # home_TW's, not after them, and in a combine a token not sent here has none
                 reduce_row(y_PD, sf_PG, pos_TK, weights_TK, num_rows, t, c, own_buf)
             if signalled:  # the own row's reduce hid the peers' signals in flight
-                wait_peers(own_W, epoch[0], rank)
+                wait_peers(own_W, epoch[0], rank, timeout_ns, report)
                 if c < num_cols // vec:
                     load_returned(rows_SD, sf_SG, rows_W, home_buf, scales_W, rank, c)
             if c < num_cols // vec:

@@ -4,7 +4,11 @@ in test_reduce_put), each rank's kernel on a stream of its own, signalling every
 waiting for theirs, with the same bits as the kernel without a signal; the one-CTA barrier; sm_90a
 compile, the wait before the loads it guards."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,13 +20,14 @@ from kernels.reduce.weighted_reduce_kernel import get_reduce_sum_home_kernel, re
 from kernels.testing import reduce_routes
 
 
-def signals(world: int) -> list[Signal]:
+def signals(world: int, timeout_ns: int = 120 * 10**9) -> list[Signal]:
     """Every rank's Signal over flags in allocations of their own (zero), a stream a rank."""
     flat = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(world)]
     delta_W = torch.tensor([f.data_ptr() - flat[0].data_ptr() for f in flat], dtype=torch.int64, device="cuda")
     return [Signal(flags_W=flat[0][:world], own_W=flat[w][:world], delta_W=delta_W,
                    epoch_1=torch.zeros(1, dtype=torch.int32, device="cuda"),
-                   tickets_1=torch.zeros(1, dtype=torch.int32, device="cuda"), rank=w) for w in range(world)]
+                   tickets_1=torch.zeros(1, dtype=torch.int32, device="cuda"), rank=w, timeout_ns=timeout_ns,
+                   report_2=torch.zeros(2, dtype=torch.int32, pin_memory=True)) for w in range(world)]
 
 
 def on_streams(world: int, call) -> list:
@@ -88,6 +93,33 @@ def test_one_cta_barrier():
     for barriers in (1, 2):
         on_streams(3, lambda w: barrier_alone(sigs[w]))
         assert_counted(sigs, barriers)
+
+
+GIVE_UP = """
+import time, torch
+from kernels.signal_kernel import barrier_alone
+from test_signal import signals
+sig = signals(2, timeout_ns=300_000_000)[0]  # rank 0's, whose peer never runs
+start = time.monotonic()
+barrier_alone(sig)
+try:
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("error", type(exc).__name__, round(time.monotonic() - start, 1), "report", sig.report_2.tolist())
+"""
+
+
+@pytest.mark.gpu
+def test_a_wait_for_a_silent_peer_gives_up_and_says_which():
+    """A barrier whose peer never signals traps after the signal's timeout, having written the peer
+    and the epoch into its host-mapped report (read after the trap: host memory, no CUDA call). In
+    a process of its own: the trap ends its CUDA context."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", GIVE_UP], env=env, capture_output=True, text=True, timeout=300)
+    line = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    match = re.fullmatch(r"error \w+ ([\d.]+) report \[2, 1\]", line)
+    assert match, line
+    assert float(match[1]) < 60  # the timeout, not forever (the first call also compiles the kernel)
 
 
 def test_compiles_for_sm90a():
