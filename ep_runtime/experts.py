@@ -7,7 +7,9 @@ expert-major layout (see ``kernels.permute.ExpertLayout``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -64,11 +66,16 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"logical_ids: expected {num_local} experts, got {len(self.logical_ids)}")
         self.w13_EDI2 = nn.Parameter(torch.empty(num_local, hidden, 2 * intermediate))
         self.w2_EID = nn.Parameter(torch.empty(num_local, intermediate, hidden))
-        with torch.no_grad():
-            for i, expert in enumerate(self.logical_ids):
-                g = torch.Generator().manual_seed(seed * 1_000_003 + expert)
-                self.w13_EDI2[i].normal_(0.0, hidden**-0.5, generator=g)
-                self.w2_EID[i].normal_(0.0, intermediate**-0.5, generator=g)
+
+        @torch.no_grad()
+        def draw(i: int) -> None:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + self.logical_ids[i])
+            self.w13_EDI2[i].normal_(0.0, hidden**-0.5, generator=g)
+            self.w2_EID[i].normal_(0.0, intermediate**-0.5, generator=g)
+
+        # an expert a thread (each draw is serial; at v3-layer's widths they took 55 s one by one)
+        with ThreadPoolExecutor(max_workers=min(num_local, os.cpu_count() or 1) or 1) as pool:
+            list(pool.map(draw, range(num_local)))
 
     def forward(self, x_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         if x_PD.is_cuda:
