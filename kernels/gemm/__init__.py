@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gemm import grouped_mm_kernel, reference, wgrad_kernel
+from kernels.quant import per_block_cast
 from kernels.select import use_tilelang
 from kernels.transpose import batched_transpose
+from kernels.validate import check_tensor
 
 
 def _on_tilelang(t: object) -> bool:
@@ -42,6 +44,24 @@ def grouped_fp8_mm_wgrad(
     return reference.grouped_fp8_mm_wgrad(a_MR, sa_CM, b_NR, sb_CN, offsets_E, out_dtype=out_dtype)
 
 
+def cast_weights(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's ``[N, K]`` matrix cast per 128 x 128 block (:func:`kernels.quant.per_block_cast`).
+
+    Returns:
+        ``q_ENK`` ``[E, N, K]`` float8_e4m3fn and ``sf_EJG`` ``[E, ceil(N / 128), ceil(K / 128)]``
+        float32: :func:`grouped_fp8_mm`'s ``b`` and ``sb``. A block's scale is the same for the
+        matrix and its transpose, so ``q.transpose(1, 2)`` and ``sf.transpose(1, 2)`` (made
+        contiguous) are the transposed weights' cast: the forward and the data gradient share one.
+    """
+    check_tensor("w_ENK", w_ENK, ndim=3)
+    e, n, k = w_ENK.shape
+    if n % reference.SCALE_BLOCK == 0:  # no block straddles two experts: one cast of the stack
+        q, sf = per_block_cast(w_ENK.reshape(e * n, k))
+        return q.view(e, n, k), sf.view(e, n // reference.SCALE_BLOCK, -1)
+    casts = [per_block_cast(w_NK) for w_NK in w_ENK]
+    return torch.stack([q for q, _ in casts]), torch.stack([sf for _, sf in casts])
+
+
 def k_major(q_PM: torch.Tensor) -> torch.Tensor:
     """A weight-gradient operand from a per-channel cast's ``[P, M]`` e4m3 bytes: ``[M, R]``, the
     rows contiguous, with ``R`` = P rounded up to 128 (the padding rows hold zeros and lie past
@@ -53,4 +73,4 @@ def k_major(q_PM: torch.Tensor) -> torch.Tensor:
     return batched_transpose(q_PM)
 
 
-__all__ = ["grouped_fp8_mm", "grouped_fp8_mm_wgrad", "k_major"]
+__all__ = ["cast_weights", "grouped_fp8_mm", "grouped_fp8_mm_wgrad", "k_major"]
