@@ -138,3 +138,28 @@ def test_dispatch_bars_from_a_row():
     assert got == pytest.approx({"dispatch_pct_of_p2p_copy": 100, "dispatch_x_nccl": 1.4, "combine_pct_of_p2p_copy": 50,
                                  "combine_x_nccl": 0.5, "step_us": 46})
     assert bars({"dispatch_bytes_per_rank": 100, "nvlink_dispatch_ms": 1.0}) == {}
+
+
+def test_grouped_gemm_bench_times_six_gemms_per_split(tmp_path):
+    run_bench(tmp_path, "grouped-gemm", "--device", "cpu", "--quick")
+    (path,) = tmp_path.glob("grouped_gemm-*.json")
+    results = json.loads(path.read_text())["results"]
+    assert [r["split"] for r in results] == ["uniform"] * 6 + ["skewed"] * 6
+    assert {r["gemm"] for r in results} == {"fwd x@W13", "fwd h@W2", "dgrad dh@W13^T", "dgrad dy@W2^T",
+                                            "wgrad x^T@dh", "wgrad h^T@dy"}
+    for r in results:  # --quick: 64 tokens x top-4 over 4 experts, hidden 256, W13 256 -> 256, W2 128 -> 256
+        assert r["rows"] == 256 and r["fp8_ms"] > 0 and r["ratio"] == r["bf16_ms"] / r["fp8_ms"]
+        assert r["fp8_tflops"] == 2 * 256 * r["k_or_m"] * r["n"] / r["fp8_ms"] / 1e9
+
+
+def test_grouped_gemm_splits_are_whole_tiles():
+    """DeepSeek-V3 on one EP-4 rank: 32768 rows over 64 experts, 512 each, or Zipf-like shares
+    (the first 29%, the last six empty), every count a multiple of 128, the same total."""
+    from ep_runtime.bench.grouped_gemm import split_counts
+
+    assert split_counts(32768, 64, "uniform") == [512] * 64
+    skewed = split_counts(32768, 64, "skewed")
+    assert sum(skewed) == 32768 and all(c % 128 == 0 for c in skewed) and skewed.count(0) == 6
+    assert skewed[0] == max(skewed) == 75 * 128 and skewed == sorted(skewed, reverse=True)
+    with pytest.raises(ValueError, match="--splits"):
+        split_counts(256, 2, "zipf")
