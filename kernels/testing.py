@@ -272,7 +272,8 @@ def grouped_gemm_inputs(
     """
     gen = torch.Generator(device).manual_seed(seed)
     rows = sum(counts_E) + capacity
-    x_PK = torch.randn(rows, k, generator=gen, device=device) * torch.logspace(-1, 1, max(rows, 1), device=device)[:rows, None]
+    row_scale_P = torch.logspace(-1, 1, max(rows, 1), device=device)[:rows]
+    x_PK = torch.randn(rows, k, generator=gen, device=device) * row_scale_P[:, None]
     w_ENK = torch.randn(len(counts_E), n, k, generator=gen, device=device) * k**-0.5
     offsets_E = torch.tensor(counts_E, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
     return x_PK.bfloat16(), w_ENK.bfloat16(), offsets_E

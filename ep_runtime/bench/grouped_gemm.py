@@ -16,14 +16,17 @@ Each GEMM is timed on its quantized operands (the casts are the quant family's, 
 kernels``) with CUDA events after ``--warmup`` calls, the median of ``--iters``; its bf16 peer
 (``torch._grouped_mm``, the weights in ``GroupedExperts``' ``[E, K, N]`` layout, the weight
 gradient as ``_grouped_mm(x^T, dy, offs)``) the same way in the same run. TFLOP/s counts
-``2 * rows * K * N``; ``ratio`` is the bf16 time over the FP8 time. Prints a table and writes
-JSON to ``--out`` (a .json file, or a folder for grouped_gemm-<device>-<date>.json).
+``2 * rows * K * N``; ``ratio`` is the bf16 time over the FP8 time. ``--stages 3,4,5`` times the
+FP8 kernels at each pipeline depth (up to each kernel's ``MAX_STAGES``), the peer again beside
+each. Prints a table and writes JSON to ``--out`` (a .json file, or a folder for
+grouped_gemm-<device>-<date>.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -32,6 +35,7 @@ import torch
 
 import kernels.gemm as gemm
 from kernels import quant
+from kernels.gemm import grouped_mm_kernel, wgrad_kernel
 from kernels.gemm.reference import SCALE_BLOCK
 from kernels.testing import grouped_gemm_inputs
 
@@ -47,6 +51,8 @@ def parse_args(argv):
     p.add_argument("--inter", type=int, default=2048, help="an expert's intermediate width (W13 is 2x)")
     p.add_argument("--splits", default="uniform,skewed")
     p.add_argument("--wgrad-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--stages", default="4", help="the FP8 kernels' pipeline depths to time, e.g. 3,4,5 (CUDA; "
+                   "each kernel's MAX_STAGES bounds it)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,25 +105,34 @@ def median_ms(fn, device, warmup: int, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def forward_case(counts, k, n, device, seed):
+def fp8_op(device, public, kernel_op, stages: int):
+    """The public op on the CPU (the reference), on CUDA its kernel with ``stages``."""
+    if device.type != "cuda":
+        return public
+    return functools.partial(kernel_op, stages=stages)
+
+
+def forward_case(counts, k, n, device, seed, stages):
     """``(fp8 call, bf16 call)`` of ``x[P, K] @ W[e]^T`` over the segments."""
     x_PK, w_ENK, offsets_E = grouped_gemm_inputs(counts, k, n, device=device, seed=seed)
     a_PK, sa_PG = quant.per_token_cast(x_PK)
     b_ENK, sb_EJG = gemm.cast_weights(w_ENK)
     w_EKN = w_ENK.transpose(1, 2).contiguous()
     del w_ENK
-    return (lambda: gemm.grouped_fp8_mm(a_PK, sa_PG, b_ENK, sb_EJG, offsets_E),
+    op = fp8_op(device, gemm.grouped_fp8_mm, grouped_mm_kernel.grouped_fp8_mm, stages)
+    return (lambda: op(a_PK, sa_PG, b_ENK, sb_EJG, offsets_E),
             lambda: torch._grouped_mm(x_PK, w_EKN, offs=offsets_E))
 
 
-def wgrad_case(counts, m, n, device, seed, out_dtype):
+def wgrad_case(counts, m, n, device, seed, out_dtype, stages):
     """``(fp8 call, bf16 call)`` of ``x[:, seg]^T @ dy[seg]`` per expert (x ``[P, M]``, dy ``[P, N]``)."""
     x_PM, _, offsets_E = grouped_gemm_inputs(counts, m, SCALE_BLOCK, device=device, seed=seed)
     dy_PN = grouped_gemm_inputs(counts, n, SCALE_BLOCK, device=device, seed=seed + 1)[0]
     (qx, sx_CM), (qdy, sdy_CN) = quant.per_channel_cast(x_PM), quant.per_channel_cast(dy_PN)
     a_MR, b_NR = gemm.k_major(qx), gemm.k_major(qdy)
     del qx, qdy
-    return (lambda: gemm.grouped_fp8_mm_wgrad(a_MR, sx_CM, b_NR, sdy_CN, offsets_E, out_dtype=out_dtype),
+    op = fp8_op(device, gemm.grouped_fp8_mm_wgrad, wgrad_kernel.grouped_fp8_mm_wgrad, stages)
+    return (lambda: op(a_MR, sx_CM, b_NR, sdy_CN, offsets_E, out_dtype=out_dtype),
             lambda: torch._grouped_mm(x_PM.t(), dy_PN, offs=offsets_E))
 
 
@@ -137,22 +152,26 @@ def main(argv=None) -> dict:
     for split in args.splits.split(","):
         counts = split_counts(rows, args.experts, split)
         for name, kind, k, n in cases(args):
-            if kind == "fwd":
-                fp8, bf16 = forward_case(counts, k, n, device, args.seed)
-            else:
-                fp8, bf16 = wgrad_case(counts, k, n, device, args.seed, wgrad_dtype)
-            fp8_ms = median_ms(fp8, device, args.warmup, args.iters)
-            bf16_ms = median_ms(bf16, device, args.warmup, args.iters)
-            flop = 2 * sum(counts) * k * n
-            results.append(dict(split=split, gemm=name, k_or_m=k, n=n, rows=sum(counts), fp8_ms=fp8_ms,
-                                bf16_ms=bf16_ms, fp8_tflops=flop / fp8_ms / 1e9, bf16_tflops=flop / bf16_ms / 1e9,
-                                ratio=bf16_ms / fp8_ms))
-            del fp8, bf16
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            r = results[-1]
-            print(f"{split:8s} {name:16s} {k:5d}x{n:<5d} fp8 {r['fp8_ms']:8.3f} ms {r['fp8_tflops']:7.1f} TFLOP/s  "
-                  f"bf16 {r['bf16_ms']:8.3f} ms {r['bf16_tflops']:7.1f} TFLOP/s  ratio {r['ratio']:.2f}", flush=True)
+            for stages in [int(s) for s in args.stages.split(",")]:
+                if stages > (grouped_mm_kernel if kind == "fwd" else wgrad_kernel).MAX_STAGES:
+                    continue
+                if kind == "fwd":
+                    fp8, bf16 = forward_case(counts, k, n, device, args.seed, stages)
+                else:
+                    fp8, bf16 = wgrad_case(counts, k, n, device, args.seed, wgrad_dtype, stages)
+                fp8_ms = median_ms(fp8, device, args.warmup, args.iters)
+                bf16_ms = median_ms(bf16, device, args.warmup, args.iters)
+                del fp8, bf16
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                flop = 2 * sum(counts) * k * n
+                r = dict(split=split, gemm=name, k_or_m=k, n=n, rows=sum(counts), stages=stages, fp8_ms=fp8_ms,
+                         bf16_ms=bf16_ms, fp8_tflops=flop / fp8_ms / 1e9, bf16_tflops=flop / bf16_ms / 1e9,
+                         ratio=bf16_ms / fp8_ms)
+                results.append(r)
+                print(f"{split:8s} {name:16s} {k:5d}x{n:<5d} stages {stages}  fp8 {fp8_ms:8.3f} ms "
+                      f"{r['fp8_tflops']:7.1f} TFLOP/s  bf16 {bf16_ms:8.3f} ms {r['bf16_tflops']:7.1f} TFLOP/s  "
+                      f"ratio {r['ratio']:.2f}", flush=True)
     report = dict(benchmark="grouped_gemm", device=device_name(device), commit=head_commit(),
                   date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args), results=results)
     out = Path(args.out)

@@ -28,6 +28,8 @@ from kernels.validate import check_tensor
 BLOCK_M = 128  # a tile's rows: the layout's alignment, so a tile never straddles two experts
 # TileLang's defaults (warp specialization on) with fast math off, as every FP8 kernel here.
 GEMM_PASS_CONFIGS = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+# 32.5 KiB of operands and scales a stage and a 32 KiB output tile in 227 KiB of shared memory
+MAX_STAGES = 5
 
 
 @tilelang.jit(pass_configs=GEMM_PASS_CONFIGS)
@@ -111,6 +113,7 @@ def grouped_fp8_mm(
     check_tensor("sb_EJG", sb_EJG, dtype=torch.float32, shape=(e, n // SCALE_BLOCK, k // SCALE_BLOCK),
                  device=a_PK.device)
     check_tensor("offsets_E", offsets_E, dtype=torch.int32, shape=(e,), device=a_PK.device)
+    check_stages(stages, MAX_STAGES)
     out_PN = torch.empty((p, n), dtype=torch.bfloat16, device=a_PK.device)
     if p == 0 or e == 0:
         return out_PN
@@ -118,6 +121,11 @@ def grouped_fp8_mm(
     kernel(a_PK.contiguous(), mn_major_rows(sa_PG), b_ENK.contiguous(), sb_EJG.contiguous(),
            tile_experts(offsets_E, p), out_PN)
     return out_PN
+
+
+def check_stages(stages: object, most: int) -> None:
+    if type(stages) is not int or not 1 <= stages <= most:
+        raise ValueError(f"stages: expected an int in [1, {most}] (shared memory), got {stages!r}")
 
 
 def supports(k: int, n: int, block_n: int = 128) -> bool:

@@ -17,7 +17,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.gemm.grouped_mm_kernel import BLOCK_M, GEMM_PASS_CONFIGS
+from kernels.gemm.grouped_mm_kernel import BLOCK_M, GEMM_PASS_CONFIGS, check_stages
 from kernels.gemm.reference import E4M3, SCALE_BLOCK, WGRAD_DTYPES
 from kernels.tiles import check_cuda, tl_dtype
 from kernels.validate import check_dtype, check_tensor
@@ -67,6 +67,9 @@ def get_grouped_fp8_mm_wgrad_kernel(m: int, n: int, num_experts: int, out_dtype:
 
 
 ROW_ALIGN = 16  # TMA's global strides are multiples of 16 bytes: a K-major operand's rows per column
+# 33 KiB of operands and scales a stage in 227 KiB of shared memory (the output tile reuses the
+# operands' buffers once the reduction is done)
+MAX_STAGES = 6
 
 
 def grouped_fp8_mm_wgrad(
@@ -86,6 +89,7 @@ def grouped_fp8_mm_wgrad(
     check_tensor("sa_CM", sa_CM, dtype=torch.float32, shape=(chunks, m), device=a_MR.device)
     check_tensor("sb_CN", sb_CN, dtype=torch.float32, shape=(chunks, n), device=a_MR.device)
     check_dtype("out_dtype", out_dtype, WGRAD_DTYPES)
+    check_stages(stages, MAX_STAGES)
     e = check_tensor("offsets_E", offsets_E, dtype=torch.int32, ndim=1, device=a_MR.device).shape[0]
     out_EMN = torch.empty((e, m, n), dtype=out_dtype, device=a_MR.device)
     if e == 0:

@@ -76,6 +76,8 @@ def test_kernel_argument_errors_name_the_argument(seed):
         grouped_mm_kernel.grouped_fp8_mm(a_PK[:, :200], sa_PG, b_ENK[:, :, :200], sb_EJG, offsets_E)
     with pytest.raises(ValueError, match="sa_PG"):
         grouped_mm_kernel.grouped_fp8_mm(a_PK, sa_PG.T, b_ENK, sb_EJG, offsets_E)
+    with pytest.raises(ValueError, match="stages"):
+        grouped_mm_kernel.grouped_fp8_mm(a_PK, sa_PG, b_ENK, sb_EJG, offsets_E, stages=grouped_mm_kernel.MAX_STAGES + 1)
 
 
 def test_tile_experts_finds_each_tiles_expert():

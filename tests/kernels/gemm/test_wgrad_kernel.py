@@ -78,6 +78,8 @@ def test_kernel_argument_errors_name_the_argument(seed):
         wgrad_kernel.grouped_fp8_mm_wgrad(a_MR, sa_CM, b_NR, sb_CN.T, offsets_E)
     with pytest.raises(TypeError, match="out_dtype"):
         wgrad_kernel.grouped_fp8_mm_wgrad(a_MR, sa_CM, b_NR, sb_CN, offsets_E, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="stages"):
+        wgrad_kernel.grouped_fp8_mm_wgrad(a_MR, sa_CM, b_NR, sb_CN, offsets_E, stages=0)
 
 
 def test_compiles_for_sm90a():
