@@ -13,7 +13,7 @@ import torch
 import kernels.gemm as gemm
 from kernels import lowering, quant
 from kernels.gemm import grouped_mm_kernel, reference
-from kernels.gemm.grouped_mm_kernel import get_grouped_fp8_mm_kernel, tile_experts
+from kernels.gemm.grouped_mm_kernel import get_grouped_fp8_mm_kernel, mn_major_rows, tile_experts
 from kernels.testing import grouped_gemm_inputs, poison_allocator, spy
 
 COUNTS = {
@@ -84,6 +84,12 @@ def test_tile_experts_finds_each_tiles_expert():
     offsets_E = torch.tensor([256, 256, 384, 768], dtype=torch.int32)
     assert tile_experts(offsets_E, 1000).tolist() == [0, 0, 2, 3, 3, 3, -1, -1]
     assert tile_experts(torch.zeros(3, dtype=torch.int32), 300).tolist() == [-1, -1, -1]
+
+
+def test_mn_major_rows_are_the_scales_transposed_with_rows_padded_to_4():
+    sa_PG = torch.rand(301, 56)
+    sa_GQ = mn_major_rows(sa_PG)
+    assert sa_GQ.shape == (56, 304) and sa_GQ.is_contiguous() and torch.equal(sa_GQ[:, :301], sa_PG.T)
 
 
 def test_compiles_for_sm90a():
