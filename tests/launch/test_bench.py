@@ -1,6 +1,6 @@
 """The benchmarks end to end on CPU: ``ep-scaling`` on 2 workers (local launcher, EP 1 and 2, weak
-and strong scaling, both backends), ``dispatch``, ``pipeline`` and ``mhc-overhead``; JSON (and
-plots) written."""
+and strong scaling, both backends), ``dispatch``, ``pipeline``, ``mhc-overhead`` and ``grouped-gemm``;
+JSON (and plots) written."""
 
 import json
 import pkgutil
@@ -150,16 +150,3 @@ def test_grouped_gemm_bench_times_six_gemms_per_split(tmp_path):
     for r in results:  # --quick: 64 tokens x top-4 over 4 experts, hidden 256, W13 256 -> 256, W2 128 -> 256
         assert r["rows"] == 256 and r["fp8_ms"] > 0 and r["ratio"] == r["bf16_ms"] / r["fp8_ms"]
         assert r["fp8_tflops"] == 2 * 256 * r["k_or_m"] * r["n"] / r["fp8_ms"] / 1e9
-
-
-def test_grouped_gemm_splits_are_whole_tiles():
-    """DeepSeek-V3 on one EP-4 rank: 32768 rows over 64 experts, 512 each, or Zipf-like shares
-    (the first 29%, the last six empty), every count a multiple of 128, the same total."""
-    from ep_runtime.bench.grouped_gemm import split_counts
-
-    assert split_counts(32768, 64, "uniform") == [512] * 64
-    skewed = split_counts(32768, 64, "skewed")
-    assert sum(skewed) == 32768 and all(c % 128 == 0 for c in skewed) and skewed.count(0) == 6
-    assert skewed[0] == max(skewed) == 75 * 128 and skewed == sorted(skewed, reverse=True)
-    with pytest.raises(ValueError, match="--splits"):
-        split_counts(256, 2, "zipf")
