@@ -26,15 +26,17 @@ class _ClaimsCuda(torch.Tensor):
         return True
 
 
-def dispatched(seed, num_tokens=200):
+def dispatched(seed, num_tokens=200, device="cpu", dtype=torch.float32):
     """Tokens routed to 4 experts, none to expert 1, in a layout of 128-row segments, and 64 spare rows."""
     gen = torch.Generator().manual_seed(seed)
     idx_TK = torch.randint(0, 4, (num_tokens, 2), generator=gen)
     idx_TK[idx_TK == 1] = 0
     idx_TK[idx_TK[:, 0] == idx_TK[:, 1], 1] = -1
+    x_TD = torch.randn(num_tokens, HIDDEN, generator=gen).to(device, dtype)
     x_PD, layout, _ = AllToAllDispatcher(num_experts=4, alignment=128).dispatch(
-        torch.randn(num_tokens, HIDDEN, generator=gen), idx_TK, torch.rand(num_tokens, 2, generator=gen))
-    return torch.cat([x_PD, torch.randn(64, HIDDEN, generator=gen)]).requires_grad_(), layout
+        x_TD, idx_TK.to(device), torch.rand(num_tokens, 2, generator=gen).to(device))
+    spare = torch.randn(64, HIDDEN, generator=gen).to(device, dtype)
+    return torch.cat([x_PD, spare]).requires_grad_(), layout
 
 
 def rel_error(got, want):
@@ -79,3 +81,22 @@ def test_config_needs_128_row_segments():
     cfg = MoEConfig(num_experts=4, expert_hidden=INTER, fp8_experts=True, alignment=128)
     layer = MoELayer(cfg, HIDDEN, AllToAllDispatcher(num_experts=4, alignment=128), ep_rank=0, seed=0)
     assert layer.experts.fp8 and not MoEConfig().fp8_experts
+
+
+@pytest.mark.gpu
+def test_fp8_kernels_match_the_bf16_path_on_cuda(seed):
+    """The same comparison with the TileLang kernels (a layout of 128-row segments, spare rows
+    after them), forward and gradients."""
+    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed).cuda()
+    x_PD, layout = dispatched(seed, num_tokens=600, device="cuda", dtype=torch.bfloat16)
+    n = int(layout.offsets_E[-1])
+    fp8 = FP8ExpertsFn.apply(x_PD, experts.w13_EDI2, experts.w2_EID, layout.offsets_E)
+    bf16 = experts._grouped(x_PD, layout)
+    assert rel_error(fp8[:n], bf16[:n]) < FP8_ERROR
+    grad_PD = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    params = (x_PD, experts.w13_EDI2, experts.w2_EID)
+    got = torch.autograd.grad(fp8[:n], params, grad_PD)
+    want = torch.autograd.grad(bf16[:n], params, grad_PD)
+    assert rel_error(got[0][:n], want[0][:n]) < FP8_ERROR
+    for name, g, w in zip(("w13", "w2"), got[1:], want[1:]):
+        assert rel_error(g, w) < FP8_ERROR, name
