@@ -3,8 +3,8 @@ compiled for sm_90a (CPU).
 
 Tolerance: the same products as the reference, summed per 128-row chunk on the tensor cores
 (FP8 accumulation keeps fewer bits than float32), scaled, then added in float32; the reference
-dequantizes first and sums in float32: ``rtol = 2**-10`` and ``atol = 2**-12`` of the output's
-largest magnitude for float32, one bfloat16 ulp (``rtol = 2**-7``) more for bfloat16."""
+dequantizes first and sums in float32: ``rtol = 2**-9`` and ``atol = 2**-10`` of the output's
+largest magnitude for float32, one bfloat16 ulp (``rtol = 2**-7``) for bfloat16."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ COUNTS = {
 }
 # (M, N) of a weight's gradient: DeepSeek-V3's W13 [7168, 4096] and W2 [2048, 7168]
 WIDTHS = {"w13": (7168, 4096), "w2": (2048, 7168)}
-TOLERANCE = {torch.float32: (2**-10, 2**-12), torch.bfloat16: (2**-7, 2**-12)}
+TOLERANCE = {torch.float32: (2**-9, 2**-10), torch.bfloat16: (2**-7, 2**-10)}
 
 
 def operands(counts, m, n, capacity, seed):
