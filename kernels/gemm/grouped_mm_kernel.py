@@ -2,9 +2,9 @@
 function).
 
 A CTA computes one ``128 x block_n`` tile of ``out_PN``. Its 128 rows lie in one expert's segment
-(segments are multiples of 128 rows), and the CTA finds that expert on the device by counting the
-segment ends at or before its first row; a tile at or past the last end returns at once, so the
-rows of a static capacity past ``offsets_E[-1]`` cost nothing and are not written. The reduction
+(segments are multiples of 128 rows), and the CTA reads that expert from a table built by torch
+ops on the device (:func:`tile_experts`, no host sync); a tile at or past the last end returns at
+once, so the rows of a static capacity past ``offsets_E[-1]`` cost nothing and are not written. The reduction
 walks ``K`` in 128-column chunks, the scale groups: each chunk's wgmma sums into a fresh float32
 fragment (the tensor cores' FP8 accumulation keeps ~14 mantissa bits, so it never runs longer than
 one chunk), which the CUDA cores multiply by the row's activation scale and the block's weight
