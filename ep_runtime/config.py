@@ -72,6 +72,7 @@ class MoEConfig:
     alignment: int = 8
     dispatch_format: str = "bf16"  # one of DISPATCH_FORMATS; "bf16": the activations' dtype, unquantized
     fp8_combine: bool = False  # expert outputs travel home as FP8 too (all_to_all, nvlink, and both stages across nodes)
+    fp8_experts: bool = False  # the routed experts' GEMMs in FP8 (kernels.gemm; needs alignment a multiple of 128)
     dispatcher: str = "all_to_all"  # "nvlink": symmetric memory, no host sync; "deepep": DeepEP's Buffer
     max_tokens_per_rank: int = 4096  # nvlink: the most tokens one rank dispatches per call (sizes its buffers)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -82,6 +83,8 @@ class MoEConfig:
         _require(self.expert_hidden >= 1, f"{p}.expert_hidden", ">= 1", self.expert_hidden)
         _require(self.num_shared_experts >= 0, f"{p}.num_shared_experts", ">= 0", self.num_shared_experts)
         _require(self.alignment >= 1, f"{p}.alignment", ">= 1", self.alignment)
+        _require(not self.fp8_experts or self.alignment % 128 == 0, f"{p}.alignment",
+                 "a multiple of 128 with fp8_experts (an FP8 GEMM tile's rows)", self.alignment)
         _require(self.dispatcher in DISPATCHERS, f"{p}.dispatcher", f"one of {DISPATCHERS}", self.dispatcher)
         _require(self.dispatch_format in DISPATCH_FORMATS, f"{p}.dispatch_format", f"one of {DISPATCH_FORMATS}",
                  self.dispatch_format)

@@ -17,6 +17,8 @@ from torch import nn
 from kernels.permute import ExpertLayout
 from kernels.quant import swiglu, swiglu_backward
 
+from .fp8_experts import FP8ExpertsFn
+
 
 class SwiGLUFn(torch.autograd.Function):
     """``silu(gate) * up`` on ``[gate | up]`` through the kernel ops, forward and backward; with
@@ -54,11 +56,14 @@ class GroupedExperts(nn.Module):
 
     ``logical_ids`` names the logical expert of each local slot (a placement's slots, see
     ``ep_runtime.placement``); by default slots hold experts ``first_expert, first_expert + 1, ...``.
+    With ``fp8`` the CUDA path runs the MLP in FP8 (``ep_runtime.fp8_experts``; the layout's
+    segments must be multiples of 128 rows).
     """
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, *, first_expert: int = 0, seed: int,
-                 logical_ids: Sequence[int] | None = None):
+                 logical_ids: Sequence[int] | None = None, fp8: bool = False):
         super().__init__()
+        self.fp8 = fp8
         if logical_ids is None:
             logical_ids = range(first_expert, first_expert + num_local)
         self.logical_ids = tuple(int(e) for e in logical_ids)
@@ -84,6 +89,8 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, x_PD, layout):
         offs = layout.offsets_E
+        if self.fp8:
+            return FP8ExpertsFn.apply(x_PD, self.w13_EDI2, self.w2_EID, offs)
         h_PI2 = torch._grouped_mm(x_PD.bfloat16(), self.w13_EDI2.bfloat16(), offs=offs)
         # The grouped GEMMs read rows up to offs[-1] only; the SwiGLU skips the capacity past them
         # (a static-capacity layout, e.g. the nvlink backend's, may be several times the rows in use).

@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
             self.check_placement(placement, name="placement")
             logical_ids = placement.local_experts(ep_rank)
         self.experts = GroupedExperts(n_local, hidden, cfg.expert_hidden, first_expert=ep_rank * n_local, seed=seed,
-                                      logical_ids=logical_ids)
+                                      logical_ids=logical_ids, fp8=cfg.fp8_experts)
         self.placement: ExpertPlacement | None = None
         if placement is not None:
             self.set_placement(placement)

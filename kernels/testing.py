@@ -259,6 +259,26 @@ def swiglu_input(
     return x_TI2.to(dtype).to(device), grad_TI.to(dtype).to(device)
 
 
+def grouped_gemm_inputs(
+    counts_E: list[int], k: int, n: int, *, capacity: int = 0, device: torch.device | str = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert-major layout's rows and the experts' matrices for a grouped GEMM: segments of
+    ``counts_E`` rows (multiples of 128), then ``capacity`` rows of no expert. Drawn on ``device``
+    by a generator of its own (the benchmark's weights are gigabytes), with unit-variance entries
+    and rows whose scale spans two decades, so each row's scales differ.
+
+    Returns:
+        x_PK: [P, K] bfloat16; w_ENK: [E, N, K] bfloat16; offsets_E: [E] int32.
+    """
+    gen = torch.Generator(device).manual_seed(seed)
+    rows = sum(counts_E) + capacity
+    row_scale_P = torch.logspace(-1, 1, max(rows, 1), device=device)[:rows]
+    x_PK = torch.randn(rows, k, generator=gen, device=device) * row_scale_P[:, None]
+    w_ENK = torch.randn(len(counts_E), n, k, generator=gen, device=device) * k**-0.5
+    offsets_E = torch.tensor(counts_E, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    return x_PK.bfloat16(), w_ENK.bfloat16(), offsets_E
+
+
 def engram_ids(
     batch: int,
     seq: int,

@@ -132,6 +132,7 @@ BENCHMARKS = {
     "ep-scaling": "the MoE layer and its dispatch/combine at EP sizes 1, 2, 4, ... (weak and strong scaling)",
     "pipeline": "each pipeline schedule's step time, bubble fraction and peak memory per stage",
     "mhc-overhead": "an mHC sublayer (pre + post, forward and backward) as a fraction of the MoE layer",
+    "grouped-gemm": "the experts' FP8 grouped GEMMs (forward, data and weight gradients) against bf16 _grouped_mm",
 }
 
 

@@ -1,6 +1,6 @@
 """The benchmarks end to end on CPU: ``ep-scaling`` on 2 workers (local launcher, EP 1 and 2, weak
-and strong scaling, both backends), ``dispatch``, ``pipeline`` and ``mhc-overhead``; JSON (and
-plots) written."""
+and strong scaling, both backends), ``dispatch``, ``pipeline``, ``mhc-overhead`` and ``grouped-gemm``;
+JSON (and plots) written."""
 
 import json
 import pkgutil
@@ -138,3 +138,15 @@ def test_dispatch_bars_from_a_row():
     assert got == pytest.approx({"dispatch_pct_of_p2p_copy": 100, "dispatch_x_nccl": 1.4, "combine_pct_of_p2p_copy": 50,
                                  "combine_x_nccl": 0.5, "step_us": 46})
     assert bars({"dispatch_bytes_per_rank": 100, "nvlink_dispatch_ms": 1.0}) == {}
+
+
+def test_grouped_gemm_bench_times_six_gemms_per_split(tmp_path):
+    run_bench(tmp_path, "grouped-gemm", "--device", "cpu", "--quick")
+    (path,) = tmp_path.glob("grouped_gemm-*.json")
+    results = json.loads(path.read_text())["results"]
+    assert [r["split"] for r in results] == ["uniform"] * 6 + ["skewed"] * 6
+    assert {r["gemm"] for r in results} == {"fwd x@W13", "fwd h@W2", "dgrad dh@W13^T", "dgrad dy@W2^T",
+                                            "wgrad x^T@dh", "wgrad h^T@dy"}
+    for r in results:  # --quick: 64 tokens x top-4 over 4 experts, hidden 256, W13 256 -> 256, W2 128 -> 256
+        assert r["rows"] == 256 and r["fp8_ms"] > 0 and r["ratio"] == r["bf16_ms"] / r["fp8_ms"]
+        assert r["fp8_tflops"] == 2 * 256 * r["k_or_m"] * r["n"] / r["fp8_ms"] / 1e9

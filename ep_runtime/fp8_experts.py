@@ -1,0 +1,67 @@
+"""The routed experts' SwiGLU MLP in FP8 (DeepSeek-V3's recipe), forward and backward, over an
+expert-major layout whose segments are multiples of 128 rows (``model.moe.fp8_experts``).
+
+Forward: ``x`` cast per token (1 x 128), ``h = x @ W13`` on the FP8 grouped GEMM with the weights
+cast per 128 x 128 block, the SwiGLU fused with the next per-token cast, ``y = swiglu(h) @ W2``.
+Backward: the data gradients on the same GEMM (the output gradient cast per token, the weights'
+own casts: a block's scale is the same for a matrix and its transpose, so one cast a weight serves
+both directions), the weight gradients on the K-grouped GEMM with both operands cast per channel
+(one scale per 128 rows per column) and transposed K-major. Every GEMM accumulates in float32 with
+per-128 promotion; the GEMMs' outputs are bfloat16, the weight gradients float32.
+
+Rows at or past ``offsets_E[-1]`` (a static capacity's spare rows) are unspecified in the output
+and in ``x``'s gradient, as in the bf16 path.
+
+Shape letters: P layout rows, D hidden, I expert intermediate size, E local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gemm import cast_weights, grouped_fp8_mm, grouped_fp8_mm_wgrad, k_major
+from kernels.quant import per_channel_cast, per_token_cast, swiglu, swiglu_backward, swiglu_per_token_cast
+from kernels.transpose import batched_transpose
+
+
+class FP8ExpertsFn(torch.autograd.Function):
+    """``swiglu(x @ W13[e]) @ W2[e]`` for each expert's rows, in FP8 (see the module doc).
+
+    Args of ``apply``: ``x_PD`` ``[P, D]``, ``w13_EDI2`` ``[E, D, 2 * I]``, ``w2_EID`` ``[E, I, D]``
+    (``GroupedExperts``' parameters) and ``offsets_E`` int32 ``[E]`` (the layout's segment ends,
+    multiples of 128). Returns ``y_PD`` in ``x_PD``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x_PD, w13_EDI2, w2_EID, offsets_E):
+        q13_EDI2, sf13 = cast_weights(w13_EDI2.detach())
+        q2_EID, sf2 = cast_weights(w2_EID.detach())
+        h_PI2 = grouped_fp8_mm(*per_token_cast(x_PD.detach()), *_transposed(q13_EDI2, sf13), offsets_E)
+        y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *_transposed(q2_EID, sf2), offsets_E)
+        ctx.save_for_backward(x_PD.detach(), h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
+        ctx.weight_dtypes = (w13_EDI2.dtype, w2_EID.dtype)
+        return y_PD.to(x_PD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_PD):
+        x_PD, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E = ctx.saved_tensors
+        grad_PD = grad_PD.contiguous()
+        rows = offsets_E[-1:]
+        grad_h_PI = grouped_fp8_mm(*per_token_cast(grad_PD), q2_EID, sf2, offsets_E)
+        grad_w2_EID = _wgrad(swiglu(h_PI2, rows=rows), grad_PD, offsets_E)
+        grad_h_PI2 = swiglu_backward(h_PI2, grad_h_PI, rows=rows)
+        grad_x_PD = grouped_fp8_mm(*per_token_cast(grad_h_PI2), q13_EDI2, sf13, offsets_E)
+        grad_w13_EDI2 = _wgrad(x_PD, grad_h_PI2, offsets_E)
+        w13_dtype, w2_dtype = ctx.weight_dtypes
+        return grad_x_PD.to(x_PD.dtype), grad_w13_EDI2.to(w13_dtype), grad_w2_EID.to(w2_dtype), None
+
+
+def _transposed(q_ENK: torch.Tensor, sf_EJG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast of the transposed weights, from the weights' cast (the same blocks and scales)."""
+    return batched_transpose(q_ENK), sf_EJG.transpose(1, 2).contiguous()
+
+
+def _wgrad(x_PM: torch.Tensor, grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e]^T @ grad[rows of e]`` per expert, float32 ``[E, M, N]``."""
+    qx_PM, sx_CM = per_channel_cast(x_PM)
+    qg_PN, sg_CN = per_channel_cast(grad_PN)
+    return grouped_fp8_mm_wgrad(k_major(qx_PM), sx_CM, k_major(qg_PN), sg_CN, offsets_E)
