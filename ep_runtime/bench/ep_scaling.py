@@ -87,6 +87,7 @@ class BenchSpec:
     alignment: int
     routed_scaling_factor: float
     dispatcher: str = "all_to_all"  # or "nvlink" (EP 1 has no transport: all_to_all's identity)
+    fp8_experts: bool = False  # the routed experts' GEMMs in FP8 (model.moe.fp8_experts)
     max_ep: int | None = None  # None: the world size
     only_ep: int | None = None  # measure this EP size alone (one launch of a per-size sweep)
     modes: tuple[str, ...] = MODES
@@ -105,6 +106,9 @@ class BenchSpec:
             raise ValueError(f"bench.max_ep: expected >= 1, got {self.max_ep!r}")
         if self.dispatcher not in ("all_to_all", "nvlink"):
             raise ValueError(f"bench.dispatcher: expected 'all_to_all' or 'nvlink', got {self.dispatcher!r}")
+        if self.fp8_experts and self.alignment % 128:
+            raise ValueError(f"bench.alignment: expected a multiple of 128 with --fp8-experts (an FP8 GEMM tile's "
+                             f"rows), got {self.alignment}")
         if not self.modes or any(m not in MODES for m in self.modes):
             raise ValueError(f"bench.modes: expected a non-empty subset of {MODES}, got {self.modes!r}")
 
@@ -349,7 +353,8 @@ def _moe_config(spec: BenchSpec):
                           topk_groups=spec.topk_groups, routed_scaling_factor=spec.routed_scaling_factor,
                           bias_update_rate=0.0)
     return MoEConfig(num_experts=spec.num_experts, expert_hidden=spec.expert_hidden, num_shared_experts=1,
-                     alignment=spec.alignment, dispatch_format="e4m3" if spec.fp8_dispatch else "bf16", router=router)
+                     alignment=spec.alignment, dispatch_format="e4m3" if spec.fp8_dispatch else "bf16", router=router,
+                     fp8_experts=spec.fp8_experts)
 
 
 def _row_line(r: dict) -> str:
@@ -387,6 +392,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens travel as FP8 e4m3 with 1x128 scales (default: the shape's)")
     p.add_argument("--dispatcher", choices=("all_to_all", "nvlink"), default="all_to_all",
                    help="the dispatch/combine backend (default all_to_all)")
+    p.add_argument("--fp8-experts", action="store_true",
+                   help="the routed experts' GEMMs in FP8 (alignment 128 unless --alignment says otherwise)")
     p.add_argument("--max-ep", type=int, help="largest EP size (default: all workers)")
     p.add_argument("--only-ep", type=int, help="measure this EP size alone (the efficiency then needs EP 1 too)")
     p.add_argument("--modes", default=",".join(MODES), help="weak,strong (default both)")
@@ -406,10 +413,13 @@ def spec_from_args(a: argparse.Namespace, *, on_gpu: bool) -> BenchSpec:
                        ("alignment", a.alignment), ("fp8_dispatch", a.fp8_dispatch)):
         if value is not None:
             values[key] = value
+    if a.fp8_experts and a.alignment is None:  # an FP8 GEMM tile's rows
+        values["alignment"] = 128
     if values["num_experts"] % values["num_groups"]:  # an override of the experts: one group
         values.update(num_groups=1, topk_groups=None)
-    return BenchSpec(shape=shape, **values, dispatcher=a.dispatcher, max_ep=a.max_ep, only_ep=a.only_ep, modes=tuple(m for m in a.modes.split(",") if m),
-                     warmup=a.warmup, iters=a.iters, timeout_s=a.timeout)
+    return BenchSpec(shape=shape, **values, dispatcher=a.dispatcher, fp8_experts=a.fp8_experts, max_ep=a.max_ep,
+                     only_ep=a.only_ep, modes=tuple(m for m in a.modes.split(",") if m), warmup=a.warmup,
+                     iters=a.iters, timeout_s=a.timeout)
 
 
 def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) -> dict | None:
@@ -440,7 +450,8 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
     report = _report(spec, result, launcher, a.commit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"ep_scaling_{spec.shape}" + ("" if spec.dispatcher == "all_to_all" else f"_{spec.dispatcher}")
+    stem = (f"ep_scaling_{spec.shape}" + ("" if spec.dispatcher == "all_to_all" else f"_{spec.dispatcher}")
+            + ("_fp8_experts" if spec.fp8_experts else ""))
     json_path = out / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     png_path = plot(report, out / f"{stem}.png")

@@ -50,3 +50,17 @@ def test_exposed_communication_is_the_layer_time_past_the_baseline():
     no_baseline = comm_figures(4.0, None, 6_000_000_000)
     assert no_baseline["exposed_comm_ms"] is None and no_baseline["exposed_comm_pct"] is None
     assert no_baseline["model_tflops_per_gpu"] == 1.5
+
+
+def test_fp8_experts_in_the_layer_and_its_baseline():
+    """``--fp8-experts`` aligns segments to 128 rows unless told otherwise, reaches the layer's
+    config, and the baseline without communication runs the same experts."""
+    from ep_runtime.bench.ep_scaling import parser, spec_from_args
+
+    spec = spec_from_args(parser().parse_args(["--shape", "deepseek-v3", "--fp8-experts"]), on_gpu=False)
+    assert spec.fp8_experts and spec.alignment == 128 and _moe_config(spec).fp8_experts
+    assert local_spec(spec, 4).fp8_experts and _moe_config(local_spec(spec, 4)).alignment == 128
+    assert not spec_from_args(parser().parse_args(["--shape", "deepseek-v3"]), on_gpu=False).fp8_experts
+    with pytest.raises(ValueError, match=r"^bench\.alignment: expected a multiple of 128 with --fp8-experts .*got 8$"):
+        spec_from_args(parser().parse_args(["--shape", "deepseek-v3", "--fp8-experts", "--alignment", "8"]),
+                       on_gpu=False)
