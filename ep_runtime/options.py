@@ -33,7 +33,7 @@ FLAGS = {
     "--max-grad-norm": "train.max_grad_norm", "--seed": "train.seed", "--out": "train.out_dir",
     "--name": "train.name", "--log-every": "train.log_every", "--log-level": "train.log_level",
     "--checkpoint-every": "train.checkpoint_every", "--resume": "train.resume", "--overwrite": "train.overwrite",
-    "--profile": "train.profile", "--replan-every": "train.replan_every",
+    "--profile": "train.profile", "--replan-every": "train.replan_every", "--fp8-experts": "model.moe.fp8_experts",
     "--replan-max-moved": "train.replan_max_moved",
 }
 
@@ -68,6 +68,9 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                       help=f"how tokens travel to their experts (default {moe.dispatch_format}: unquantized; e4m3: "
                            "FP8 with per-token 1x128 scales; e2m1: FP4 with e4m3 scales per 16 columns, all_to_all "
                            "only)"),
+    par_.add_argument("--fp8-experts", action="store_const", const=True,
+                      help=f"the routed experts' GEMMs in FP8 with DeepSeek-V3's 1x128 / 128x128 scaling (default "
+                           f"{moe.fp8_experts}; segments then aligned to 128 rows)")
     par_.add_argument("--max-tokens-per-rank", type=int, help="nvlink: most tokens a rank dispatches per layer "
                       "call (default: --batch-size x --seq-len)")
     par_.add_argument("--ranks-per-node", type=int, help="ranks per node (default: LOCAL_WORLD_SIZE); fewer "
@@ -172,6 +175,8 @@ def _derive(table: dict, *, default_name: str) -> JobConfig:
     model = table.setdefault("model", {})
     moe = model.setdefault("moe", {})
     moe.setdefault("max_tokens_per_rank", train.batch_size * train.seq_len)
+    if moe.get("fp8_experts") is True:
+        moe.setdefault("alignment", 128)  # an FP8 GEMM tile's rows
     model["max_seq_len"] = max(model.get("max_seq_len", ModelConfig.max_seq_len), train.seq_len)
     return build(JobConfig, {**table, "train": dataclasses.asdict(train)})
 

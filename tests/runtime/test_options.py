@@ -96,3 +96,14 @@ def test_e2m1_dispatch_only_where_the_dispatcher_carries_it(tmp_path):
         config("--config", str(odd), "--dispatch-format", "e2m1", "--hidden", "63")
     with pytest.raises(SystemExit):  # argparse's choices
         config("--dispatch-format", "fp4")
+
+
+def test_fp8_experts_align_segments_to_128_rows_unless_told(tmp_path):
+    cfg = config("--model", "small", "--fp8-experts")
+    assert cfg.model.moe.fp8_experts and cfg.model.moe.alignment == 128
+    assert config("--model", "small").model.moe.alignment == 8 and not config("--model", "small").model.moe.fp8_experts
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[model.moe]\nalignment = 8\n")
+    with pytest.raises(ValueError, match=r"^model\.moe\.alignment of .*mine\.toml: expected a multiple of 128 with "
+                                         r"fp8_experts \(an FP8 GEMM tile's rows\), got 8$"):
+        config("--config", str(mine), "--fp8-experts")
