@@ -5,7 +5,7 @@ Forward: ``x`` cast per token (1 x 128), ``h = x @ W13`` on the FP8 grouped GEMM
 cast per 128 x 128 block, the SwiGLU fused with the next per-token cast, ``y = swiglu(h) @ W2``.
 Backward: the data gradients on the same GEMM (the output gradient cast per token, the weights'
 own casts: a block's scale is the same for a matrix and its transpose, so one cast a weight serves
-both directions), the weight gradients on the K-grouped GEMM with both operands cast per channel
+both directions; ``WeightCasts`` keeps it until the weight changes), the weight gradients on the K-grouped GEMM with both operands cast per channel
 (one scale per 128 rows per column) and transposed K-major. Every GEMM accumulates in float32 with
 per-128 promotion; the GEMMs' outputs are bfloat16, the weight gradients float32.
 
@@ -18,6 +18,8 @@ Shape letters: P layout rows, D hidden, I expert intermediate size, E local expe
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels.gemm import cast_weights, grouped_fp8_mm, grouped_fp8_mm_wgrad, k_major
 from kernels.quant import per_channel_cast, per_token_cast, swiglu, swiglu_backward, swiglu_per_token_cast
@@ -33,10 +35,10 @@ class FP8ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_PD, w13_EDI2, w2_EID, offsets_E):
-        q13_EDI2, sf13 = cast_weights(w13_EDI2.detach())
-        q2_EID, sf2 = cast_weights(w2_EID.detach())
-        h_PI2 = grouped_fp8_mm(*per_token_cast(x_PD.detach()), *_transposed(q13_EDI2, sf13), offsets_E)
-        y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *_transposed(q2_EID, sf2), offsets_E)
+        (q13_EDI2, sf13), forward13 = WEIGHT_CASTS.of(w13_EDI2)
+        (q2_EID, sf2), forward2 = WEIGHT_CASTS.of(w2_EID)
+        h_PI2 = grouped_fp8_mm(*per_token_cast(x_PD.detach()), *forward13, offsets_E)
+        y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
         ctx.save_for_backward(x_PD.detach(), h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
         ctx.weight_dtypes = (w13_EDI2.dtype, w2_EID.dtype)
         return y_PD.to(x_PD.dtype)
@@ -53,6 +55,33 @@ class FP8ExpertsFn(torch.autograd.Function):
         grad_w13_EDI2 = _wgrad(x_PD, grad_h_PI2, offsets_E)
         w13_dtype, w2_dtype = ctx.weight_dtypes
         return grad_x_PD.to(x_PD.dtype), grad_w13_EDI2.to(w13_dtype), grad_w2_EID.to(w2_dtype), None
+
+
+class WeightCasts:
+    """Each weight's FP8 cast and its transpose, kept until the weight changes: one cast a step
+    however many micro-batches run forward, and one copy saved for all their backwards. Every
+    optimizer's step drops them all (a fused step leaves the weights' version counters as they
+    were); any other in-place update (a checkpoint's load, an expert moved) moves the weight's
+    version counter. A weight's entry goes with the weight."""
+
+    def __init__(self):
+        self._casts = WeakIdKeyDictionary()
+        register_optimizer_step_post_hook(lambda *_: self._casts.clear())
+
+    def of(self, w_ENK: torch.Tensor):
+        """``((q, sf), (q^T, sf^T))``: the cast of ``w_ENK`` (:func:`kernels.gemm.cast_weights`) and
+        of its transpose."""
+        key = (w_ENK._version, w_ENK.data_ptr(), w_ENK.shape, w_ENK.dtype, w_ENK.device)
+        kept = self._casts.get(w_ENK)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        self._casts.pop(w_ENK, None)  # before the new cast: never two of a weight at once
+        cast = cast_weights(w_ENK.detach())
+        self._casts[w_ENK] = key, (cast, _transposed(*cast))
+        return self._casts[w_ENK][1]
+
+
+WEIGHT_CASTS = WeightCasts()
 
 
 def _transposed(q_ENK: torch.Tensor, sf_EJG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,3 +100,25 @@ def test_fp8_kernels_match_the_bf16_path_on_cuda(seed):
     assert rel_error(got[0][:n], want[0][:n]) < FP8_ERROR
     for name, g, w in zip(("w13", "w2"), got[1:], want[1:]):
         assert rel_error(g, w) < FP8_ERROR, name
+
+
+def test_a_weights_cast_is_kept_until_the_weight_changes(seed):
+    """One cast a step for every micro-batch: the same tensors while the weight is unchanged, a new
+    cast after an in-place update (a fused AdamW step, a copy), another weight's cast its own."""
+    from ep_runtime.fp8_experts import WeightCasts
+
+    casts = WeightCasts()
+    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed)
+    w = experts.w13_EDI2
+    first = casts.of(w)
+    assert casts.of(w)[0][0] is first[0][0] and casts.of(w)[1][0] is first[1][0]
+    assert casts.of(experts.w2_EID)[0][0].shape == (4, INTER, HIDDEN)
+    w.grad = torch.randn_like(w)
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    stepped = casts.of(w)
+    assert stepped[0][0] is not first[0][0] and not torch.equal(stepped[0][0].view(torch.uint8),
+                                                                 first[0][0].view(torch.uint8))
+    with torch.no_grad():
+        w.copy_(torch.randn_like(w))
+    assert casts.of(w)[0][0] is not stepped[0][0]
+    torch.testing.assert_close(casts.of(w)[1][0].view(torch.uint8), casts.of(w)[0][0].transpose(1, 2).view(torch.uint8))
