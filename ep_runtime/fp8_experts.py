@@ -18,7 +18,7 @@ Shape letters: P layout rows, D hidden, I expert intermediate size, E local expe
 from __future__ import annotations
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels.gemm import cast_weights, grouped_fp8_mm, grouped_fp8_mm_wgrad, k_major
@@ -60,13 +60,13 @@ class FP8ExpertsFn(torch.autograd.Function):
 class WeightCasts:
     """Each weight's FP8 cast and its transpose, kept until the weight changes: one cast a step
     however many micro-batches run forward, and one copy saved for all their backwards. Every
-    optimizer's step drops them all (a fused step leaves the weights' version counters as they
-    were); any other in-place update (a checkpoint's load, an expert moved) moves the weight's
+    optimizer's step drops them all as it starts, freeing their memory for it (a fused step leaves
+    the weights' version counters as they were); any other in-place update (a checkpoint's load, an expert moved) moves the weight's
     version counter. A weight's entry goes with the weight."""
 
     def __init__(self):
         self._casts = WeakIdKeyDictionary()
-        register_optimizer_step_post_hook(lambda *_: self._casts.clear())
+        register_optimizer_step_pre_hook(lambda *_: self._casts.clear())
 
     def of(self, w_ENK: torch.Tensor):
         """``((q, sf), (q^T, sf^T))``: the cast of ``w_ENK`` (:func:`kernels.gemm.cast_weights`) and
