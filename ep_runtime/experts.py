@@ -7,7 +7,6 @@ expert-major layout (see ``kernels.permute.ExpertLayout``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -79,7 +78,7 @@ class GroupedExperts(nn.Module):
             self.w2_EID[i].normal_(0.0, intermediate**-0.5, generator=g)
 
         # an expert a thread (each draw is serial; at v3-layer's widths they took 55 s one by one)
-        with ThreadPoolExecutor(max_workers=min(num_local, os.cpu_count() or 1) or 1) as pool:
+        with ThreadPoolExecutor() as pool:
             list(pool.map(draw, range(num_local)))
 
     def forward(self, x_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:

@@ -40,7 +40,6 @@ class FP8ExpertsFn(torch.autograd.Function):
         h_PI2 = grouped_fp8_mm(*per_token_cast(x_PD.detach()), *forward13, offsets_E)
         y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
         ctx.save_for_backward(x_PD.detach(), h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
-        ctx.weight_dtypes = (w13_EDI2.dtype, w2_EID.dtype)
         return y_PD.to(x_PD.dtype)
 
     @staticmethod
@@ -53,8 +52,7 @@ class FP8ExpertsFn(torch.autograd.Function):
         grad_h_PI2 = swiglu_backward(h_PI2, grad_h_PI, rows=rows)
         grad_x_PD = grouped_fp8_mm(*per_token_cast(grad_h_PI2), q13_EDI2, sf13, offsets_E)
         grad_w13_EDI2 = _wgrad(x_PD, grad_h_PI2, offsets_E)
-        w13_dtype, w2_dtype = ctx.weight_dtypes
-        return grad_x_PD.to(x_PD.dtype), grad_w13_EDI2.to(w13_dtype), grad_w2_EID.to(w2_dtype), None
+        return grad_x_PD, grad_w13_EDI2, grad_w2_EID, None  # autograd casts each to its input's dtype
 
 
 class WeightCasts:

@@ -122,3 +122,24 @@ def test_a_weights_cast_is_kept_until_the_weight_changes(seed):
         w.copy_(torch.randn_like(w))
     assert casts.of(w)[0][0] is not stepped[0][0]
     torch.testing.assert_close(casts.of(w)[1][0].view(torch.uint8), casts.of(w)[0][0].transpose(1, 2).view(torch.uint8))
+
+
+def test_the_backward_s_swiglu_skips_the_spare_rows(seed, monkeypatch):
+    """Both SwiGLU ops of the backward get the layout's row bound (``offsets_E[-1:]``): the 64 spare
+    rows past the segments cost nothing."""
+    import ep_runtime.fp8_experts as fp8_module
+
+    bounds = {}
+    for name in ("swiglu", "swiglu_backward"):
+        original = getattr(fp8_module, name)
+
+        def recorded(*args, rows=None, _name=name, _original=original, **kwargs):
+            bounds.setdefault(_name, []).append(rows)
+            return _original(*args, rows=rows, **kwargs)
+
+        monkeypatch.setattr(fp8_module, name, recorded)
+    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed)
+    x_PD, layout = dispatched(seed)
+    FP8ExpertsFn.apply(x_PD, experts.w13_EDI2, experts.w2_EID, layout.offsets_E).sum().backward()
+    assert [b.tolist() for b in bounds["swiglu"]] == [[int(layout.offsets_E[-1])]]
+    assert [b.tolist() for b in bounds["swiglu_backward"]] == [[int(layout.offsets_E[-1])]]
