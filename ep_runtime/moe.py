@@ -19,6 +19,7 @@ from .experts import GroupedExperts, SwiGLUMLP
 from .lanes import PerLaneAttribute
 from .placement import ExpertPlacement
 from .router import Router
+from .streams import beside
 
 
 class MoELayer(nn.Module):
@@ -128,11 +129,16 @@ class MoELayer(nn.Module):
                          device=x_BSD.device)
             token_mask_BS = token_mask_BS.flatten()
         x_TD = x_BSD.flatten(0, -2)
+        if self.shared is not None:  # beside the routed path: it needs nothing of the other ranks
+            side = beside(x_TD.device)
+            with side:
+                shared_TD = self.shared(x_TD)
         routing = self.router(x_TD, physical_map=self.physical_map, token_mask_T=token_mask_BS, batch=x_BSD.shape[0])
         x_PD, layout, handle = self.dispatcher.dispatch(x_TD, routing.physical_idx_TK, routing.topk_weights_TK)
         out_TD = self.dispatcher.combine(self.experts(x_PD, layout), handle)
         if self.shared is not None:
-            out_TD = out_TD + self.shared(x_TD)
+            side.join()
+            out_TD = out_TD + shared_TD
         self.load_E = routing.counts_E
         if self.cfg.router.aux_loss_coef > 0:  # none for a batch without tokens (not the last batch's)
             self.aux_loss = (self.router.balance_loss(routing, batch=x_BSD.shape[0]) if x_TD.shape[0]

@@ -70,52 +70,10 @@ from kernels.validate import check_positive
 from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
+from ..streams import SideStream
 from .symmetric import SymmetricHeap, aligned, make_heap
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
-
-
-class SideStream:
-    """Work beside the current CUDA stream: ``with side:`` runs its body on a stream of high
-    priority (its few small kernels get SMs between the rows' CTAs), after everything queued on the
-    current stream so far; ``join()`` (or ``wait`` for a ``mark``) makes the current stream wait
-    for it. On CPU, in line.
-
-    Tensors allocated beside are used on the current stream after ``join``; the caching allocator
-    hands their blocks out again only to work beside, which starts after everything queued on the
-    current stream (the ``with``'s wait), so no ``record_stream`` is needed, as long as they are
-    used on that stream only (a dispatch's route, for instance, on the stream that dispatched)."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-
-    def __enter__(self):
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            self._context = torch.cuda.stream(self.stream)
-            self._context.__enter__()
-
-    def __exit__(self, *exc):
-        if self.stream is not None:
-            self._context.__exit__(*exc)
-
-    def mark(self) -> torch.cuda.Event | None:
-        """An event at this point of the side stream (None on CPU), for :meth:`wait`."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        """The current stream waits for the side stream's work up to ``event``."""
-        if event is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(event)
-
-    def join(self) -> None:
-        """The current stream waits for everything queued beside so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 @dataclass(frozen=True)
@@ -167,7 +125,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
-        self.beside = SideStream(device)
+        self.beside = SideStream(device, priority=-1)
 
     @property
     def num_recv_rows(self) -> int:
