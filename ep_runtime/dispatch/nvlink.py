@@ -124,6 +124,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self.alignment = check_positive("alignment", alignment)
         self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
+        self._made: dict[tuple, list[PeerRegion]] = {}  # _regions' of the current heap
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
         self.beside = SideStream(device, priority=-1)
 
@@ -140,19 +141,24 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
 
     # The transport: regions of one half of the heap, filled by peer stores, then the barriers.
     def _regions(self, *widths: tuple[int, int, torch.dtype]) -> list[PeerRegion]:
-        """One region per ``(rows, width, dtype)`` in the half of the heap this call uses."""
+        """One region per ``(rows, width, dtype)`` in the half of the heap this call uses (made
+        once per heap, half and widths: a call's views of every rank's copy cost host time)."""
+        half_index = self.calls % 2
+        self.calls += 1
+        key = (half_index, widths)
+        if key in self._made:
+            return self._made[key]
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
-        half = sum(sizes)
-        if self.heap is None or self.heap.nbytes < 2 * half:
+        if self.heap is None or self.heap.nbytes < 2 * sum(sizes):
             # Every rank asks for the same size at the same call (it depends on shapes all ranks
             # share), so this collective allocation stays in step.
-            self.heap = make_heap(2 * half, self.group, self.device)
-        offset = (self.calls % 2) * (self.heap.nbytes // 2)
-        self.calls += 1
+            self.heap, self._made = make_heap(2 * sum(sizes), self.group, self.device), {}
+        offset = half_index * (self.heap.nbytes // 2)
         regions = []
         for (rows, width, dtype), size in zip(widths, sizes):
             regions.append(self.heap.region(offset, (rows, width), dtype))
             offset += size
+        self._made[key] = regions
         return regions
 
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
