@@ -188,7 +188,7 @@ class ParallelConfig:
     ``ep`` ranks share one set of experts; EP borrows from DP."""
 
     pp: int = 1  # pipeline stages (ep_runtime/pipeline.py)
-    microbatches: int = 1  # per step and rank, with pp > 1; must divide train.batch_size
+    microbatches: int = 1  # per step and rank, with pp > 1 or the overlap schedule; must divide train.batch_size
     schedule: str = "1f1b"  # pipeline schedule, one of PIPELINE_SCHEDULES (ep_runtime/pipeline.md)
     virtual_stages: int = 1  # model chunks per stage: > 1 with the interleaved schedule
     ep: int | None = None  # None: all ranks of a stage form one EP group
@@ -201,13 +201,13 @@ class ParallelConfig:
                  "an int >= 1", self.microbatches)
         _require(self.schedule in PIPELINE_SCHEDULES, "parallel.schedule", f"one of {PIPELINE_SCHEDULES}",
                  self.schedule)
-        _require(self.schedule != "overlap" or self.pp == 1 or self.microbatches % 2 == 0, "parallel.microbatches",
+        _require(self.schedule != "overlap" or self.microbatches % 2 == 0, "parallel.microbatches",
                  "an even number with the overlap schedule (two lanes)", self.microbatches)
         _require(_is_int(self.virtual_stages) and self.virtual_stages >= 1
                  and (self.virtual_stages > 1) == (self.schedule == "interleaved"), "parallel.virtual_stages",
                  "an int > 1 with the interleaved schedule, 1 with the others", self.virtual_stages)
-        _require(self.pp > 1 or self.schedule in ("1f1b", "gpipe"), "parallel.schedule",
-                 "'1f1b' or 'gpipe' with one pipeline stage (parallel.pp = 1)", self.schedule)
+        _require(self.pp > 1 or self.schedule in ("1f1b", "gpipe", "overlap"), "parallel.schedule",
+                 "'1f1b', 'gpipe' or 'overlap' with one pipeline stage (parallel.pp = 1)", self.schedule)
         if self.ep is not None:
             _require(self.ep >= 1, "parallel.ep", ">= 1", self.ep)
         if self.ranks_per_node is not None:

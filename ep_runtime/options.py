@@ -56,9 +56,11 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     par_ = p.add_argument_group("parallelism")
     par_.add_argument("--ep", type=int, help="EP group size (default: all ranks of a pipeline stage)")
     par_.add_argument("--pp", type=int, help=f"pipeline stages (default {par.pp}: none)")
-    par_.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 (default 2 x --pp)")
+    par_.add_argument("--microbatches", type=int, help="micro-batches per step with --pp > 1 or --schedule overlap "
+                      "(default 2 x --pp; 2 with overlap at --pp 1)")
     par_.add_argument("--schedule", choices=PIPELINE_SCHEDULES, help=f"pipeline schedule (default {par.schedule}; "
-                      "overlap: two lanes of micro-batches at once)")
+                      "overlap: two lanes of micro-batches at once; at --pp 1, one micro-batch's forward beside the other's "
+                      "backward over EP)")
     par_.add_argument("--virtual-stages", type=int,
                       help="model chunks per stage with --schedule interleaved (default 2)")
     par_.add_argument("--dispatcher", choices=DISPATCHERS,
@@ -169,7 +171,8 @@ def _derive(table: dict, *, default_name: str) -> JobConfig:
     train = build(TrainConfig, {"name": default_name, **table.get("train", {})}, "train")
     parallel = table.setdefault("parallel", {})
     pp = parallel.get("pp", ParallelConfig.pp)
-    parallel.setdefault("microbatches", 2 * pp if isinstance(pp, int) and pp > 1 else 1)
+    lanes = 2 if parallel.get("schedule") == "overlap" else 1
+    parallel.setdefault("microbatches", 2 * pp if isinstance(pp, int) and pp > 1 else lanes)
     interleaved = parallel.get("schedule") == "interleaved"
     parallel.setdefault("virtual_stages", 2 if interleaved else 1)
     model = table.setdefault("model", {})
@@ -227,7 +230,7 @@ def check_launch(cfg: JobConfig, nproc: int, o: Origins) -> None:
 def _check_pipeline(cfg: JobConfig, o: Origins) -> None:
     pp, microbatches, batch_size = cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.batch_size
     layers, chunks = cfg.model.num_layers, cfg.parallel.virtual_stages
-    if pp == 1:
+    if pp == 1 and cfg.parallel.schedule != "overlap":  # the whole batch at once
         return
     if pp * chunks > layers:
         what = f"{pp} stages x {chunks} virtual stages" if chunks > 1 else f"{pp} stages"
@@ -235,15 +238,16 @@ def _check_pipeline(cfg: JobConfig, o: Origins) -> None:
                          f"{layers} blocks ({o.name('model.num_layers')})")
     if batch_size % microbatches:
         if not o.given("parallel.microbatches"):
-            raise ValueError(f"{o.name('parallel.pp')} {pp}: its default micro-batches, 2 x {pp} = {microbatches}, "
-                             f"do not divide {o.name('train.batch_size')} {batch_size}; give --microbatches, a "
+            whose = (f"{o.name('parallel.pp')} {pp}: its default micro-batches, 2 x {pp} = {microbatches}," if pp > 1
+                     else f"{o.name('parallel.schedule')} overlap: its default micro-batches, {microbatches} (two lanes),")
+            raise ValueError(f"{whose} do not divide {o.name('train.batch_size')} {batch_size}; give --microbatches, a "
                              f"divisor of {batch_size}")
         raise ValueError(f"{o.name('parallel.microbatches')} {microbatches}: expected a divisor of "
                          f"{o.name('train.batch_size')} {batch_size}")
     if cfg.parallel.schedule == "interleaved" and microbatches % pp:
         raise ValueError(f"{o.name('parallel.microbatches')} {microbatches}: expected a multiple of "
                          f"{o.name('parallel.pp')} {pp} with the interleaved schedule")
-    if cfg.model.moe.router.aux_loss_coef > 0:
+    if pp > 1 and cfg.model.moe.router.aux_loss_coef > 0:
         raise ValueError(f"{o.name('model.moe.router.aux_loss_coef')}: expected 0 with pipeline stages "
                          f"({o.name('parallel.pp')} {pp}; not supported yet), got {cfg.model.moe.router.aux_loss_coef}")
 

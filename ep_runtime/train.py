@@ -188,11 +188,11 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
     t = cfg.train
     fault = InjectedFault.from_env()
     torch.manual_seed(t.seed)
-    lanes = 2 if ctx.pp_size > 1 and cfg.parallel.schedule == "overlap" else 1
+    lanes = 2 if cfg.parallel.schedule == "overlap" else 1
     model = TinyDeepSeek(cfg.model, make_dispatcher(cfg.model.moe, ctx, lanes=lanes), ep_rank=ctx.ep_rank, seed=t.seed)
     model.to(ctx.device)
     pipe = None
-    if ctx.pp_size > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)
+    if ctx.pp_size > 1 or lanes > 1:  # this rank keeps its stage's blocks only (ep_runtime/pipeline.md)
         stage = PipelineStage(model, stage=ctx.pp_rank, num_stages=ctx.pp_size, chunks=cfg.parallel.virtual_stages)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=cfg.parallel.microbatches,
                                 schedule=cfg.parallel.schedule)

@@ -9,7 +9,8 @@ two-stage ``nvlink``, half the GPUs a "node" (heaps over each node's ranks). Eve
 and the last below the first; for the ``small`` preset every configuration of a layout gives the
 losses of that layout's ``all_to_all`` run without a pipeline or with 1F1B, within ``SMALL_RTOL``
 (bf16 autocast: the schedules accumulate micro-batches' gradients in other orders); ``small`` with
-FP8 experts (EP over every GPU, both dispatchers) within ``FP8_RTOL`` of them.
+FP8 experts (EP over every GPU, both dispatchers) within ``FP8_RTOL`` of them, and with the overlap
+schedule over EP alone (two micro-batches in two lanes) within ``SMALL_RTOL``.
 
 ``pytest -s -m gpu tests/runtime/test_gpu_matrix.py`` on a machine of two or four GPUs."""
 
@@ -46,7 +47,8 @@ def test_every_configuration_trains(tmp_path, gpus):
     two_stage = ["--ep", str(gpus), "--ranks-per-node", str(gpus // 2)]
     pipelines = {s: ["--pp", "2", "--ep", str(gpus // 2), "--schedule", s] for s in SCHEDULES}
     first = [_argv(p, d, ep, out) for p in PRESETS for d in ("all_to_all", "nvlink")]
-    first += [_argv("small", d, [*ep, "--fp8-experts"], out) for d in ("all_to_all", "nvlink")]
+    first += [_argv("small", d, [*ep, extra], out) for d in ("all_to_all", "nvlink")
+              for extra in ("--fp8-experts", "--schedule=overlap")]
     first += [_argv(p, "all_to_all", layout, out) for p in PRESETS for layout in pipelines.values()]
     second = [_argv(p, "nvlink", layout, out) for p in PRESETS for layout in pipelines.values()]
     second += [_argv(p, "nvlink", two_stage, out) for p in PRESETS]

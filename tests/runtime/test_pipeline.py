@@ -85,6 +85,27 @@ def test_one_stage_is_gradient_accumulation(schedule):
             assert err <= RTOL, f"{name}: gradient error {err:.3g} > {RTOL}"
 
 
+def test_train_overlap_at_one_stage_matches_plain_ep2(tmp_path):
+    """``--schedule overlap`` without pipeline stages: over EP 2, two micro-batches in two lanes
+    (one's forward beside the other's backward, each lane over EP groups of its own) train like
+    the whole batch at once (losses and gradient norms within 1e-4 relative)."""
+    from ep_runtime.options import job_config_from_args, train_parser
+    from ep_runtime.metrics import read_metrics
+    from ep_runtime.train import worker
+
+    def config(name, *extra):
+        return job_config_from_args(train_parser().parse_args(
+            ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--ep", "2", "--out", str(tmp_path), "--name",
+             name, *extra]))
+
+    overlapped = launch_local(worker, config("overlap", "--schedule", "overlap"), nproc=2)
+    plain = launch_local(worker, config("plain"), nproc=2)
+    for rank in range(2):
+        torch.testing.assert_close(overlapped[rank]["losses"], plain[0]["losses"], rtol=1e-4, atol=0)
+    norms = {run: [r["grad_norm"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] for run in ("overlap", "plain")}
+    torch.testing.assert_close(norms["overlap"], norms["plain"], rtol=1e-4, atol=0)
+
+
 def test_train_pp2_ep2_matches_ep2(tmp_path):
     """``ep-runtime train --pp 2 --ep 2`` on 4 processes trains like ``--ep 2`` on 2: the same two
     data ranks, the same model, the same steps (AdamW; losses within 1e-4 relative). The gradient

@@ -85,6 +85,8 @@ def test_cli_entry_point(tmp_path):
     (["--nproc", "3", "--pp", "2"], "--pp 2: expected a divisor of the 3 worker processes"),
     (["--nproc", "0"], "--num-workers: expected at least 1, got 0"),
     (["--pp", "3", "--layers", "3"], "--pp 3: its default micro-batches, 2 x 3 = 6, do not divide --batch-size 8"),
+    (["--schedule", "overlap", "--batch-size", "3"], "--schedule overlap: its default micro-batches, 2 (two lanes), do "
+                                                     "not divide --batch-size 3"),
     (["--pp", "3", "--microbatches", "4"], "--pp 3: expected at most one stage per block; 3 stages for 2 blocks "
                                            "(model.num_layers of the tiny preset)"),
     (["--pp", "2", "--ep", "2", "--schedule", "interleaved"], "--pp 2: expected at most one stage per block; "
@@ -136,7 +138,8 @@ def test_init_parallel_outside_a_job_refuses_more_than_one_rank(monkeypatch):
 @pytest.mark.parametrize("flags,message", [
     (["--pp", "2", "--microbatches", "0"], r"^--microbatches: expected an int >= 1, got 0"),
     (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "0"], r"^--virtual-stages: expected an int > 1"),
-    (["--schedule", "overlap"], r"^--schedule: expected '1f1b' or 'gpipe' with one pipeline stage"),
+    (["--schedule", "interleaved"], r"^--schedule: expected '1f1b', 'gpipe' or 'overlap' with one pipeline stage"),
+    (["--schedule", "overlap", "--microbatches", "3"], r"^--microbatches: expected an even number with the overlap"),
 ])
 def test_settings_that_cannot_work_are_refused_before_any_process_starts(flags, message):
     with pytest.raises(ValueError, match=message):
