@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds DeepEP (the real one: deepseek-ai/DeepEP, its V1 intranode, internode and low-latency
+# kernels with NVSHMEM) as a wheel for the GPU machines: CPython 3.12, torch 2.11 (CUDA 13, what
+# those machines have), sm_90. The wheel lands in .deepep/ at the root of the git checkout you run
+# it from (kept out of git). The GPU machines reach no package index: carry .deepep and run
+#   pip install --no-deps --no-index --target /tmp/deepep .deepep/*.whl
+#   export PYTHONPATH=/tmp/deepep:$PYTHONPATH
+#   export LD_LIBRARY_PATH=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")/lib:$LD_LIBRARY_PATH
+# Usage: tools/make-deepep.sh DEEPEP_SOURCE_DIR   (a checkout or `git archive` export of DeepEP; the wheel
+# in use was built from commit 567632d). Needs python3.12 and nvcc 13; the first run makes a venv
+# with torch 2.11 from PyPI (a CUDA 13 build, several GB; DEEPEP_VENV names another).
+set -euo pipefail
+src=$(cd "${1:?usage: tools/make-deepep.sh DEEPEP_SOURCE_DIR}" && pwd)
+root=$(git rev-parse --show-toplevel)
+out="$root/.deepep"
+exclude="$(git -C "$root" rev-parse --git-path info/exclude)"
+mkdir -p "$(dirname "$exclude")" "$out"
+grep -qxF '/.deepep/' "$exclude" 2>/dev/null || echo '/.deepep/' >> "$exclude"
+venv=${DEEPEP_VENV:-$HOME/.cache/deepep-venv312}
+if [ ! -x "$venv/bin/python" ]; then
+  python3.12 -m venv "$venv"
+  "$venv/bin/pip" install -q torch==2.11.0 setuptools wheel ninja numpy
+fi
+nvshmem=$("$venv/bin/python" -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+cp -r "$src/." "$build"
+cd "$build"
+NVSHMEM_DIR="$nvshmem" TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} \
+  "$venv/bin/python" setup.py -q bdist_wheel -d "$out"
+ls -la "$out"
