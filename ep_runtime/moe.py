@@ -131,6 +131,7 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.flatten(0, -2)
         if self.shared is not None:  # beside the routed path: it needs nothing of the other ranks
             side = beside(x_TD.device)
+            side.hold(x_TD)  # the shared experts' backward reads it beside
             with side:
                 shared_TD = self.shared(x_TD)
         routing = self.router(x_TD, physical_map=self.physical_map, token_mask_T=token_mask_BS, batch=x_BSD.shape[0])

@@ -46,6 +46,13 @@ class SideStream:
         if event is not None:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
 
+    def hold(self, tensor: torch.Tensor) -> None:
+        """``tensor``, allocated on the current stream and read beside, is not handed out again
+        before the side stream's work queued up to its release is done (a backward beside may read
+        it last: autograd frees saved tensors without waiting for the streams that read them)."""
+        if self.stream is not None:
+            tensor.record_stream(self.stream)
+
     def join(self) -> None:
         """The current stream waits for everything queued beside so far."""
         if self.stream is not None:

@@ -7,7 +7,7 @@
 #   export PYTHONPATH=/tmp/deepep:$PYTHONPATH
 #   export LD_LIBRARY_PATH=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")/lib:$LD_LIBRARY_PATH
 # Usage: tools/make-deepep.sh DEEPEP_SOURCE_DIR   (a checkout or `git archive` export of DeepEP; the wheel
-# in use was built from commit 567632d). Needs python3.12 and nvcc 13; the first run makes a venv
+# in use was built from commit 567632d). Needs python3.12 and CUDA 13 (CUDA_HOME, default /usr/local/cuda); the first run makes a venv
 # with torch 2.11 from PyPI (a CUDA 13 build, several GB; DEEPEP_VENV names another).
 set -euo pipefail
 src=$(cd "${1:?usage: tools/make-deepep.sh DEEPEP_SOURCE_DIR}" && pwd)
@@ -21,11 +21,11 @@ if [ ! -x "$venv/bin/python" ]; then
   python3.12 -m venv "$venv"
   "$venv/bin/pip" install -q torch==2.11.0 setuptools wheel ninja numpy
 fi
-nvshmem=$("$venv/bin/python" -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])")
 build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 cp -r "$src/." "$build"
 cd "$build"
-NVSHMEM_DIR="$nvshmem" TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} \
+# NVSHMEM: setup.py finds the venv's nvidia-nvshmem-cu13 itself (and its library's versioned name)
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} \
   "$venv/bin/python" setup.py -q bdist_wheel -d "$out"
 ls -la "$out"
