@@ -25,7 +25,19 @@ build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 cp -r "$src/." "$build"
 cd "$build"
-# NVSHMEM: setup.py finds the venv's nvidia-nvshmem-cu13 itself (and its library's versioned name)
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} \
-  "$venv/bin/python" setup.py -q bdist_wheel -d "$out"
+# NVSHMEM: setup.py finds the venv's nvidia-nvshmem-cu13 itself (and its library's versioned name).
+# The host compiler needs what nvcc finds by itself: libcu++ (cuda/std/..., under include/cccl in
+# CUDA 13) for NVSHMEM's headers, and torch's CUDA libraries' headers (cuSPARSE, cuBLAS: the venv's
+# nvidia/cu13, which a toolkit of nvcc alone lacks).
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+cu=$("$venv/bin/python" -c "import nvidia.cu13 as m; print(list(m.__path__)[0])")
+export CPATH="$CUDA_HOME/include/cccl:$cu/include${CPATH:+:$CPATH}"
+# -lcuda: the driver, absent on a machine without a GPU. An empty stand-in satisfies the linker;
+# the GPU machine's driver provides the symbols when the module loads.
+mkdir -p "$build/stubs"
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
+  echo > "$build/stubs/empty.c" && gcc -shared -o "$build/stubs/libcuda.so" "$build/stubs/empty.c"
+fi
+export LIBRARY_PATH="$cu/lib:$build/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/python" setup.py -q bdist_wheel -d "$out"
 ls -la "$out"
