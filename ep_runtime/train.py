@@ -277,7 +277,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
             group["lr"] = lr
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        upcoming_BS = batch_of(step + 1)  # on the host while the GPU runs the optimizer (it idled 10 ms a step)
+        if step < t.steps:  # on the host while the GPU runs the optimizer (it idled 10 ms a step)
+            upcoming_BS = batch_of(step + 1)
         load_LE = global_expert_load(model, ctx)
         for moe, load_E in zip(model.moe_layers, load_LE):
             moe.router.update_bias(load_E)

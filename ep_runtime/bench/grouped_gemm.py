@@ -40,6 +40,7 @@ from kernels.gemm.reference import SCALE_BLOCK
 from kernels.testing import grouped_gemm_inputs
 
 from .record import device_name, head_commit, slug
+from .timer import EventTimer
 
 
 def parse_args(argv):
@@ -85,24 +86,12 @@ def split_counts(rows: int, experts: int, split: str) -> list[int]:
 
 
 def median_ms(fn, device, warmup: int, iters: int) -> float:
+    """The median of ``iters`` timed calls after ``warmup`` untimed ones (``EventTimer``: CUDA events
+    after the GPU's head start, host timers on the CPU)."""
+    timer = EventTimer(device)
     for _ in range(warmup):
         fn()
-    if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(timer.time(fn, head_start=True) for _ in range(iters))
 
 
 def fp8_op(device, public, kernel_op, stages: int):
