@@ -4,6 +4,7 @@ they compete with, measured in the same run.
     ep-runtime bench dispatch                                    # 2 CPU workers, small shape
     torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch          # GPUs
     torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --peer vdev
+    torchrun --standalone --nproc-per-node 2 -m ep_runtime.bench.dispatch --peer deepep   # the deep_ep package
 
 For each token count (``--tokens``, default 4096 and 128 per rank: DeepSeek-V3's layer and the
 small-batch latency case) and backend (``all_to_all``, ``nvlink``): ``dispatch`` (routes in,
@@ -21,7 +22,12 @@ of the same bytes: NCCL ``all_to_all_single`` and the P2P copy ceiling (``copy_`
 remote bytes into its peer's symmetric buffer); ``--peer vdev`` runs only
 ``torch.ops.symm_mem.all_to_all_vdev`` (NVSHMEM, which must be chosen before any symmetric
 allocation: a run of its own) and writes ``dispatch_vdev.json``, which a later default run in
-the same ``--out`` folds into its table.
+the same ``--out`` folds into its table. ``--peer deepep`` adds DeepEP (``--deepep-module``, default
+the ``deep_ep`` package) to the same run: the ``deepep`` backend (ep-runtime's dispatch and combine
+through DeepEP's ``Buffer``, into the same layout), and ``deepep_buffer`` (DeepEP's own
+``get_dispatch_layout`` + ``dispatch`` of the cast tokens, and ``combine`` of the bf16 rows it
+received, as DeepEP's tests time them: where ``to_buffers`` and ``combine`` compare). Eager only:
+DeepEP's dispatch waits on the host for the counts of a fresh layout.
 
 Routing: each token picks ``topk`` distinct experts uniformly at random (a balanced load; every
 rank's token goes to each other rank with probability about 1 - (1 - 1/W)^K).
@@ -78,7 +84,7 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from ..config import ParallelConfig
-    from ..dispatch import AllToAllDispatcher, NVLinkDispatcher
+    from ..dispatch import AllToAllDispatcher, DeepEPDispatcher, NVLinkDispatcher
     from ..parallel import init_parallel
 
     if a.peer == "vdev":
@@ -110,16 +116,21 @@ def bench_worker(a: argparse.Namespace) -> dict | None:
             row["vdev_combine_ms"] = _vdev_ms(median_ms, sent, home_bytes, group, device)
             rows.append(row)
             continue
-        for backend in BACKENDS:
+        for backend in BACKENDS + (("deepep",) if a.peer == "deepep" else ()):
             if backend == "all_to_all":
                 d = AllToAllDispatcher(num_experts=a.experts, group=group, alignment=a.alignment,
                                        dispatch_format="e4m3" if a.fp8 else "bf16", fp8_combine=a.fp8_combine)
-            else:
+            elif backend == "nvlink":
                 d = NVLinkDispatcher(num_experts=a.experts, group=group, device=device, max_tokens_per_rank=tokens,
                                      alignment=a.alignment, fp8=a.fp8, fp8_combine=a.fp8_combine)
+            else:
+                d = DeepEPDispatcher(num_experts=a.experts, group=group, alignment=a.alignment, fp8=a.fp8,
+                                     buffer_api=deepep_api(a.deepep_module))
             with torch.no_grad():
                 row.update(_time_backend(backend, d, x_TD, idx_TK, w_TK, token_bytes, (median_ms, time_ms), a,
                                          rank == 0))
+                if backend == "deepep":
+                    row.update(_time_deepep_buffer(d, x_TD, idx_TK, w_TK, a, median_ms))
         collective = dist.get_backend(group)  # nccl on GPUs, gloo on the CPU: the label says which ran
         recv_t = torch.tensor(sent, device=device)
         got_t = torch.empty_like(recv_t)
@@ -287,6 +298,43 @@ def _timeline(name: str, step, time_ms, tokens: int, show: bool) -> None:
         print(f"  {start:8.1f} {stop:8.1f}  stream {stream:<3} {kernel[:70]}")
 
 
+def deepep_api(module: str):
+    """The module named by ``--deepep-module``, checked: ``None`` for the ``deep_ep`` package (the
+    adapter imports it, and knows its kernels combine bf16 only), else that module (the facade)."""
+    import importlib
+
+    try:
+        api = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"--deepep-module: expected an importable module with DeepEP's Buffer API, got {module!r} "
+                         f"({e}); ep_runtime.compat.deep_ep is ep-runtime's facade of it") from None
+    return None if module == "deep_ep" else api
+
+
+def _time_deepep_buffer(d, x_TD, idx_TK, w_TK, a: argparse.Namespace, median_ms) -> dict:
+    """DeepEP's own calls on ``d``'s buffer: the layout and the dispatch of the tokens (cast to FP8
+    beforehand with ``--fp8``, as a DeepEP user does), and the combine of bf16 rows received."""
+    import torch
+
+    from kernels.quant import per_token_cast
+
+    idx = idx_TK.to(torch.int64)
+    x = per_token_cast(x_TD) if a.fp8 else x_TD
+    got = {}
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = d.buffer.get_dispatch_layout(idx, a.experts)
+        got["recv"] = d.buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w_TK)
+
+    times = {"deepep_buffer_dispatch_ms": median_ms(dispatch, False)}
+    recv_x, _, recv_weights, _, handle, _ = got["recv"]
+    rows = torch.randn((recv_x[0] if a.fp8 else recv_x).shape[0], a.hidden, dtype=x_TD.dtype, device=x_TD.device)
+    times["deepep_buffer_combine_ms"] = median_ms(lambda: d.buffer.combine(rows, handle, topk_weights=recv_weights),
+                                                  False)
+    return times
+
+
 def _p2p_copy_ms(median_ms, nbytes: int, group, device) -> float:
     """``copy_`` of ``nbytes`` into the next rank's symmetric buffer: the ceiling of a store."""
     import torch
@@ -335,7 +383,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="FP8 tokens on the wire")
     p.add_argument("--fp8-combine", action=argparse.BooleanOptionalAction, default=False,
                    help="FP8 rows home too (the combine targets are for a bf16 combine)")
-    p.add_argument("--peer", choices=("vdev",), help="measure only this peer (a run of its own)")
+    p.add_argument("--peer", choices=("vdev", "deepep"),
+                   help="vdev: measure only torch's NVSHMEM all_to_all_vdev (a run of its own); deepep: add DeepEP")
+    p.add_argument("--deepep-module", default="deep_ep",
+                   help="the module with DeepEP's Buffer API that --peer deepep times (default deep_ep; "
+                        "ep_runtime.compat.deep_ep times ep-runtime's facade of it)")
     p.add_argument("--profile", action="store_true", help="print a profile of nvlink dispatch + combine (GPU)")
     p.add_argument("--num-workers", type=int, default=2, help="CPU workers without torchrun (default 2)")
     p.add_argument("--warmup", type=int, default=5)
@@ -353,6 +405,14 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
     on_gpu = torch.cuda.is_available()
     a.tokens = a.tokens or ([4096, 128] if on_gpu else [256])
     a.hidden = a.hidden or (7168 if on_gpu else 128)
+    if a.peer == "deepep":  # named here, before any worker starts
+        if a.fp8_combine:
+            raise SystemExit("ep-runtime bench dispatch: --fp8-combine: expected a bf16 combine with --peer deepep "
+                             "(DeepEP combines bf16 rows only)")
+        try:
+            deepep_api(a.deepep_module)
+        except ValueError as e:
+            raise SystemExit(f"ep-runtime bench dispatch: {e}") from None
     if "WORLD_SIZE" in os.environ:
         result = bench_worker(a)
         if result is None:

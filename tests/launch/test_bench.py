@@ -83,18 +83,36 @@ def test_ep_scaling_with_the_nvlink_backend(tmp_path):
 
 
 def test_dispatch_bench_times_every_backend_and_peer(tmp_path):
-    """CPU: all_to_all and nvlink (shared-memory heap), its transport, and the collective all-to-all of the
-    same bytes, labelled with the backend that ran it (gloo here, nccl on GPUs)."""
-    done = run_bench(tmp_path, "dispatch", "--tokens", "64", "--hidden", "256", "--warmup", "1", "--iters", "2")
+    """CPU: all_to_all and nvlink (shared-memory heap), its transport, DeepEP's Buffer API (here the
+    facade's: the adapter and the Buffer's own calls), and the collective all-to-all of the same
+    bytes, labelled with the backend that ran it (gloo here, nccl on GPUs)."""
+    done = run_bench(tmp_path, "dispatch", "--tokens", "64", "--hidden", "256", "--warmup", "1", "--iters", "2",
+                     "--peer", "deepep", "--deepep-module", "ep_runtime.compat.deep_ep")
     report = json.loads((tmp_path / "dispatch.json").read_text())
     (row,) = report["rows"]
     for key in ("all_to_all_dispatch", "all_to_all_combine", "nvlink_dispatch", "nvlink_combine", "nvlink_transport",
+                "deepep_dispatch", "deepep_combine", "deepep_buffer_dispatch", "deepep_buffer_combine",
                 "gloo_a2a_dispatch", "gloo_a2a_combine"):
         assert row[f"{key}_ms"] > 0 and row[f"{key}_gbps"] > 0, key
     assert not any(key.startswith("nccl") for key in row)
     # about half of 64 tokens go to the other rank: 256 FP8 bytes + 2 float32 scales each
     assert 0.3 * 64 * 264 < row["dispatch_bytes_per_rank"] <= 64 * 264
     assert "nvlink_transport" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--deepep-module", "no_such_module"], "--deepep-module: expected an importable module with DeepEP's Buffer API, "
+                                            "got 'no_such_module'"),
+    (["--fp8-combine"], "--fp8-combine: expected a bf16 combine with --peer deepep"),
+])
+def test_dispatch_bench_refuses_a_deepep_peer_it_cannot_time_before_any_worker(args, message):
+    from ep_runtime.bench.dispatch import main as dispatch_main
+
+    def no_workers(*_args, **_kwargs):
+        raise AssertionError("a worker started")
+
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        dispatch_main(["--peer", "deepep", "--deepep-module", "ep_runtime.compat.deep_ep", *args], start=no_workers)
 
 
 def test_pipeline_bench_reports_bubbles_against_the_formula(tmp_path):
