@@ -64,7 +64,7 @@ from pathlib import Path
 from . import StartWorkers, need_start
 from .ep_scaling import rows_per_rank
 from .record import device_name, head_commit
-from .timer import EventTimer
+from .timer import EventTimer, capture_graphs
 
 BACKENDS = ("all_to_all", "nvlink")
 
@@ -201,7 +201,7 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers,
              "to_buffers": lambda: d.move_tokens(x_TD, idx_TK, w_TK), "step": lambda: (dispatch(), combine())}
     times["nvlink_transport_ms"] = median_ms(steps["transport"], False)
     if x_TD.is_cuda:
-        graphs = dict(zip(steps, _capture(*steps.values())))
+        graphs = dict(zip(steps, capture_graphs(*steps.values())))
         for name, graph in graphs.items():
             times[f"nvlink_graph_{name}_ms"] = median_ms(graph.replay)
         if a.profile:  # every rank runs it (the barriers), rank 0 prints
@@ -209,25 +209,6 @@ def _time_backend(backend: str, d, x_TD, idx_TK, w_TK, token_bytes: int, timers,
             for name in ("dispatch", "combine"):
                 _timeline(name, steps[name], time_ms, x_TD.shape[0], show)
     return times
-
-
-def _capture(*steps):
-    """One CUDA graph per step (each warmed up once on the capture stream first)."""
-    import torch
-
-    graphs = []
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for step in steps:
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    for step in steps:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graphs.append(graph)
-    return graphs
 
 
 def _profile(dispatch, combine, tokens: int, show: bool) -> None:
@@ -264,7 +245,7 @@ def _timeline(name: str, step, time_ms, tokens: int, show: bool) -> None:
 
     replays = 7
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        (graph,) = _capture(step)
+        (graph,) = capture_graphs(step)
         for _ in range(replays):
             time_ms(graph.replay)  # as timed: after the head start, the ranks' GPUs lined up
     kernels = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA

@@ -10,7 +10,8 @@ For each EP size (the job cut into EP groups of that size that run side by side,
 
 Per size: the MoE layer's forward+backward time (router, dispatch, experts, combine, shared
 expert) and tokens/s over the group; dispatch and combine alone (no autograd, expert outputs
-replaced by the received tokens) with GB/s per rank; ``all_to_all_single`` of the same bytes for
+replaced by the received tokens) with GB/s per rank, eager and (``nvlink`` on GPUs) replayed as CUDA
+graphs side by side; ``all_to_all_single`` of the same bytes for
 comparison; load imbalance (max/mean routes per rank and per expert). Against communication: the
 same layer with no token leaving the rank (``ep_local.py``: every rank alone at EP 1 with its
 ``E / n`` experts, fed its same tokens, so it computes the same expert rows) as ``local_ms``; the
@@ -59,7 +60,7 @@ from . import StartWorkers, need_start
 from .ep_local import comm_figures, layer_flops, local_spec
 from .progress import Progress
 from .record import device_name, head_commit
-from .timer import EventTimer
+from .timer import EventTimer, capture_graphs
 
 SHAPES = {
     # DeepSeek-V3's MoE layer: 256 routed experts (8 groups, 4 kept), top-8, one shared expert;
@@ -228,6 +229,8 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
             if i >= spec.warmup:
                 dispatch_ms.append(d_ms)
                 combine_ms.append(c_ms)
+        graph_ms = _time_graphs(spec, dispatcher, dispatch, lambda: dispatcher.combine(out["x_PD"], out["handle"]),
+                                timer, sync)
         routes_here = int(out["layout"].counts_E.sum())
         # Rows to each rank (a token once per destination rank), and from each.
         send_W = torch.tensor(rows_per_rank(idx_TK, dispatcher.num_local_experts, size), device=device)
@@ -256,8 +259,8 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         local_ms = _time_layer(spec, baseline, x_TD, grad_TD, timer, sync)
 
     # The slowest rank of the group sets the pace: max over ranks per iteration, then the median.
-    times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters, local_ms],
-                         dtype=torch.float64, device=device)
+    times = torch.tensor([layer_ms, dispatch_ms, combine_ms, a2a_ms or [0.0] * spec.iters, local_ms,
+                          *(graph_ms or [[0.0] * spec.iters] * 2)], dtype=torch.float64, device=device)
     counts = torch.tensor([sum(send_rows) - send_rows[rank], sum(recv_rows) - recv_rows[rank], routes_here],
                           dtype=torch.float64, device=device)
     per_rank = torch.zeros(size, 3, dtype=torch.float64, device=device)
@@ -266,7 +269,7 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(per_rank, group=group)
         dist.all_reduce(load_E, group=group)
-    layer_t, dispatch_t, combine_t, a2a_t, local_t = (statistics.median(r) for r in times.tolist())
+    layer_t, dispatch_t, combine_t, a2a_t, local_t, *graph_t = (statistics.median(r) for r in times.tolist())
     sent_rows, back_rows, routes = per_rank.T.tolist()
     dispatch_bytes = max(sent_rows) * _dispatch_row_bytes(spec, dtype)
     combine_bytes = max(back_rows) * spec.hidden * torch.empty((), dtype=dtype).element_size()
@@ -274,6 +277,8 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
         "ep": size, "tokens_per_rank": tokens, "global_tokens": tokens * size,
         "layer_ms": layer_t, "layer_tokens_per_s": tokens * size / layer_t * 1e3,
         "dispatch_ms": dispatch_t, "combine_ms": combine_t,
+        # the same calls replayed as CUDA graphs, where the backend can be captured (None elsewhere)
+        "dispatch_graph_ms": graph_t[0] if graph_ms else None, "combine_graph_ms": graph_t[1] if graph_ms else None,
         "dispatch_combine_tokens_per_s": tokens * size / (dispatch_t + combine_t) * 1e3,
         "dispatch_bytes_per_rank": dispatch_bytes, "combine_bytes_per_rank": combine_bytes,
         "dispatch_gbps_per_rank": dispatch_bytes / dispatch_t / 1e6,
@@ -287,6 +292,24 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
                        layer_flops(_moe_config(spec), spec.hidden, tokens)),
     }
     return row
+
+
+def _time_graphs(spec: BenchSpec, dispatcher, dispatch, combine, timer: EventTimer, sync) -> list[list[float]] | None:
+    """Dispatch and combine replayed as CUDA graphs (ms per iteration, each), beside their eager
+    times: on GPUs, for the ``nvlink`` backend (no host sync, so a graph can hold it); else None."""
+    from ..dispatch import NVLinkDispatcher
+
+    if type(dispatcher) is not NVLinkDispatcher or dispatcher.device.type != "cuda":
+        return None
+    graphs = capture_graphs(dispatch, combine)
+    series = [[], []]
+    for i in range(spec.warmup + spec.iters):
+        for times, graph in zip(series, graphs):
+            sync()
+            ms = timer.time(graph.replay)
+            if i >= spec.warmup:
+                times.append(ms)
+    return series
 
 
 def _time_layer(spec: BenchSpec, layer, x_TD, grad_TD, timer: EventTimer, sync) -> list[float]:
@@ -361,7 +384,8 @@ def _row_line(r: dict) -> str:
     a2a = _or_dash(r["a2a_same_bytes_gbps_per_rank"], "7.2f")
     return (f"{r['mode']:>6} EP {r['ep']:>3} {r['tokens_per_rank']:>7} tok/rank | layer {r['layer_ms']:9.3f} ms "
             f"{r['layer_tokens_per_s']:12.0f} tok/s | dispatch {r['dispatch_ms']:8.3f} ms "
-            f"{r['dispatch_gbps_per_rank']:7.2f} GB/s | combine {r['combine_ms']:8.3f} ms "
+            f"(graph {_or_dash(r['dispatch_graph_ms'], '8.3f')}) {r['dispatch_gbps_per_rank']:7.2f} GB/s | combine "
+            f"{r['combine_ms']:8.3f} ms (graph {_or_dash(r['combine_graph_ms'], '8.3f')}) "
             f"{r['combine_gbps_per_rank']:7.2f} GB/s | a2a {a2a} GB/s | imbalance rank {r['rank_imbalance']:.2f} "
             f"expert {r['expert_imbalance']:.2f} | local {_or_dash(r['local_ms'], '8.3f')} ms exposed comm "
             f"{_or_dash(r['exposed_comm_ms'], '8.3f')} ms {_or_dash(r['exposed_comm_pct'], '5.1f')} % | "

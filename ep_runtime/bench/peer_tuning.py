@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ..dispatch import NVLinkDispatcher
-from .dispatch import _capture, _routing, timers
+from .dispatch import _routing, timers
+from .timer import capture_graphs
 
 
 def parse_args(doc: str) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def check_same(candidates: dict, snapshot, shipped) -> None:
 def time_parts(parts: dict, a: argparse.Namespace, s: Setup, header: str) -> None:
     """Each part captured as a CUDA graph and timed; rank 0 prints ``header`` and the table."""
     median_ms, _ = timers(dist.group.WORLD, s.device, 5, a.iters)
-    graphs = _capture(*parts.values())
+    graphs = capture_graphs(*parts.values())
     if s.rank == 0:
         print(f"{torch.cuda.get_device_name(s.device)} x {s.world}, {a.tokens} tokens per rank, hidden {a.hidden}, "
               f"{header}, {a.iters} iterations, median of the slowest rank:")

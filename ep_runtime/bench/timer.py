@@ -1,6 +1,7 @@
 """How the benchmarks time a call.
 
 ``EventTimer``: one call in milliseconds (the multi-rank benchmarks time each iteration with it).
+``capture_graphs``: calls captured as CUDA graphs, for timing their replays (no host in them).
 ``Timer``: the median of many calls in microseconds, for single-device kernel benchmarks.
 
 On CUDA both bracket the call with CUDA events; ``Timer`` reads a large buffer before each run
@@ -153,3 +154,22 @@ def copy_bandwidth(timer: Timer, nbytes: int) -> dict:
     dst = torch.empty_like(src)
     time_us, runs = timer.median_us(lambda: dst.copy_(src))
     return {"bytes": 2 * nbytes, "time_us": time_us, "gbps": 2 * nbytes / time_us / 1e3, "runs": runs}
+
+
+def capture_graphs(*steps: Callable[[], Any]) -> list[torch.cuda.CUDAGraph]:
+    """One CUDA graph per step (each warmed up once on the capture stream first). Steps that
+    hand each other tensors (a dispatch's output to a combine) are captured in order, so their
+    replays, in the same order, do too."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in steps:
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in steps:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graphs.append(graph)
+    return graphs

@@ -30,6 +30,7 @@ def test_ep_scaling_runs_at_ep_1_and_2(tmp_path):
     for (mode, ep), row in rows.items():
         assert row["tokens_per_rank"] == (256 if mode == "weak" else 512 // ep)
         assert row["layer_ms"] > 0 and row["dispatch_ms"] > 0 and row["combine_ms"] > 0
+        assert row["dispatch_graph_ms"] is None and row["combine_graph_ms"] is None  # CUDA graphs: GPUs only
         assert row["rank_imbalance"] >= 1 and row["expert_imbalance"] >= 1
         # hidden 128, 8 experts, top-2, one shared expert of 128: 6 FLOPs a weight a token (fwd+bwd)
         assert row["layer_flops_per_rank"] == 6 * row["tokens_per_rank"] * (8 * 128 + 3 * 3 * 128 * 128)
