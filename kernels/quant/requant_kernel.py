@@ -32,20 +32,22 @@ from kernels.validate import check_tensor
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tuple[int, int], in_packed: bool,
-                       round_sf: bool, pack_sf: bool, lossless: bool = False):
+                       round_sf: bool, pack_sf: bool, lossless: bool = False,
+                       tile: tuple[int, int, int] | None = None):
     """``(q_in_MN, sf_in_BG, q_MN, sf_BG)`` kernel: e4m3 data with scales over ``in_block``
     (uint8 exponents when ``in_packed``) re-cast with scales over ``out_block`` (powers of two).
     ``lossless``: the scales follow ``448 * in-scale`` instead of the values' magnitudes
-    (:func:`kernels.quant.reference.per_block_cast_lossless`; pass ``round_sf``)."""
+    (:func:`kernels.quant.reference.per_block_cast_lossless`; pass ``round_sf``). ``tile``
+    overrides :func:`kernels.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` (sweeps)."""
     num_rows = T.dynamic("num_rows")
     in_m, in_n = in_block
     out_m, out_n = out_block
     vec = vector_width(num_cols, 1)
-    tile_m, tile_n, threads = blockwise_tile(num_cols, out_block, vec)
+    tile_m, tile_n, threads = tile or blockwise_tile(num_cols, out_block, vec)
     # The in-scales a tile spans: one an in-block, or one for a tile inside an in-block (sides
     # are powers of two, so either divides the other).
     span_m, span_n = min(in_m, tile_m), min(in_n, tile_n)
-    cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf)
+    cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf, (span_m, span_n))
     layout = vector_layout(tile_m, tile_n, threads, vec)
 
     @T.prim_func
@@ -58,11 +60,12 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
         tiles_n = T.ceildiv(num_cols, tile_n)
         with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
             pm, pn = row_major(pid, tiles_n)
+            # An in-scale past the array is zero. One that is not covers the first element of its
+            # span in the tile, so it belongs to the tile.
             sf_S = T.alloc_shared((tile_m // span_m, tile_n // span_n), T.float32)
             q_frag = T.alloc_fragment((tile_m, tile_n), T.float8_e4m3fn)
-            x_frag = T.alloc_fragment((tile_m, tile_n), T.float32)
             abs_frag = T.alloc_fragment((tile_m, tile_n), T.float32)
-            T.annotate_layout({q_frag: layout, x_frag: layout, abs_frag: layout})
+            T.annotate_layout({q_frag: layout, abs_frag: layout})
             for a, b in T.Parallel(tile_m // span_m, tile_n // span_n):
                 row, col = (pm * tile_m + a * span_m) // in_m, (pn * tile_n + b * span_n) // in_n
                 sf_S[a, b] = T.if_then_else(
@@ -70,17 +73,18 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
                     unpack_scale(sf_in_BG[row, col], in_packed),
                     T.float32(0),
                 )
+            # bytes past a ragged edge load as zero
             T.copy(q_in_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
+            # The magnitudes the out-scales follow, every one of them that of an element in the
+            # array (or zero), so each block's amax is the reference's. The bytes are dequantized
+            # here and again as they are cast (a float32 tile would hold 64 registers a thread).
             for i, j in T.Parallel(tile_m, tile_n):
-                # past a ragged edge: zero, which leaves every block's amax as it is
-                inside = T.And(pm * tile_m + i < num_rows, pn * tile_n + j < num_cols)
                 sf = sf_S[i // span_m, j // span_n]
-                x_frag[i, j] = T.if_then_else(inside, T.ieee_mul(T.cast(q_frag[i, j], T.float32), sf), T.float32(0))
                 if lossless:
-                    abs_frag[i, j] = T.if_then_else(inside, T.ieee_mul(sf, T.float32(E4M3_MAX)), T.float32(0))
+                    abs_frag[i, j] = T.abs(sf) * T.float32(E4M3_MAX)
                 else:
-                    abs_frag[i, j] = T.abs(x_frag[i, j])
-            cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn)
+                    abs_frag[i, j] = T.abs(T.cast(q_frag[i, j], T.float32) * sf)
+            cast_tile(q_frag, abs_frag, q_MN, sf_BG, pm, pn, sf_S)
 
     return requant
 
