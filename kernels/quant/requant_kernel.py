@@ -49,6 +49,7 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
     span_m, span_n = min(in_m, tile_m), min(in_n, tile_n)
     cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf, (span_m, span_n))
     layout = vector_layout(tile_m, tile_n, threads, vec)
+    group = min(vec, span_n)
 
     @T.prim_func
     def requant(
@@ -78,12 +79,19 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
             # The magnitudes the out-scales follow, every one of them that of an element in the
             # array (or zero), so each block's amax is the reference's. The bytes are dequantized
             # here and again as they are cast (a float32 tile would hold 64 registers a thread).
+            if not lossless:
+                mag_frag = T.alloc_fragment((tile_m, tile_n), T.float16)
+                T.annotate_layout({mag_frag: layout})
+                for i, j in T.Parallel(tile_m, tile_n):
+                    mag_frag[i, j] = T.abs(T.cast(q_frag[i, j], T.float16))
+                group_amax = T.alloc_fragment((tile_m, tile_n // group), T.float16)
+                T.reduce_max(T.reshape(mag_frag, [tile_m, tile_n // group, group]), group_amax, dim=2)
             for i, j in T.Parallel(tile_m, tile_n):
                 sf = sf_S[i // span_m, j // span_n]
                 if lossless:
                     abs_frag[i, j] = T.abs(sf) * T.float32(E4M3_MAX)
                 else:
-                    abs_frag[i, j] = T.abs(T.cast(q_frag[i, j], T.float32) * sf)
+                    abs_frag[i, j] = T.cast(group_amax[i, j // group], T.float32) * T.abs(sf)
             cast_tile(q_frag, abs_frag, q_MN, sf_BG, pm, pn, sf_S)
 
     return requant
