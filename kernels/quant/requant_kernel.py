@@ -67,6 +67,9 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
             q_frag = T.alloc_fragment((tile_m, tile_n), T.float8_e4m3fn)
             abs_frag = T.alloc_fragment((tile_m, tile_n), T.float32)
             T.annotate_layout({q_frag: layout, abs_frag: layout})
+            # The bytes' loads first (past a ragged edge they load as zero): they go out before the
+            # barrier that publishes the in-scales, not a load latency after it.
+            T.copy(q_in_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
             for a, b in T.Parallel(tile_m // span_m, tile_n // span_n):
                 row, col = (pm * tile_m + a * span_m) // in_m, (pn * tile_n + b * span_n) // in_n
                 sf_S[a, b] = T.if_then_else(
@@ -74,8 +77,6 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
                     unpack_scale(sf_in_BG[row, col], in_packed),
                     T.float32(0),
                 )
-            # bytes past a ragged edge load as zero
-            T.copy(q_in_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
             # The magnitudes the out-scales follow, every one of them that of an element in the
             # array (or zero), so each block's amax is the reference's. The bytes are dequantized
             # here and again as they are cast (a float32 tile would hold 64 registers a thread).
