@@ -2,11 +2,15 @@
 :mod:`kernels.quant.reference` for the functions).
 
 A CTA covers the tile the blockwise cast takes for the out-scales (whole out-blocks,
-:func:`kernels.tiles.blockwise_tile`), stages the in-scales the tile spans in shared memory, loads
-the e4m3 bytes as 16-byte vectors and dequantizes them in registers (one float32 product an
-element, as ``cast_back`` to float32), then casts them to the out-blocks with the blockwise cast's
-own reduction and rounding (:func:`kernels.quant.blockwise_cast_kernel.tile_caster`). The float32
-tensor of the reference never exists in memory: 1 byte an element in, 1 out, plus the scales.
+:func:`kernels.tiles.blockwise_tile`), loads the e4m3 bytes as 16-byte vectors, stages the
+in-scales the tile spans in shared memory, and casts to the out-blocks with the blockwise cast's own
+reduction and rounding (:func:`kernels.quant.blockwise_cast_kernel.tile_caster`), which dequantizes
+each value as it casts it (one float32 product an element, as ``cast_back`` to float32). Only the
+bytes stay in registers across the reduction. Each block's amax comes from the bytes too: the
+largest float16 magnitude of each run of a thread's values that share an in-scale, times that scale
+(exact: rounding a product by a positive scale is monotone, so that is the largest product). The
+lossless cast's amax needs the in-scales alone. The float32 tensor of the reference never exists
+in memory: 1 byte an element in, 1 out, plus the scales.
 
 Shape suffixes: M rows, N columns; B/G scale row blocks/columns (``_in`` / ``_out`` for the sides).
 """
@@ -49,7 +53,7 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
     span_m, span_n = min(in_m, tile_m), min(in_n, tile_n)
     cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf, (span_m, span_n))
     layout = vector_layout(tile_m, tile_n, threads, vec)
-    group = min(vec, span_n)
+    group = min(vec, span_n)  # a run of a thread's values under one in-scale
 
     @T.prim_func
     def requant(
@@ -77,9 +81,9 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
                     unpack_scale(sf_in_BG[row, col], in_packed),
                     T.float32(0),
                 )
-            # The magnitudes the out-scales follow, every one of them that of an element in the
-            # array (or zero), so each block's amax is the reference's. The bytes are dequantized
-            # here and again as they are cast (a float32 tile would hold 64 registers a thread).
+            # The magnitudes the out-scales follow, each that of an element in the array (or zero),
+            # so each block's amax is the reference's: a run's largest |q| (exact in float16, one
+            # 3-way max per two pairs) times its in-scale, or 448 times the in-scale (lossless).
             if not lossless:
                 mag_frag = T.alloc_fragment((tile_m, tile_n), T.float16)
                 T.annotate_layout({mag_frag: layout})
