@@ -36,24 +36,22 @@ from kernels.validate import check_tensor
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tuple[int, int], in_packed: bool,
-                       round_sf: bool, pack_sf: bool, lossless: bool = False,
-                       tile: tuple[int, int, int] | None = None):
+                       round_sf: bool, pack_sf: bool, lossless: bool = False):
     """``(q_in_MN, sf_in_BG, q_MN, sf_BG)`` kernel: e4m3 data with scales over ``in_block``
     (uint8 exponents when ``in_packed``) re-cast with scales over ``out_block`` (powers of two).
     ``lossless``: the scales follow ``448 * in-scale`` instead of the values' magnitudes
-    (:func:`kernels.quant.reference.per_block_cast_lossless`; pass ``round_sf``). ``tile``
-    overrides :func:`kernels.tiles.blockwise_tile`'s ``(tile_m, tile_n, threads)`` (sweeps)."""
+    (:func:`kernels.quant.reference.per_block_cast_lossless`; pass ``round_sf``)."""
     num_rows = T.dynamic("num_rows")
     in_m, in_n = in_block
     out_m, out_n = out_block
     vec = vector_width(num_cols, 1)
-    tile_m, tile_n, threads = tile or blockwise_tile(num_cols, out_block, vec)
+    tile_m, tile_n, threads = blockwise_tile(num_cols, out_block, vec)
     # The in-scales a tile spans: one an in-block, or one for a tile inside an in-block (sides
     # are powers of two, so either divides the other).
     span_m, span_n = min(in_m, tile_m), min(in_n, tile_n)
     cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf, (span_m, span_n))
     layout = vector_layout(tile_m, tile_n, threads, vec)
-    group = min(vec, span_n)  # a run of a thread's values under one in-scale
+    group = min(vec, span_n, out_n)  # a run of a thread's values under one in-scale and one out-scale
 
     @T.prim_func
     def requant(
