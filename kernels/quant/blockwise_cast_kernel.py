@@ -69,12 +69,15 @@ def get_blockwise_cast_kernel(num_cols: int, block_m: int, block_n: int, in_dtyp
 
 
 def tile_caster(block: tuple[int, int], tile: tuple[int, int, int], vec: int, amax_dtype: str, round_sf: bool,
-                pack_sf: bool):
+                pack_sf: bool, in_span: tuple[int, int] | None = None):
     """The second half of a blockwise cast, as a macro ``cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm,
-    pn)``: from a ``[tile_m, tile_n]`` tile in registers (``x_frag``, in
+    pn, sf_in_S=None)``: from a ``[tile_m, tile_n]`` tile in registers (``x_frag``, in
     :func:`kernels.tiles.vector_layout` with ``vec``) and the magnitudes its scales follow
     (``abs_frag``, ``amax_dtype``: ``|x|`` for a cast), reduces each ``block`` to its amax, writes
-    the scales and the e4m3 bytes of tile ``(pm, pn)``."""
+    the scales and the e4m3 bytes of tile ``(pm, pn)``.
+    ``in_span``: the tile's values are ``float32(x_frag) * sf_in_S[i // in_span[0], j // in_span[1]]``
+    (e4m3 bytes and their scales, dequantized as they are cast: the float32 tile would hold 64
+    registers a thread across the reduction)."""
     block_m, block_n = block
     tile_m, tile_n, threads = tile
     tile_gm, tile_gn = tile_m // block_m, tile_n // block_n
@@ -83,7 +86,7 @@ def tile_caster(block: tuple[int, int], tile: tuple[int, int, int], vec: int, am
     passes = tile_m // rows_pp if threads * vec % tile_n == 0 and tile_m % rows_pp == 0 else 1
 
     @T.macro
-    def cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn):
+    def cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn, sf_in_S=None):
         inv_frag = T.alloc_fragment((tile_gm, tile_gn), "float32")
 
         if block_m == 1:
@@ -173,9 +176,10 @@ def tile_caster(block: tuple[int, int], tile: tuple[int, int, int], vec: int, am
                 inv_frag[0, g] = inv
 
         for i, j in T.Parallel(tile_m, tile_n):
-            q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(
-                T.cast(x_frag[i, j], "float32") * inv_frag[i // block_m, j // block_n]
-            )
+            x = T.cast(x_frag[i, j], "float32")
+            if in_span is not None:
+                x = x * sf_in_S[i // in_span[0], j // in_span[1]]
+            q_MN[pm * tile_m + i, pn * tile_n + j] = to_e4m3(x * inv_frag[i // block_m, j // block_n])
 
     return cast_tile
 

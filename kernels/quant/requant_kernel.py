@@ -2,11 +2,15 @@
 :mod:`kernels.quant.reference` for the functions).
 
 A CTA covers the tile the blockwise cast takes for the out-scales (whole out-blocks,
-:func:`kernels.tiles.blockwise_tile`), stages the in-scales the tile spans in shared memory, loads
-the e4m3 bytes as 16-byte vectors and dequantizes them in registers (one float32 product an
-element, as ``cast_back`` to float32), then casts them to the out-blocks with the blockwise cast's
-own reduction and rounding (:func:`kernels.quant.blockwise_cast_kernel.tile_caster`). The float32
-tensor of the reference never exists in memory: 1 byte an element in, 1 out, plus the scales.
+:func:`kernels.tiles.blockwise_tile`), loads the e4m3 bytes as 16-byte vectors, stages the
+in-scales the tile spans in shared memory, and casts to the out-blocks with the blockwise cast's own
+reduction and rounding (:func:`kernels.quant.blockwise_cast_kernel.tile_caster`), which dequantizes
+each value as it casts it (one float32 product an element, as ``cast_back`` to float32). Only the
+bytes stay in registers across the reduction. Each block's amax comes from the bytes too: the
+largest float16 magnitude of each run of a thread's values that share an in-scale, times that scale
+(exact: rounding a product by a positive scale is monotone, so that is the largest product). The
+lossless cast's amax needs the in-scales alone. The float32 tensor of the reference never exists
+in memory: 1 byte an element in, 1 out, plus the scales.
 
 Shape suffixes: M rows, N columns; B/G scale row blocks/columns (``_in`` / ``_out`` for the sides).
 """
@@ -45,8 +49,9 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
     # The in-scales a tile spans: one an in-block, or one for a tile inside an in-block (sides
     # are powers of two, so either divides the other).
     span_m, span_n = min(in_m, tile_m), min(in_n, tile_n)
-    cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf)
+    cast_tile = tile_caster(out_block, (tile_m, tile_n, threads), vec, "float32", round_sf, pack_sf, (span_m, span_n))
     layout = vector_layout(tile_m, tile_n, threads, vec)
+    group = min(vec, span_n, out_n)  # a run of a thread's values under one in-scale and one out-scale
 
     @T.prim_func
     def requant(
@@ -58,11 +63,15 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
         tiles_n = T.ceildiv(num_cols, tile_n)
         with T.Kernel(T.ceildiv(num_rows, tile_m) * tiles_n, threads=threads) as pid:
             pm, pn = row_major(pid, tiles_n)
+            # An in-scale past the array is zero. One that is not covers the first element of its
+            # span in the tile, so it belongs to the tile.
             sf_S = T.alloc_shared((tile_m // span_m, tile_n // span_n), T.float32)
             q_frag = T.alloc_fragment((tile_m, tile_n), T.float8_e4m3fn)
-            x_frag = T.alloc_fragment((tile_m, tile_n), T.float32)
             abs_frag = T.alloc_fragment((tile_m, tile_n), T.float32)
-            T.annotate_layout({q_frag: layout, x_frag: layout, abs_frag: layout})
+            T.annotate_layout({q_frag: layout, abs_frag: layout})
+            # The bytes' loads first (past a ragged edge they load as zero): they go out before the
+            # barrier that publishes the in-scales, not a load latency after it.
+            T.copy(q_in_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
             for a, b in T.Parallel(tile_m // span_m, tile_n // span_n):
                 row, col = (pm * tile_m + a * span_m) // in_m, (pn * tile_n + b * span_n) // in_n
                 sf_S[a, b] = T.if_then_else(
@@ -70,17 +79,23 @@ def get_requant_kernel(num_cols: int, in_block: tuple[int, int], out_block: tupl
                     unpack_scale(sf_in_BG[row, col], in_packed),
                     T.float32(0),
                 )
-            T.copy(q_in_MN[pm * tile_m, pn * tile_n], q_frag, disable_tma=True)
+            # The magnitudes the out-scales follow, each that of an element in the array (or zero),
+            # so each block's amax is the reference's: a run's largest |q| (exact in float16, one
+            # 3-way max per two pairs) times its in-scale, or 448 times the in-scale (lossless).
+            if not lossless:
+                mag_frag = T.alloc_fragment((tile_m, tile_n), T.float16)
+                T.annotate_layout({mag_frag: layout})
+                for i, j in T.Parallel(tile_m, tile_n):
+                    mag_frag[i, j] = T.abs(T.cast(q_frag[i, j], T.float16))
+                group_amax = T.alloc_fragment((tile_m, tile_n // group), T.float16)
+                T.reduce_max(T.reshape(mag_frag, [tile_m, tile_n // group, group]), group_amax, dim=2)
             for i, j in T.Parallel(tile_m, tile_n):
-                # past a ragged edge: zero, which leaves every block's amax as it is
-                inside = T.And(pm * tile_m + i < num_rows, pn * tile_n + j < num_cols)
                 sf = sf_S[i // span_m, j // span_n]
-                x_frag[i, j] = T.if_then_else(inside, T.ieee_mul(T.cast(q_frag[i, j], T.float32), sf), T.float32(0))
                 if lossless:
-                    abs_frag[i, j] = T.if_then_else(inside, T.ieee_mul(sf, T.float32(E4M3_MAX)), T.float32(0))
+                    abs_frag[i, j] = T.abs(sf) * T.float32(E4M3_MAX)
                 else:
-                    abs_frag[i, j] = T.abs(x_frag[i, j])
-            cast_tile(x_frag, abs_frag, q_MN, sf_BG, pm, pn)
+                    abs_frag[i, j] = T.cast(group_amax[i, j // group], T.float32) * T.abs(sf)
+            cast_tile(q_frag, abs_frag, q_MN, sf_BG, pm, pn, sf_S)
 
     return requant
 
