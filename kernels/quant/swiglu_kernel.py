@@ -54,7 +54,8 @@ def silu(g):
 # A denominator past 2**126 (gate < -87.3) would have a subnormal reciprocal, which the
 # approximation flushes to 0: there both operands are scaled by 2**-64 (exact), and the
 # denominator is capped at 2**100 so that +inf (gate < -88.7) gives g / 2**100 / 2**-64, which
-# rounds to -0 as IEEE g / inf (and -inf / inf to NaN).
+# rounds to -0 as IEEE g / inf (and -inf / inf to NaN). A gate of +inf would make the correction
+# inf - inf: it is its own SiLU.
 SILU_RCP = "ep_silu_rcp"
 SILU_RCP_SOURCE = """
 __device__ __forceinline__ float ep_silu_rcp(float g) {
@@ -66,7 +67,8 @@ __device__ __forceinline__ float ep_silu_rcp(float g) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
   r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
   float q = __fmul_rn(a, r);
-  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+  q = __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+  return g == INFINITY ? g : q;
 }
 """
 
