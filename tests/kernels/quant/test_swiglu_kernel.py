@@ -160,6 +160,10 @@ def test_compiles_for_sm90a():
             source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", group, cast, False, False, True,
                                                                       False))
             assert f"__launch_bounds__({threads}, 1)" in source and ("__reduce_max_sync" in source) == cast, (cast, group)
+        # SiLU without the division's range check (bfloat16 / float16 gates), fused and plain, one-row too
+        for spec in [(2048, "bfloat16", 128, True, False, False, False), (300, "float16", 128, False, False, False, True)]:
+            source = lowering.kernel_source(get_swiglu_forward_kernel(*spec, False, silu_rcp=True))
+            assert f"{SILU_RCP}(" in source and "rcp.approx" in source, spec
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)
