@@ -13,7 +13,6 @@ Shape suffixes: T tokens, I intermediate (the output width; the input ``x_TI2 = 
 ``[T, 2 * I]``), G scale groups along I.
 """
 
-import functools
 import math
 
 import tilelang
@@ -47,32 +46,6 @@ def silu(g):
     return T.ieee_fdiv(g, T.ieee_add(T.float32(1), T.exp(-g)))
 
 
-# ``silu`` for a gate that is a bfloat16 or float16 value: the same bits for every such value (a GPU
-# test runs all 65536 of each), without ``__fdiv_rn``'s range check (FCHK) and its branch to the slow
-# path, a branch an element that kept nvcc from interleaving the elements' chains. The quotient is
-# the division's own fast path: a reciprocal, one Newton step, the product and one FMA correction.
-# A denominator past 2**126 (gate < -87.3) would have a subnormal reciprocal, which the
-# approximation flushes to 0: there both operands are scaled by 2**-64 (exact), and the
-# denominator is capped at 2**100 so that +inf (gate < -88.7) gives g / 2**100 / 2**-64, which
-# rounds to -0 as IEEE g / inf (and -inf / inf to NaN). A gate of +inf would make the correction
-# inf - inf: it is its own SiLU.
-SILU_RCP = "ep_silu_rcp"
-SILU_RCP_SOURCE = """
-__device__ __forceinline__ float ep_silu_rcp(float g) {
-  float d = __fadd_rn(1.0f, expf(-g));
-  float s = d > 0x1p126f ? 0x1p-64f : 1.0f;
-  float a = __fmul_rn(g, s);
-  float b = fminf(__fmul_rn(d, s), 0x1p100f);
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-  float q = __fmul_rn(a, r);
-  q = __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
-  return g == INFINITY ? g : q;
-}
-"""
-
-
 def clamp_gate(gate, clamp: float | None):
     """The gate in float32, limited from above to ``clamp`` (where given)."""
     gate = T.cast(gate, "float32")
@@ -95,7 +68,7 @@ def row_weight(weights_T, row):
 def get_swiglu_forward_kernel(
     inter: int, dtype: str, group: int, cast: bool, round_sf: bool, pack_sf: bool, one_row: bool = False,
     limited: bool = True, tile: tuple[int, int, int] | None = None, vec: int | None = None,
-    weighted: bool = False, clamp: float | None = None, silu_rcp: bool = False,
+    weighted: bool = False, clamp: float | None = None,
 ):
     """``(x_TI2, y_TI)`` kernel, or with ``cast`` ``(x_TI2, q_TI, sf_TG)``: ``silu(gate) * up`` in
     float32, then rounded to ``dtype`` or cast to e4m3 with one scale per ``group`` columns.
@@ -125,10 +98,7 @@ def get_swiglu_forward_kernel(
 
     ``weighted``: the float32 result is multiplied by ``weights_T[t]``, else ``weights_T`` is never
     read. ``clamp``: the limit the gate (from above) and up (both sides) are clamped to first
-    (:func:`kernels.quant.reference.swiglu`); a compile-time constant, a model's.
-
-    ``silu_rcp``: SiLU by :data:`SILU_RCP` (the wrapper's choice where every gate is a bfloat16 or
-    float16 value), else by ``__fdiv_rn``."""
+    (:func:`kernels.quant.reference.swiglu`); a compile-time constant, a model's."""
     num_tokens = T.dynamic("num_tokens")
     few_values = one_row and tile is None and vec is None
     vec = vec or vector_width(inter, T.dtype(dtype).bytes)
@@ -149,12 +119,6 @@ def get_swiglu_forward_kernel(
     out_dtype = "float8_e4m3fn" if cast else dtype
 
     @T.macro
-    def silu_of(gate):
-        if silu_rcp:
-            return T.call_extern("float32", SILU_RCP, gate)
-        return silu(gate)
-
-    @T.macro
     def load_swiglu(x_TI2, weights_T, pm, pn, y_frag, gate_frag, up_frag):
         T.copy(x_TI2[pm * tile_m, pn * tile_n], gate_frag, disable_tma=True)
         T.copy(x_TI2[pm * tile_m, inter + pn * tile_n], up_frag, disable_tma=True)
@@ -162,11 +126,11 @@ def get_swiglu_forward_kernel(
             # one expression (no local bound in between), as the kernel without options had it
             if weighted:
                 y_frag[i, j] = T.ieee_mul(
-                    T.ieee_mul(silu_of(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp)),
+                    T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp)),
                     row_weight(weights_T, pm * tile_m + i),
                 )
             else:
-                y_frag[i, j] = T.ieee_mul(silu_of(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp))
+                y_frag[i, j] = T.ieee_mul(silu(clamp_gate(gate_frag[i, j], clamp)), clamp_up(up_frag[i, j], clamp))
 
     @T.prim_func
     def swiglu_forward(
@@ -184,11 +148,9 @@ def get_swiglu_forward_kernel(
             up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             amax = T.alloc_fragment((tile_m, tile_g), "float32")
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
-            # |y| by the native fabs (a modifier of the max that reduces it), not reduce_absmax's max(y, 0 - y)
+            # |y| by fabs (a modifier of the max that reduces it), not reduce_absmax's max(y, 0 - y)
             abs_frag = T.alloc_fragment((tile_m, tile_n), "float32")
             T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout, abs_frag: layout})
-            if silu_rcp:
-                T.import_source(SILU_RCP_SOURCE)
             if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
                 load_swiglu(x_TI2, weights_T, pm, pn, y_frag, gate_frag, up_frag)
                 if warp_groups:  # each lane's amax, then the warp's (its group's) by one redux.sync
@@ -309,15 +271,6 @@ def _check_x(x_TI2: torch.Tensor) -> int:
     return x_TI2.shape[1] // 2
 
 
-@functools.cache
-def silu_rcp_domain(dtype: torch.dtype, clamp: float | None) -> bool:
-    """Whether every gate of a ``dtype`` input, clamped to ``clamp``, is a bfloat16 or float16 value
-    (the domain :data:`SILU_RCP` is checked on)."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return False
-    return clamp is None or torch.tensor(clamp, dtype=dtype).item() == clamp
-
-
 def _rows_arg(rows: torch.Tensor | None, x_TI2: torch.Tensor) -> torch.Tensor:
     """``rows``, checked, or (no limit: the kernel never reads it) an uninitialized stand-in."""
     check_rows(rows, x_TI2)
@@ -350,7 +303,7 @@ def swiglu(
     if t == 0 or inter == 0:
         return y_TI
     kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), 128, False, False, False, t <= FEW_TOKENS, limited,
-                                       weighted=weighted, clamp=clamp, silu_rcp=silu_rcp_domain(x_TI2.dtype, clamp))
+                                       weighted=weighted, clamp=clamp)
     scales_unused = torch.empty((t, -(-inter // 128)), device=x_TI2.device)
     kernel(x_TI2.contiguous(), y_TI, scales_unused, rows, weights_T)
     return y_TI
@@ -382,8 +335,7 @@ def swiglu_per_token_cast(
     if t == 0 or inter == 0:
         return q_TI, sf_TG
     kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS,
-                                       False, weighted=weighted, clamp=clamp,
-                                       silu_rcp=silu_rcp_domain(x_TI2.dtype, clamp))
+                                       False, weighted=weighted, clamp=clamp)
     kernel(x_TI2.contiguous(), q_TI, sf_TG, _rows_arg(None, x_TI2), weights_T)
     return q_TI, sf_TG
 

@@ -8,24 +8,17 @@ rounding, so they are expected to match bit for bit; the tests allow one ulp of 
 in case an ``expf`` differs by an ulp. Every output element is checked; outputs start as poison."""
 
 import pytest
-import tilelang
 import torch
-from tilelang import language as T
 
 from kernels import lowering
 from kernels.quant import reference
 from kernels.quant.swiglu_kernel import (
-    SILU_RCP,
-    SILU_RCP_SOURCE,
     get_swiglu_backward_kernel,
     get_swiglu_forward_kernel,
-    silu,
-    silu_rcp_domain,
     swiglu,
     swiglu_backward,
     swiglu_per_token_cast,
 )
-from kernels.tiles import PASS_CONFIGS
 from kernels.testing import assert_poisoned, poison_allocator, swiglu_input
 
 SHAPES = [(0, 2048), (1, 64), (37, 100), (128, 2048), (130, 300), (257, 2048), (64, 7168 + 64)]  # (T, I)
@@ -160,10 +153,6 @@ def test_compiles_for_sm90a():
             source = lowering.kernel_source(get_swiglu_forward_kernel(2048, "bfloat16", group, cast, False, False, True,
                                                                       False))
             assert f"__launch_bounds__({threads}, 1)" in source and ("__reduce_max_sync" in source) == cast, (cast, group)
-        # SiLU without the division's range check (bfloat16 / float16 gates), fused and plain, one-row too
-        for spec in [(2048, "bfloat16", 128, True, False, False, False), (300, "float16", 128, False, False, False, True)]:
-            source = lowering.kernel_source(get_swiglu_forward_kernel(*spec, False, silu_rcp=True))
-            assert f"{SILU_RCP}(" in source and "rcp.approx" in source, spec
         for spec, limited in [((64, "float32", "float32"), True), ((128, "bfloat16", "bfloat16"), False),
                               ((2048, "bfloat16", "bfloat16"), True)]:
             check(lowering.kernel_source(get_swiglu_backward_kernel(*spec, limited)), limited, spec)
@@ -208,40 +197,3 @@ def test_weights_and_clamp_compile_for_sm90a():
         for (weighted, clamp), inter in [((True, 7.0), 300), ((True, None), 2048), ((False, 7.0), 64)]:
             source = lowering.kernel_source(get_swiglu_backward_kernel(inter, "bfloat16", "bfloat16", True, weighted, clamp))
             assert ("grad_w_TN[" in source) == weighted and ("7.000000e+00" in source) == (clamp is not None)
-
-
-@tilelang.jit(pass_configs=PASS_CONFIGS)
-def silu_values_kernel(dtype: str, rcp: bool):
-    """``(x_V, y_V)``: float32 SiLU of each of 65536 values, by :data:`SILU_RCP` or ``silu``."""
-
-    @T.prim_func
-    def silu_values(x_V: T.Tensor[(65536,), dtype], y_V: T.Tensor[(65536,), T.float32]):
-        with T.Kernel(256, threads=256) as b:
-            if rcp:
-                T.import_source(SILU_RCP_SOURCE)
-            g = T.cast(x_V[b * 256 + T.get_thread_binding()], T.float32)
-            y_V[b * 256 + T.get_thread_binding()] = T.call_extern(T.float32, SILU_RCP, g) if rcp else silu(g)
-
-    return silu_values
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_silu_rcp_matches_the_ieee_division_on_every_value(dtype):
-    """The forward's SiLU without the division's range check gives ``__fdiv_rn``'s bits for every
-    bfloat16 / float16 gate: all 65536 bit patterns (infinities, NaNs, subnormals, the gates whose
-    ``expf(-g)`` overflows) through both forms; NaNs need only stay NaN."""
-    x_V = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(dtype)
-    name = str(T.dtype(dtype))
-    got, want = (torch.empty(65536, device="cuda") for _ in range(2))
-    silu_values_kernel(name, True)(x_V, got)
-    silu_values_kernel(name, False)(x_V, want)
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan)
-    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
-
-
-def test_silu_rcp_domain():
-    """The wrapper takes the reciprocal form only where every gate is a bfloat16 / float16 value."""
-    assert silu_rcp_domain(torch.bfloat16, None) and silu_rcp_domain(torch.float16, 2.5)
-    assert not silu_rcp_domain(torch.float32, None) and not silu_rcp_domain(torch.bfloat16, 2.51)
