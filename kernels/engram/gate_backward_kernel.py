@@ -74,6 +74,11 @@ class BackwardPlan(NamedTuple):
 # On an H100 (T = 8192, N = 4): one g buffer beside w resident 533.8 / 925.6 us at D = 4096 / 7168, two
 # (w streamed at 7168) 535.2 / 937.0.
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
+# ... doubled (once) while a thread would hold more weight gradients than this: at D = 7168 eight
+# warps leave 112 a thread, 255 registers with spills, 722.6 us on an H200; sixteen leave 56, 128
+# registers and no spill, 709.9 us (tile-kernels 679.1). At D = 4096 eight leave 64 (435.9 us;
+# sixteen, 460.0).
+SPILL_FREE_ACCUMULATORS = 64
 BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
 BACKWARD_STAGES = 2
 BACKWARD_W_RESIDENT = True
@@ -84,7 +89,7 @@ ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
 
 def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
-    warps: int = BACKWARD_WARPS, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
+    warps: int | None = None, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
     w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, shared_memory: int | None = None,
     w_dtype: torch.dtype = torch.float32,
 ) -> BackwardPlan | None:
@@ -99,6 +104,9 @@ def backward_plan(
     vec = vector_width(d, x_TND.dtype.itemsize)
     if d == 0 or any(vec * t.dtype.itemsize < 4 for t in (x_TND, k_TND, v_TD)):
         return None
+    if warps is None:  # BACKWARD_WARPS, or twice that where a thread would hold too many weight gradients
+        spills = -(-(d // vec) // (max(1, BACKWARD_WARPS // n) * WARP)) * vec > SPILL_FREE_ACCUMULATORS
+        warps = BACKWARD_WARPS * (2 if spills else 1)
     warps_per_stream = max(1, warps // n)
     lanes = warps_per_stream * WARP
     per_thread = -(-(d // vec) // lanes)

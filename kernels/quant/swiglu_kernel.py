@@ -22,6 +22,7 @@ from tilelang import language as T
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_clamp, check_rows, check_weights
 from kernels.tiles import (
     PASS_CONFIGS,
+    abs_of,
     blockwise_tile,
     check_cuda,
     row_major,
@@ -147,13 +148,16 @@ def get_swiglu_forward_kernel(
             up_frag = T.alloc_fragment((tile_m, tile_n), dtype)
             amax = T.alloc_fragment((tile_m, tile_g), "float32")
             inv_frag = T.alloc_fragment((tile_m, tile_g), "float32")
-            T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout})
+            # |y| by fabs (a modifier of the max that reduces it), not reduce_absmax's max(y, 0 - y)
+            abs_frag = T.alloc_fragment((tile_m, tile_n), "float32")
+            T.annotate_layout({gate_frag: layout, up_frag: layout, y_frag: layout, abs_frag: layout})
             if not limited or pm * tile_m < rows_1[0]:  # rows past rows_1[0] (a layout's capacity) are not wanted
                 load_swiglu(x_TI2, weights_T, pm, pn, y_frag, gate_frag, up_frag)
                 if warp_groups:  # each lane's amax, then the warp's (its group's) by one redux.sync
                     lane_amax = T.alloc_fragment((tile_m, tile_n // vec), "float32")
                     inv_v = T.alloc_fragment((tile_m, tile_n // vec), "float32")
-                    T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_n // vec, vec]), lane_amax, dim=2)
+                    abs_of(y_frag, abs_frag)
+                    T.reduce_max(T.reshape(abs_frag, [tile_m, tile_n // vec, vec]), lane_amax, dim=2)
                     for i, v in T.Parallel(tile_m, tile_n // vec):
                         sf, inv = scale_and_inverse(warp_amax(lane_amax[i, v]), round_sf, pack_sf)
                         if v % 32 == 0:
@@ -162,7 +166,8 @@ def get_swiglu_forward_kernel(
                     for i, j in T.Parallel(tile_m, tile_n):
                         out_TI[pm * tile_m + i, pn * tile_n + j] = to_e4m3(y_frag[i, j] * inv_v[i, j // vec])
                 elif cast:
-                    T.reduce_absmax(T.reshape(y_frag, [tile_m, tile_g, group]), amax, dim=2)
+                    abs_of(y_frag, abs_frag)
+                    T.reduce_max(T.reshape(abs_frag, [tile_m, tile_g, group]), amax, dim=2)
                     for i, g in T.Parallel(tile_m, tile_g):
                         sf, inv = scale_and_inverse(amax[i, g], round_sf, pack_sf)
                         sf_TG[pm * tile_m + i, pn * tile_g + g] = sf

@@ -150,19 +150,21 @@ H100_SHARED = 232448  # bytes a CTA may take on an H100 (shared_memory_per_block
 
 
 def test_backward_plan_picks_the_measured_layout_where_it_fits():
-    """On an H100's shared memory: the measured default (one ``g`` buffer, ``w`` resident, tile 2,
-    2 stages) at both DeepSeek-V4 widths; float32 streams at D = 7168 give up ``w`` resident; a
-    tighter CTA gives up stages, then the tile; shapes beyond registers or ``cp.async`` get none."""
+    """On an H100's shared memory: the measured default (one ``g`` buffer, ``w`` resident, 2
+    stages) at both DeepSeek-V4 widths, 8 warps and tile 2 at D = 4096, 16 warps (56 weight
+    gradients a thread, not 112) and so tile 1 at 7168; float32 streams at D = 7168 give up ``w``
+    resident; a tighter CTA gives up stages, then the tile; shapes beyond registers or
+    ``cp.async`` get none."""
 
     def plan(n, d, dtype=BF16, **options):
         x, v = torch.empty(1, n, d, dtype=dtype, device="meta"), torch.empty(1, d, dtype=dtype, device="meta")
         return backward_plan(x, x, v, shared_memory=options.pop("shared_memory", H100_SHARED), **options)
 
-    for d in (4096, 7168):
+    for d, warps, tile in ((4096, 2, 2), (7168, 4, 1)):
         got = plan(4, d)
-        assert got == BackwardPlan(4, 8, d // 8, 2, d // 512, 2, 2, True, 1), got
-        assert got.threads == 256 and got.shared_bytes(BF16, BF16, BF16) <= H100_SHARED
-    assert plan(4, 7168, F32)._replace(w_resident=True) == BackwardPlan(4, 4, 1792, 2, 28, 2, 2, True, 1)
+        assert got == BackwardPlan(4, 8, d // 8, warps, d // (256 * warps), tile, 2, True, 1), got
+        assert got.threads == 128 * warps and got.shared_bytes(BF16, BF16, BF16) <= H100_SHARED
+    assert plan(4, 7168, F32)._replace(w_resident=True) == BackwardPlan(4, 4, 1792, 4, 14, 1, 2, True, 1)
     assert not plan(4, 7168, F32).w_resident
     roomy = plan(4, 4096, tile=2, stages=3)
     assert roomy.stages == 3
