@@ -68,18 +68,76 @@ def supports(num_cols: int, group: object, elem_bytes: int) -> bool:
     return tile_n // vec <= MAX_VECTORS * threads
 
 
-def e2m1_code(v):
-    """The e2m1 code (0..15, as int32) of a finite float32 value, as
-    :func:`kernels.quant.reference.e2m1_codes` (an expression built here, in Python).
+# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of a name in ``ENCODERS``): a pair of
+# neighbouring values, read from a thread's registers, to the byte that holds their codes (element
+# ``2j`` in the low nibble). Both round a magnitude by one addition (module doc): with ``k`` the
+# magnitude's binade clamped to [0, 2] (steps of 0.5 below 2, 1 below 4, 2 up to 6), adding
+# ``C = 2**(p - 1 + k)`` in a float of ``p`` mantissa bits leaves ``round(m / 2**(k - 1))``, to
+# nearest even, in the sum's lowest mantissa bits, and ``C`` carries ``2k`` there already (an even
+# amount, so the tie to even is unchanged): the sum's low bits are the code.
+ENCODER_SOURCE = r"""
+// The byte [sign1 code1 sign0 code0] of two 16-bit halves that hold a code in bits 0-2 and its sign
+// in bit 15: one product moves the four fields side by side into the top byte, no two overlapping.
+__device__ __forceinline__ unsigned char ep_e2m1_byte(unsigned halves) {
+  return (unsigned char)(((halves & 0x80078007u) * 0x01001001u) >> 24);
+}
 
-    The magnitude, saturated at 6, is rounded to nearest even onto the grid by one float addition:
-    with ``C = 2**(22 + k)`` for ``k = max(exponent, 0)`` (steps of 0.5 below 2, 1 below 4, 2 up
-    to 6), ``m + C`` keeps ``round(m / step)`` in its lowest mantissa bits, and the code is that
-    count plus ``2k``."""
-    mag = T.min(T.abs(v), T.float32(E2M1_MAX))
-    k = T.max(T.reinterpret(mag, "int32") >> 23, 127) - 127
-    steps = T.reinterpret(mag + T.reinterpret((k + 149) << 23, "float32"), "int32") & 7
-    return steps + 2 * k + T.if_then_else(v < T.float32(0), 8, 0)
+// bfloat16 values under a power-of-two scale: two at a time in bfloat16x2 arithmetic. ``scale2``
+// holds 2**(16 - e) in both halves, so y = x * 2**(16 - e) is exact and the same values are zero
+// as in the reference's float32 x * 2**-e (bfloat16's least subnormal is 2**-133, float32's
+// 2**-149); the fma's +0 addend turns -0 into +0, which the reference gives code 0, and
+// |y| <= 6 * 2**16 (the scale is at least amax / 6). Then k comes from max(|y|, 2**16) and C is
+// 2**(22 + k) with 2k in its low bits (bfloat16 has 7 mantissa bits).
+__device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsigned scale2) {
+  unsigned y, p, r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(*(const unsigned*)x), "r"(scale2), "r"(0u));
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(y), "r"(0x47804780u));  // max(|y|, 2**16)
+  p &= 0x7F807F80u;  // 2**(16 + k), each half
+  unsigned c = p + (p >> 6) + 0x01E201E2u;  // + 6 << 7 - 2 * (127 + 16): 2**(22 + k) + 2k
+  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(c | (y & 0x80008000u)));  // +-(|y| + C)
+  return ep_e2m1_byte(r);
+}
+
+// Any float32 value y (fma(x, scale, +0), as the reference's x * scale with -0 made +0): the
+// magnitude saturated at 6, k from max(|y|, 1), C = 2**(22 + k) + 2k, and the sign from y.
+__device__ __forceinline__ unsigned ep_e2m1_code(float y) {
+  float a = fminf(fabsf(y), 6.0f);
+  unsigned p = __float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u;  // 2**k
+  unsigned c = p + (p >> 22) + ((22u << 23) - 254u);
+  unsigned r = __float_as_uint(__fadd_rn(a, __uint_as_float(c)));
+  return (r & 7u) | (__float_as_uint(y) >> 28 & 8u);
+}
+
+__device__ __forceinline__ unsigned char ep_e2m1x2_f32(float x0, float x1, float scale) {
+  return (unsigned char)(ep_e2m1_code(__fmaf_rn(x0, scale, 0.0f)) | ep_e2m1_code(__fmaf_rn(x1, scale, 0.0f)) << 4);
+}
+
+__device__ __forceinline__ unsigned char ep_e2m1x2_float32(const void* x, float scale) {
+  float2 v = *(const float2*)x;
+  return ep_e2m1x2_f32(v.x, v.y, scale);
+}
+
+__device__ __forceinline__ unsigned char ep_e2m1x2_bfloat16(const void* x, float scale) {
+  unsigned v = *(const unsigned*)x;
+  return ep_e2m1x2_f32(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u), scale);
+}
+
+__device__ __forceinline__ unsigned char ep_e2m1x2_float16(const void* x, float scale) {
+  float lo, hi;
+  asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+      : "=f"(lo), "=f"(hi) : "r"(*(const unsigned*)x));
+  return ep_e2m1x2_f32(lo, hi, scale);
+}
+"""
+
+
+def e2m1_encoder(in_dtype: str, pow2_scales: bool) -> str:
+    """The name of the encoder in ``ENCODER_SOURCE`` for pairs of ``in_dtype`` values: the
+    bfloat16x2 one under power-of-two scales (its scale argument the bits of ``2**(16 - e)`` twice),
+    else the float32 one (its scale argument a float32 multiplier)."""
+    if in_dtype == "bfloat16" and pow2_scales:
+        return "ep_e2m1x2_bf16_pow2"
+    return "ep_e2m1x2_" + in_dtype
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -96,6 +154,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     qmax = E2M1_MAX if fmt == "e2m1" else E4M3_MAX
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
+    encoder = e2m1_encoder(in_dtype, sf_format == "ue8m0")
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
@@ -107,15 +166,21 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
             abs_of(x_frag, abs_frag)
             amax = T.alloc_fragment((1, tile_g), in_dtype)
             T.reduce_max(T.reshape(abs_frag, [1, tile_g, group]), amax, dim=2)
-            inv_frag = T.alloc_fragment((1, tile_g), "float32")
+            packed_pow2 = encoder == "ep_e2m1x2_bf16_pow2"
+            inv_frag = T.alloc_fragment((1, tile_g), "uint32" if packed_pow2 else "float32")
             if sf_format == "ue8m0":
                 for i, g in T.Parallel(1, tile_g):
+                    # ceil(log2(amax / 6)) from amax's bits (6 = 1.5 * 4): the reference's
+                    # rounded quotient is never a power of two unless the exact one is
                     clamped = T.max(T.cast(amax[i, g], "float32"), T.float32(AMAX_FLOOR))
-                    bits = T.reinterpret(T.ieee_fdiv(clamped, T.float32(qmax)), "int32")
-                    exponent = (bits >> 23) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
+                    bits = T.reinterpret(clamped, "int32")
+                    exponent = (bits >> 23) - 129 + T.if_then_else((bits & 0x7FFFFF) > 0x400000, 1, 0)
                     if g < groups:
                         sf_TG[row, g] = T.cast(exponent + 127, "uint8")
-                    inv_frag[i, g] = T.reinterpret((127 - exponent) << 23, "float32")
+                    if packed_pow2:  # 2**(16 - e) as bfloat16, in both halves
+                        inv_frag[i, g] = T.cast((143 - exponent) << 7, "uint32") * T.uint32(0x10001)
+                    else:
+                        inv_frag[i, g] = T.reinterpret((127 - exponent) << 23, "float32")
             else:
                 row_amax = T.alloc_fragment((1,), in_dtype)
                 T.reduce_max(amax, row_amax, dim=1)
@@ -130,12 +195,12 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                         gsf_T[row] = gsf
                     inv_frag[i, g] = T.ieee_fdiv(T.float32(1), T.cast(sf, "float32") * gsf)
             if fmt == "e2m1":
-                nibbles = T.alloc_fragment((1, tile_n), "uint8")
-                for i, j in T.Parallel(1, tile_n):
-                    code = e2m1_code(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
-                    nibbles[i, j] = T.cast(code << (j % 2 * 4), "uint8")
+                T.import_source(ENCODER_SOURCE)
                 packed = T.alloc_fragment((1, tile_n // 2), "uint8")
-                T.reduce_sum(T.reshape(nibbles, [1, tile_n // 2, 2]), packed, dim=2)
+                T.annotate_layout({packed: vector_layout(1, tile_n // 2, threads, vec // 2)})
+                for i, p in T.Parallel(1, tile_n // 2):
+                    packed[i, p] = T.call_extern("uint8", encoder, T.address_of(x_frag[i, 2 * p]),
+                                                 inv_frag[i, 2 * p // group])
                 T.copy(packed, q[row, 0])
             else:
                 for i, j in T.Parallel(1, tile_n):
