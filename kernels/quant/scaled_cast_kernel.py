@@ -99,17 +99,19 @@ __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsi
 }
 
 // Any float32 value y (fma(x, scale, +0), as the reference's x * scale with -0 made +0): the
-// magnitude saturated at 6, k from max(|y|, 1), C = 2**(22 + k) + 2k, and the sign from y.
-__device__ __forceinline__ unsigned ep_e2m1_code(float y) {
+// magnitude saturated at 6, k from max(|y|, 1), C = 2**(22 + k) + 2k; returns |y| + C, whose low
+// byte is the code of |y| (its mantissa is at most 7).
+__device__ __forceinline__ unsigned ep_e2m1_rounded(float y) {
   float a = fminf(fabsf(y), 6.0f);
   unsigned p = __float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u;  // 2**k
   unsigned c = p + (p >> 22) + ((22u << 23) - 254u);
-  unsigned r = __float_as_uint(__fadd_rn(a, __uint_as_float(c)));
-  return (r & 7u) | (__float_as_uint(y) >> 28 & 8u);
+  return __float_as_uint(__fadd_rn(a, __uint_as_float(c)));
 }
 
 __device__ __forceinline__ unsigned char ep_e2m1x2_f32(float x0, float x1, float scale) {
-  return (unsigned char)(ep_e2m1_code(__fmaf_rn(x0, scale, 0.0f)) | ep_e2m1_code(__fmaf_rn(x1, scale, 0.0f)) << 4);
+  float y0 = __fmaf_rn(x0, scale, 0.0f), y1 = __fmaf_rn(x1, scale, 0.0f);
+  unsigned codes = ep_e2m1_rounded(y0) + (ep_e2m1_rounded(y1) << 4);  // low byte: both magnitudes' codes
+  return (unsigned char)(codes | (__float_as_uint(y0) >> 28 & 8u) | (__float_as_uint(y1) >> 24 & 0x80u));
 }
 
 __device__ __forceinline__ unsigned char ep_e2m1x2_float32(const void* x, float scale) {
@@ -184,16 +186,19 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
             else:
                 row_amax = T.alloc_fragment((1,), in_dtype)
                 T.reduce_max(amax, row_amax, dim=1)
+                top = T.alloc_var("float32")
+                gsf = T.alloc_var("float32")
+                top = T.max(T.cast(row_amax[0], "float32"), T.float32(AMAX_FLOOR))
+                gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))  # once a thread, not once a group
                 for i, g in T.Parallel(1, tile_g):
-                    top = T.max(T.cast(row_amax[i], "float32"), T.float32(AMAX_FLOOR))
                     ratio = T.ieee_fdiv(T.cast(amax[i, g], "float32"), top)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
-                    gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
                     if g < groups:
                         sf_TG[row, g] = sf
                     if g == 0:
                         gsf_T[row] = gsf
-                    inv_frag[i, g] = T.ieee_fdiv(T.float32(1), T.cast(sf, "float32") * gsf)
+                    # 1 / scale correctly rounded, as the reference's division, by the reciprocal's own sequence
+                    inv_frag[i, g] = T.ieee_frcp(T.cast(sf, "float32") * gsf)
             if fmt == "e2m1":
                 T.import_source(ENCODER_SOURCE)
                 packed = T.alloc_fragment((1, tile_n // 2), "uint8")
