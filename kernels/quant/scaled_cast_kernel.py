@@ -14,8 +14,8 @@ The cast is bound by instruction issue (Hopper has no e2m1 conversion), so the e
 written for it: two values at a time in bfloat16x2 arithmetic (bfloat16 under UE8M0 scales) or in
 float16x2 after a conversion that rounds to odd (the rest), by one addition that leaves the code
 in the sum's low bits; UE8M0 exponents come from amax's bits with no division, and the e4m3
-scales' divisions share the row's reciprocal. At 7168 columns a thread issues 544 instructions under UE8M0 scales (1097 with the
-expression-built code) and 980 under e4m3 scales (1285).
+scales' divisions share the row's reciprocal. At 7168 columns a thread issues 544 instructions
+under UE8M0 scales (1097 with the expression-built code) and 980 under e4m3 scales (1285).
 
 Shape suffixes: T tokens, D hidden, H packed bytes (``D / 2``), G scale groups.
 """
