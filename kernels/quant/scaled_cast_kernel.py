@@ -237,7 +237,8 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                 recip = T.alloc_var("float32")
                 recip = T.call_extern("float32", "ep_reciprocal", top * shift)
                 for i, g in T.Parallel(1, tile_g):
-                    ratio = T.call_extern("float32", "ep_ratio", T.cast(amax[i, g], "float32") * shift, top * shift, recip)
+                    group_amax = T.cast(amax[i, g], "float32") * shift
+                    ratio = T.call_extern("float32", "ep_ratio", group_amax, top * shift, recip)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
                     if g < groups:
                         sf_TG[row, g] = sf
