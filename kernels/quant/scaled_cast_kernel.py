@@ -72,9 +72,9 @@ def supports(num_cols: int, group: object, elem_bytes: int) -> bool:
     return tile_n // vec <= MAX_VECTORS * threads
 
 
-# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of a name in ``ENCODERS``): a pair of
-# neighbouring values, read from a thread's registers, to the byte that holds their codes (element
-# ``2j`` in the low nibble). Both round a magnitude by one addition (module doc): with ``k`` the
+# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of the name :func:`e2m1_encoder` gives):
+# a pair of neighbouring values, read from a thread's registers, to the byte that holds their codes
+# (element ``2j`` in the low nibble). Both round a magnitude by one addition (module doc): with ``k`` the
 # magnitude's binade clamped to [0, 2] (steps of 0.5 below 2, 1 below 4, 2 up to 6), adding
 # ``C = 2**(p - 1 + k)`` in a float of ``p`` mantissa bits leaves ``round(m / 2**(k - 1))``, to
 # nearest even, in the sum's lowest mantissa bits, and ``C`` carries ``2k`` there already (an even
@@ -191,7 +191,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     encoder = e2m1_encoder(in_dtype, sf_format == "ue8m0")
     # e2m1 under e4m3 scales: the row's amax crosses the CTA before any group's scale, so each CTA
     # waits on its own loads; registers capped so that 1280 threads share an SM (ten CTAs of 128,
-    # 48 registers a thread at up to 8 vectors a thread, no spills) in place of 640 at 72
+    # 48 registers a thread at up to 8 vectors a thread, no spills) in place of 896 at 72
     capped = fmt == "e2m1" and sf_format == "e4m3" and tile_n <= 8 * vec * threads
     min_blocks = RESIDENT_THREADS // threads if capped else 0
     device_source = (ENCODER_SOURCE if fmt == "e2m1" else "") + (RATIO_SOURCE if sf_format == "e4m3" else "")
