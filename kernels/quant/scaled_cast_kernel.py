@@ -72,13 +72,14 @@ def supports(num_cols: int, group: object, elem_bytes: int) -> bool:
     return tile_n // vec <= MAX_VECTORS * threads
 
 
-# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of the name :func:`e2m1_encoder` gives):
-# a pair of neighbouring values, read from a thread's registers, to the byte that holds their codes
-# (element ``2j`` in the low nibble). Both round a magnitude by one addition (module doc): with ``k`` the
-# magnitude's binade clamped to [0, 2] (steps of 0.5 below 2, 1 below 4, 2 up to 6), adding
-# ``C = 2**(p - 1 + k)`` in a float of ``p`` mantissa bits leaves ``round(m / 2**(k - 1))``, to
-# nearest even, in the sum's lowest mantissa bits, and ``C`` carries ``2k`` there already (an even
-# amount, so the tie to even is unchanged): the sum's low bits are the code.
+# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of the name :func:`e2m1_encoder`
+# gives): a pair of neighbouring values, read from a thread's registers, to the byte that holds
+# their codes (element ``2j`` in the low nibble). Both round a magnitude by one addition (module
+# doc): with ``k`` the magnitude's binade clamped to [0, 2] (steps of 0.5 below 2, 1 below 4, 2
+# up to 6), adding ``C = 2**(p - 1 + k)`` in a float of ``p`` mantissa bits leaves
+# ``round(m / 2**(k - 1))``, to nearest even, in the sum's lowest mantissa bits, and ``C`` carries
+# ``2k`` there already (an even amount, so the tie to even is unchanged): the sum's low bits are
+# the code.
 ENCODER_SOURCE = r"""
 // The byte [sign1 code1 sign0 code0] of two 16-bit halves that hold a code in bits 0-2 and its sign
 // in bit 15: one product moves the four fields side by side into the top byte, no two overlapping.
