@@ -7,7 +7,9 @@ A CTA covers the same tile of whole scale groups as the FP8 cast back
 stores an output vector loads the bytes it comes from (half as many for e2m1), reads its group's
 scale from global memory, and writes each value (an e2m1 code decoded from its bits,
 :func:`e2m1_value`) times the group's float32 multiplier, one product rounded once to the output
-dtype, as the reference.
+dtype, as the reference. e2m1 to bfloat16 or float16 in whole vectors takes ``DECODER_SOURCE``
+instead (a table of the group's eight magnitudes' outputs, each value looked up by byte permutes)
+and up to four such tiles a CTA: 86.0 -> 77.0 us at 16384 x 7168 on an H200.
 
 Shape suffixes: T tokens, D hidden, H packed bytes (``D / 2``), G scale groups.
 """

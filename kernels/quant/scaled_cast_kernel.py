@@ -7,15 +7,15 @@ A CTA takes one whole token in registers (the two-level scales need the row's am
 group's scale), loaded with 16-byte vectors (:func:`kernels.tiles.vector_layout`); each group's
 amax is reduced across the threads that hold it, the scales written, and the values cast and
 stored straight from the registers. An e2m1 byte holds two neighbouring values, which lie in one
-thread's vector: a device function (``ENCODER_SOURCE``) turns each pair into its byte, and the
-bytes leave as vectors. Every input byte is read once and every output byte written once.
+thread's vector, and the bytes leave as vectors. Every input byte is read once and every output
+byte written once.
 
-The cast is bound by instruction issue (Hopper has no e2m1 conversion), so the encoders are
-written for it: two values at a time in bfloat16x2 arithmetic (bfloat16 under UE8M0 scales) or in
-float16x2 after a conversion that rounds to odd (the rest), by one addition that leaves the code
-in the sum's low bits; UE8M0 exponents come from amax's bits with no division, and the e4m3
-scales' divisions share the row's reciprocal. At 7168 columns a thread issues 544 instructions
-under UE8M0 scales (1097 with the expression-built code) and 980 under e4m3 scales (1285).
+The e2m1 code is found by one float addition, not a comparison against each of the grid's seven
+midpoints (:func:`e2m1_code`): the cast ran at 52% of the copy bandwidth, compute-bound, with the
+comparisons and one-byte stores from a row staged in shared memory. bfloat16 under UE8M0 scales
+(MXFP4 from bfloat16 activations) rounds two values at a time in bfloat16x2 arithmetic instead
+(``ENCODER_SOURCE``), its exponents taken from amax's bits with no division: 1097 -> 544 SASS
+instructions a thread at 7168 columns, 88.5 -> 72.2 us at 16384 x 7168 on an H200.
 
 Shape suffixes: T tokens, D hidden, H packed bytes (``D / 2``), G scale groups.
 """
@@ -40,7 +40,6 @@ FORMATS = ("e2m1", "e4m3")  # the values' format
 SCALES = ("ue8m0", "e4m3")  # the scales' format
 MAX_THREADS = 1024
 MAX_VECTORS = 16  # a thread's share of the row in 16-byte vectors; wider rows run the reference
-RESIDENT_THREADS = 1280  # an SM's threads the e2m1 cast under e4m3 scales is compiled for
 REFERENCES = {
     ("e2m1", "ue8m0"): reference.per_token_cast_fp4,
     ("e2m1", "e4m3"): reference.per_token_cast_fp4_e4m3_sf,
@@ -72,14 +71,12 @@ def supports(num_cols: int, group: object, elem_bytes: int) -> bool:
     return tile_n // vec <= MAX_VECTORS * threads
 
 
-# The e2m1 encoders (``T.import_source``; ``T.call_extern`` of the name :func:`e2m1_encoder`
-# gives): a pair of neighbouring values, read from a thread's registers, to the byte that holds
-# their codes (element ``2j`` in the low nibble). Both round a magnitude by one addition (module
-# doc): with ``k`` the magnitude's binade clamped to [0, 2] (steps of 0.5 below 2, 1 below 4, 2
-# up to 6), adding ``C = 2**(p - 1 + k)`` in a float of ``p`` mantissa bits leaves
-# ``round(m / 2**(k - 1))``, to nearest even, in the sum's lowest mantissa bits, and ``C`` carries
-# ``2k`` there already (an even amount, so the tie to even is unchanged): the sum's low bits are
-# the code.
+# The encoder of bfloat16 pairs under UE8M0 scales (``T.import_source``; ``T.call_extern`` of
+# ``ep_e2m1x2_bf16_pow2``): a pair of neighbouring values, read from a thread's registers, to the
+# byte that holds their codes (element ``2j`` in the low nibble). It rounds as :func:`e2m1_code`,
+# by one addition, with bfloat16's 7 mantissa bits: ``C = 2**(6 + k)`` (relative to the
+# magnitude), and ``C`` carries ``2k`` in its low bits already (an even amount, so the tie to even
+# is unchanged): the sum's low bits are the code.
 ENCODER_SOURCE = r"""
 // The byte [sign1 code1 sign0 code0] of two 16-bit halves that hold a code in bits 0-2 and its sign
 // in bit 15: one product moves the four fields side by side into the top byte, no two overlapping.
@@ -102,77 +99,21 @@ __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsi
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(c | (y & 0x80008000u)));  // +-(|y| + C)
   return ep_e2m1_byte(r);
 }
-
-// Any other input or scale: y = fma(x, scale, +0) in float32 (the reference's x * scale, with -0
-// made +0), then two at a time in float16x2 arithmetic. The conversion to float16 rounds to odd
-// (toward zero, with the last bit set where any was dropped: the conversion toward zero of y
-// against that of y's bits plus 0x1FFF, the magnitude rounded up at float16's precision), which
-// makes the later rounding to e2m1 the same as rounding y itself, for float16 keeps more than two
-// bits beyond e2m1's; values under float16's normal range are far below e2m1's first midpoint.
-// Then as above with float16's 10 mantissa bits: +-min(|h|, 6), k from max(|h|, 1), C = 2**(9 + k)
-// + 2k.
-__device__ __forceinline__ unsigned char ep_e2m1x2_f32(float x0, float x1, float scale) {
-  float y0 = __fmaf_rn(x0, scale, 0.0f), y1 = __fmaf_rn(x1, scale, 0.0f);
-  unsigned t, u, a, p, r;
-  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(t) : "f"(y1), "f"(y0));
-  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(u)
-      : "f"(__uint_as_float(__float_as_uint(y1) + 0x1FFFu)), "f"(__uint_as_float(__float_as_uint(y0) + 0x1FFFu)));
-  unsigned h = t | (u - t);  // each half's difference is 0 or 1
-  asm("min.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(a) : "r"(h), "r"(0x46004600u));  // +-min(|h|, 6)
-  asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(p) : "r"(a), "r"(0x3C003C00u));  // max(|h|, 1)
-  p &= 0x7C007C00u;  // 2**k, each half
-  unsigned c = p + (p >> 9) + 0x23E223E2u;  // + 9 << 10 - 2 * 15: 2**(9 + k) + 2k
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(c | (a & 0x80008000u)));  // +-(|a| + C)
-  return ep_e2m1_byte(r);
-}
-
-__device__ __forceinline__ unsigned char ep_e2m1x2_float32(const void* x, float scale) {
-  float2 v = *(const float2*)x;
-  return ep_e2m1x2_f32(v.x, v.y, scale);
-}
-
-__device__ __forceinline__ unsigned char ep_e2m1x2_bfloat16(const void* x, float scale) {
-  unsigned v = *(const unsigned*)x;
-  return ep_e2m1x2_f32(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u), scale);
-}
-
-__device__ __forceinline__ unsigned char ep_e2m1x2_float16(const void* x, float scale) {
-  float lo, hi;
-  asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
-      : "=f"(lo), "=f"(hi) : "r"(*(const unsigned*)x));
-  return ep_e2m1x2_f32(lo, hi, scale);
-}
 """
 
 
-# Each group's amax / (the row's amax) divided as ``__fdiv_rn`` does on its fast path: the
-# refined approximate reciprocal of the divisor, here once a row, then the product corrected by one
-# fma, rounded to nearest (Markstein). ``__fdiv_rn`` checks its operands (``fchk``) and branches to
-# a slow path for those whose intermediates would leave float32's normal range; here the divisor is
-# at least 1e-4 and at most 2**100 (rows past it are scaled down by 2**-64 first, exactly), and a
-# quotient under 2**-18, the only kind that could underflow, becomes the least e4m3 scale however
-# its last bits fall. Seven divisions a thread: 1090 -> 1022 instructions at 7168 columns.
-RATIO_SOURCE = r"""
-__device__ __forceinline__ float ep_reciprocal(float b) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-}
+def e2m1_code(v):
+    """The e2m1 code (0..15, as int32) of a finite float32 value, as
+    :func:`kernels.quant.reference.e2m1_codes` (an expression built here, in Python).
 
-__device__ __forceinline__ float ep_ratio(float a, float b, float reciprocal) {
-  float q = __fmul_rn(a, reciprocal);
-  return __fmaf_rn(reciprocal, __fmaf_rn(-b, q, a), q);
-}
-"""
-
-
-def e2m1_encoder(in_dtype: str, pow2_scales: bool) -> str:
-    """The name of the encoder in ``ENCODER_SOURCE`` for pairs of ``in_dtype`` values: the
-    bfloat16x2 one under power-of-two scales (its scale argument the bits of ``2**(16 - e)`` twice),
-    else the float32 one (its scale argument a float32 multiplier)."""
-    if in_dtype == "bfloat16" and pow2_scales:
-        return "ep_e2m1x2_bf16_pow2"
-    return "ep_e2m1x2_" + in_dtype
+    The magnitude, saturated at 6, is rounded to nearest even onto the grid by one float addition:
+    with ``C = 2**(22 + k)`` for ``k = max(exponent, 0)`` (steps of 0.5 below 2, 1 below 4, 2 up
+    to 6), ``m + C`` keeps ``round(m / step)`` in its lowest mantissa bits, and the code is that
+    count plus ``2k``."""
+    mag = T.min(T.abs(v), T.float32(E2M1_MAX))
+    k = T.max(T.reinterpret(mag, "int32") >> 23, 127) - 127
+    steps = T.reinterpret(mag + T.reinterpret((k + 149) << 23, "float32"), "int32") & 7
+    return steps + 2 * k + T.if_then_else(v < T.float32(0), 8, 0)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
@@ -189,21 +130,13 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     qmax = E2M1_MAX if fmt == "e2m1" else E4M3_MAX
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
-    encoder = e2m1_encoder(in_dtype, sf_format == "ue8m0")
-    # e2m1 under e4m3 scales: the row's amax crosses the CTA before any group's scale, so each CTA
-    # waits on its own loads; registers capped so that 1280 threads share an SM (ten CTAs of 128,
-    # 48 registers a thread at up to 8 vectors a thread, no spills) in place of 896 at 72
-    capped = fmt == "e2m1" and sf_format == "e4m3" and tile_n <= 8 * vec * threads
-    min_blocks = RESIDENT_THREADS // threads if capped else 0
-    device_source = (ENCODER_SOURCE if fmt == "e2m1" else "") + (RATIO_SOURCE if sf_format == "e4m3" else "")
+    packed_pow2 = fmt == "e2m1" and sf_format == "ue8m0" and in_dtype == "bfloat16"  # ENCODER_SOURCE
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
         with T.Kernel(num_rows, threads=threads) as row:
-            if min_blocks:
-                T.annotate_min_blocks_per_sm(min_blocks)
-            if device_source:
-                T.import_source(device_source)
+            if packed_pow2:
+                T.import_source(ENCODER_SOURCE)
             x_frag = T.alloc_fragment((1, tile_n), in_dtype)
             T.annotate_layout({x_frag: vector_layout(1, tile_n, threads, vec)})
             T.copy(x_TD[row, 0], x_frag, disable_tma=True)
@@ -211,48 +144,50 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
             abs_of(x_frag, abs_frag)
             amax = T.alloc_fragment((1, tile_g), in_dtype)
             T.reduce_max(T.reshape(abs_frag, [1, tile_g, group]), amax, dim=2)
-            packed_pow2 = encoder == "ep_e2m1x2_bf16_pow2"
             inv_frag = T.alloc_fragment((1, tile_g), "uint32" if packed_pow2 else "float32")
             if sf_format == "ue8m0":
                 for i, g in T.Parallel(1, tile_g):
-                    # ceil(log2(amax / 6)) from amax's bits (6 = 1.5 * 4): the reference's
-                    # rounded quotient is never a power of two unless the exact one is
                     clamped = T.max(T.cast(amax[i, g], "float32"), T.float32(AMAX_FLOOR))
-                    bits = T.reinterpret(clamped, "int32")
-                    exponent = (bits >> 23) - 129 + T.if_then_else((bits & 0x7FFFFF) > 0x400000, 1, 0)
-                    if g < groups:
-                        sf_TG[row, g] = T.cast(exponent + 127, "uint8")
-                    if packed_pow2:  # 2**(16 - e) as bfloat16, in both halves
+                    if packed_pow2:
+                        # ceil(log2(amax / 6)) from amax's bits (6 = 1.5 * 4), no division: the
+                        # reference's rounded quotient is a power of two only where the exact one is
+                        bits = T.reinterpret(clamped, "int32")
+                        exponent = (bits >> 23) - 129 + T.if_then_else((bits & 0x7FFFFF) > 0x400000, 1, 0)
+                        # 2**(16 - e) as bfloat16, in both halves
                         inv_frag[i, g] = T.cast((143 - exponent) << 7, "uint32") * T.uint32(0x10001)
                     else:
+                        bits = T.reinterpret(T.ieee_fdiv(clamped, T.float32(qmax)), "int32")
+                        exponent = (bits >> 23) - 127 + T.if_then_else((bits & 0x7FFFFF) != 0, 1, 0)
                         inv_frag[i, g] = T.reinterpret((127 - exponent) << 23, "float32")
+                    if g < groups:
+                        sf_TG[row, g] = T.cast(exponent + 127, "uint8")
             else:
                 row_amax = T.alloc_fragment((1,), in_dtype)
                 T.reduce_max(amax, row_amax, dim=1)
-                top = T.alloc_var("float32")
-                gsf = T.alloc_var("float32")
-                top = T.max(T.cast(row_amax[0], "float32"), T.float32(AMAX_FLOOR))
-                gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))  # once a thread, not once a group
-                shift = T.alloc_var("float32")  # keeps the reciprocal of the row's amax a normal float
-                shift = T.if_then_else(top > T.float32(2.0**100), T.float32(2.0**-64), T.float32(1))
-                recip = T.alloc_var("float32")
-                recip = T.call_extern("float32", "ep_reciprocal", top * shift)
                 for i, g in T.Parallel(1, tile_g):
-                    group_amax = T.cast(amax[i, g], "float32") * shift
-                    ratio = T.call_extern("float32", "ep_ratio", group_amax, top * shift, recip)
+                    top = T.max(T.cast(row_amax[i], "float32"), T.float32(AMAX_FLOOR))
+                    ratio = T.ieee_fdiv(T.cast(amax[i, g], "float32"), top)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
+                    gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
                     if g < groups:
                         sf_TG[row, g] = sf
                     if g == 0:
                         gsf_T[row] = gsf
-                    # 1 / scale correctly rounded, as the reference's division, by the reciprocal's own sequence
-                    inv_frag[i, g] = T.ieee_frcp(T.cast(sf, "float32") * gsf)
-            if fmt == "e2m1":
+                    inv_frag[i, g] = T.ieee_fdiv(T.float32(1), T.cast(sf, "float32") * gsf)
+            if packed_pow2:
                 packed = T.alloc_fragment((1, tile_n // 2), "uint8")
                 T.annotate_layout({packed: vector_layout(1, tile_n // 2, threads, vec // 2)})
                 for i, p in T.Parallel(1, tile_n // 2):
-                    packed[i, p] = T.call_extern("uint8", encoder, T.address_of(x_frag[i, 2 * p]),
-                                                 inv_frag[i, 2 * p // group])
+                    pair = T.address_of(x_frag[i, 2 * p])
+                    packed[i, p] = T.call_extern("uint8", "ep_e2m1x2_bf16_pow2", pair, inv_frag[i, 2 * p // group])
+                T.copy(packed, q[row, 0])
+            elif fmt == "e2m1":
+                nibbles = T.alloc_fragment((1, tile_n), "uint8")
+                for i, j in T.Parallel(1, tile_n):
+                    code = e2m1_code(T.cast(x_frag[i, j], "float32") * inv_frag[i, j // group])
+                    nibbles[i, j] = T.cast(code << (j % 2 * 4), "uint8")
+                packed = T.alloc_fragment((1, tile_n // 2), "uint8")
+                T.reduce_sum(T.reshape(nibbles, [1, tile_n // 2, 2]), packed, dim=2)
                 T.copy(packed, q[row, 0])
             else:
                 for i, j in T.Parallel(1, tile_n):
