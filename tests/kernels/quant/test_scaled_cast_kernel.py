@@ -47,7 +47,7 @@ def test_cast_matches_reference_bit_for_bit(t, d, group, dtype, fmt, sf_format, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt,sf_format", list(REFERENCES), ids=["fp4_ue8m0", "fp4_e4m3_sf", "fp8_e4m3_sf"])
 @pytest.mark.parametrize("t,d,group,dtype", CASES)
 def test_cast_back_matches_reference_bit_for_bit(t, d, group, dtype, fmt, sf_format, out_dtype, seed):
@@ -99,8 +99,10 @@ def test_compiles_for_sm90a():
         for num_cols, group, fmt, sf_format, dtype in SPECIALIZATIONS:
             cast = lowering.kernel_source(get_per_token_scaled_cast_kernel(num_cols, group, fmt, sf_format, dtype))
             back = lowering.kernel_source(get_per_token_scaled_cast_back_kernel(num_cols, group, fmt, sf_format, dtype))
-            # IEEE divisions for the scales (never a reciprocal multiply), as the reference
-            assert "__fdiv_rn" in cast, (num_cols, fmt, sf_format)
+            # IEEE divisions for the scales (never a reciprocal multiply), as the reference; bfloat16's
+            # UE8M0 exponents come from amax's bits, with no division
+            no_division = (sf_format, dtype) == ("ue8m0", "bfloat16")
+            assert ("__fdiv_rn" in cast) != no_division, (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
 
 
@@ -125,6 +127,31 @@ def test_e2m1_codes_at_every_edge(fmt, sf_format):
     width = 512
     body = torch.nn.functional.pad(v, (0, -v.numel() % (width - 1))).view(-1, width - 1)
     x = torch.cat([torch.full((body.shape[0], 1), 6.0), body], dim=1)
+    got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
+    want = REFERENCES[fmt, sf_format](x, group=width)
+    for g, w in zip(got, want):
+        assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,sf_format", [("e2m1", "ue8m0"), ("e2m1", "e4m3")], ids=["fp4_ue8m0", "fp4_e4m3_sf"])
+def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
+    """bfloat16 rows (the bfloat16x2 encoder under UE8M0 scales): the edge values as bfloat16, one
+    bfloat16 ulp either side of every grid value and midpoint, subnormals and -0.0, under row scales
+    from 2**-12 to 2**40 (each row's first value 6 * 2**j, so its UE8M0 exponent is j)."""
+    v = e2m1_edge_values().to(torch.bfloat16)
+    points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
+    up = torch.nextafter(points, torch.tensor(1e9, dtype=torch.bfloat16))
+    down = torch.nextafter(points, torch.tensor(0.0, dtype=torch.bfloat16))
+    tiny = torch.tensor([2.0**-133, 2.0**-126, 1e-38, 3e-39, -0.0], dtype=torch.bfloat16)
+    v = torch.cat([v, up, -up, down, -down, tiny, -tiny])
+    width = 512
+    body = torch.nn.functional.pad(v, (0, -v.numel() % (width - 1))).view(-1, width - 1)
+    rows = []
+    for j in range(-12, 41, 4):
+        scale = torch.tensor(2.0**j, dtype=torch.bfloat16)
+        rows.append(torch.cat([torch.full((body.shape[0], 1), 6.0, dtype=torch.bfloat16), body], dim=1) * scale)
+    x = torch.cat(rows)
     got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
     want = REFERENCES[fmt, sf_format](x, group=width)
     for g, w in zip(got, want):
