@@ -5,8 +5,11 @@ Forward: ``x`` cast per token (1 x 128), ``h = x @ W13`` on the FP8 grouped GEMM
 cast per 128 x 128 block, the SwiGLU fused with the next per-token cast, ``y = swiglu(h) @ W2``.
 Backward: the data gradients on the same GEMM (the output gradient cast per token, the weights'
 own casts: a block's scale is the same for a matrix and its transpose, so one cast a weight serves
-both directions; ``WeightCasts`` keeps it until the weight changes), the weight gradients on the K-grouped GEMM with both operands cast per channel
-(one scale per 128 rows per column) and transposed K-major. Every GEMM accumulates in float32 with
+both directions; ``WeightCasts`` keeps it until the weight changes), the weight gradients on the
+K-grouped GEMM with both operands cast per channel (one scale per 128 rows per column) and
+transposed K-major. ``x`` is kept for the backward as its forward cast, as DeepSeek-V3 caches a
+Linear's input in FP8: half the bytes of bf16 rows, and its per-channel cast is requantized from it
+(:func:`kernels.quant.requant`, 1 x 128 to 128 x 1 blocks), which reads 1 byte an element, not 2. Every GEMM accumulates in float32 with
 per-128 promotion; the GEMMs' outputs are bfloat16, the weight gradients float32.
 
 Rows at or past ``offsets_E[-1]`` (a static capacity's spare rows) are unspecified in the output
@@ -22,8 +25,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels.gemm import cast_weights, grouped_fp8_mm, grouped_fp8_mm_wgrad, k_major
-from kernels.quant import per_channel_cast, per_token_cast, swiglu, swiglu_backward, swiglu_per_token_cast
+from kernels.quant import per_channel_cast, per_token_cast, requant, swiglu, swiglu_backward, swiglu_per_token_cast
 from kernels.transpose import batched_transpose
+
+FP8_BLOCK = 128  # DeepSeek-V3's: 1 x 128 activation tiles, 128 x 1 for the weight gradients' operands
 
 
 class FP8ExpertsFn(torch.autograd.Function):
@@ -37,21 +42,23 @@ class FP8ExpertsFn(torch.autograd.Function):
     def forward(ctx, x_PD, w13_EDI2, w2_EID, offsets_E):
         (q13_EDI2, sf13), forward13 = WEIGHT_CASTS.of(w13_EDI2)
         (q2_EID, sf2), forward2 = WEIGHT_CASTS.of(w2_EID)
-        h_PI2 = grouped_fp8_mm(*per_token_cast(x_PD.detach()), *forward13, offsets_E)
+        qx_PD, sx_PG = per_token_cast(x_PD.detach())
+        h_PI2 = grouped_fp8_mm(qx_PD, sx_PG, *forward13, offsets_E)
         y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
-        ctx.save_for_backward(x_PD.detach(), h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
+        ctx.save_for_backward(qx_PD, sx_PG, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
         return y_PD.to(x_PD.dtype)
 
     @staticmethod
     def backward(ctx, grad_PD):
-        x_PD, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E = ctx.saved_tensors
+        qx_PD, sx_PG, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E = ctx.saved_tensors
         grad_PD = grad_PD.contiguous()
         rows = offsets_E[-1:]
         grad_h_PI = grouped_fp8_mm(*per_token_cast(grad_PD), q2_EID, sf2, offsets_E)
-        grad_w2_EID = _wgrad(swiglu(h_PI2, rows=rows), grad_PD, offsets_E)
+        grad_w2_EID = _wgrad(per_channel_cast(swiglu(h_PI2, rows=rows)), grad_PD, offsets_E)
         grad_h_PI2 = swiglu_backward(h_PI2, grad_h_PI, rows=rows)
         grad_x_PD = grouped_fp8_mm(*per_token_cast(grad_h_PI2), q13_EDI2, sf13, offsets_E)
-        grad_w13_EDI2 = _wgrad(x_PD, grad_h_PI2, offsets_E)
+        x_per_channel = requant(qx_PD, sx_PG, in_block=(1, FP8_BLOCK), out_block=(FP8_BLOCK, 1))
+        grad_w13_EDI2 = _wgrad(x_per_channel, grad_h_PI2, offsets_E)
         return grad_x_PD, grad_w13_EDI2, grad_w2_EID, None  # autograd casts each to its input's dtype
 
 
@@ -87,8 +94,9 @@ def _transposed(q_ENK: torch.Tensor, sf_EJG: torch.Tensor) -> tuple[torch.Tensor
     return batched_transpose(q_ENK), sf_EJG.transpose(1, 2).contiguous()
 
 
-def _wgrad(x_PM: torch.Tensor, grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """``x[rows of e]^T @ grad[rows of e]`` per expert, float32 ``[E, M, N]``."""
-    qx_PM, sx_CM = per_channel_cast(x_PM)
+def _wgrad(x_cast: tuple[torch.Tensor, torch.Tensor], grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e]^T @ grad[rows of e]`` per expert, float32 ``[E, M, N]``, from ``x``'s cast per
+    channel (``per_channel_cast``'s ``(q_PM, sf_CM)``)."""
+    qx_PM, sx_CM = x_cast
     qg_PN, sg_CN = per_channel_cast(grad_PN)
     return grouped_fp8_mm_wgrad(k_major(qx_PM), sx_CM, k_major(qg_PN), sg_CN, offsets_E)
