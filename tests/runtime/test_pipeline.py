@@ -1,6 +1,8 @@
 """Pipeline parallelism changes where blocks run, not what a training step computes: PP=2 x EP=2 on
 4 gloo processes gives the losses and gradients of one process training the same model on every
-data rank's batch, for each schedule; micro-batch counts that do not divide the batch are refused."""
+data rank's batch, for each schedule, with the all_to_all and the nvlink dispatcher (each stage's EP
+group on shared-memory heaps of its own, one per lane with the overlap schedule); micro-batch counts
+that do not divide the batch are refused."""
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from launch.local import launch_local
 RTOL = 1e-5
 CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("plain", "interleaved", 4), ("mhc", "1f1b", 4),
          ("mhc-recompute", "1f1b", 4), ("mhc-engram", "1f1b", 2), ("mhc-engram", "interleaved", 2),
-         ("plain", "overlap", 4), ("mhc-engram", "overlap", 4)]
+         ("plain", "overlap", 4), ("mhc-engram", "overlap", 4),
+         ("plain+nvlink", "1f1b", 2), ("plain+nvlink", "interleaved", 4), ("plain+nvlink", "overlap", 4)]
 STEPS = 2
 
 

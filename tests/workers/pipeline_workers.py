@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -17,8 +19,12 @@ FLOOR = 1e-2  # gradient errors are relative to at least this fraction of the mo
 
 
 def model_config(variant: str) -> ModelConfig:
+    """``variant``: plain, mhc, mhc-recompute or mhc-engram, with ``+nvlink`` for that dispatcher
+    (each stage's EP group on a heap of its own; all_to_all otherwise)."""
+    variant, _, dispatcher = variant.partition("+")
     moe = MoEConfig(num_experts=4, expert_hidden=8, num_shared_experts=1, alignment=4,
-                    router=RouterConfig(scoring="sigmoid", topk=2, bias_update_rate=0.0))
+                    router=RouterConfig(scoring="sigmoid", topk=2, bias_update_rate=0.0),
+                    dispatcher=dispatcher or "all_to_all", max_tokens_per_rank=BATCH * SEQ)
     extra = {}
     if variant in ("mhc", "mhc-engram", "mhc-recompute"):  # recompute: each stage keeps its input stream only
         extra["mhc"] = MHCConfig(n=2, sinkhorn_iters=5, recompute=variant == "mhc-recompute")
@@ -76,7 +82,8 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
                               num_stages=ctx.pp_size,
                               chunks=2 if schedule == "interleaved" else 1)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=num_micro, schedule=schedule)
-        ref = _build(cfg, single_process(ctx.device))
+        ref = _build(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatcher="all_to_all")),
+                     single_process(ctx.device))
         all_tokens = torch.cat([tokens(d) for d in range(per_stage)])
         ref_params = dict(ref.named_parameters())
         losses, ref_losses, grad_errors = [], [], []
