@@ -9,8 +9,9 @@ both directions; ``WeightCasts`` keeps it until the weight changes), the weight 
 K-grouped GEMM with both operands cast per channel (one scale per 128 rows per column) and
 transposed K-major. ``x`` is kept for the backward as its forward cast, as DeepSeek-V3 caches a
 Linear's input in FP8: half the bytes of bf16 rows, and its per-channel cast is requantized from it
-(:func:`kernels.quant.requant`, 1 x 128 to 128 x 1 blocks), which reads 1 byte an element, not 2. Every GEMM accumulates in float32 with
-per-128 promotion; the GEMMs' outputs are bfloat16, the weight gradients float32.
+(:func:`kernels.quant.requant`, 1 x 128 to 128 x 1 blocks), which reads 1 byte an element, not 2.
+Every GEMM accumulates in float32 with per-128 promotion; the GEMMs' outputs are bfloat16, the
+weight gradients float32.
 
 Rows at or past ``offsets_E[-1]`` (a static capacity's spare rows) are unspecified in the output
 and in ``x``'s gradient, as in the bf16 path.
@@ -42,7 +43,7 @@ class FP8ExpertsFn(torch.autograd.Function):
     def forward(ctx, x_PD, w13_EDI2, w2_EID, offsets_E):
         (q13_EDI2, sf13), forward13 = WEIGHT_CASTS.of(w13_EDI2)
         (q2_EID, sf2), forward2 = WEIGHT_CASTS.of(w2_EID)
-        qx_PD, sx_PG = per_token_cast(x_PD.detach())
+        qx_PD, sx_PG = per_token_cast(x_PD.detach(), group=FP8_BLOCK)
         h_PI2 = grouped_fp8_mm(qx_PD, sx_PG, *forward13, offsets_E)
         y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
         ctx.save_for_backward(qx_PD, sx_PG, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
@@ -66,8 +67,8 @@ class WeightCasts:
     """Each weight's FP8 cast and its transpose, kept until the weight changes: one cast a step
     however many micro-batches run forward, and one copy saved for all their backwards. Every
     optimizer's step drops them all as it starts, freeing their memory for it (a fused step leaves
-    the weights' version counters as they were); any other in-place update (a checkpoint's load, an expert moved) moves the weight's
-    version counter. A weight's entry goes with the weight."""
+    the weights' version counters as they were); any other in-place update (a checkpoint's load, an
+    expert moved) moves the weight's version counter. A weight's entry goes with the weight."""
 
     def __init__(self):
         self._casts = WeakIdKeyDictionary()
@@ -94,7 +95,8 @@ def _transposed(q_ENK: torch.Tensor, sf_EJG: torch.Tensor) -> tuple[torch.Tensor
     return batched_transpose(q_ENK), sf_EJG.transpose(1, 2).contiguous()
 
 
-def _wgrad(x_cast: tuple[torch.Tensor, torch.Tensor], grad_PN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def _wgrad(x_cast: tuple[torch.Tensor, torch.Tensor], grad_PN: torch.Tensor,
+           offsets_E: torch.Tensor) -> torch.Tensor:
     """``x[rows of e]^T @ grad[rows of e]`` per expert, float32 ``[E, M, N]``, from ``x``'s cast per
     channel (``per_channel_cast``'s ``(q_PM, sf_CM)``)."""
     qx_PM, sx_CM = x_cast

@@ -286,9 +286,11 @@ def deepep_api(module: str):
 
     try:
         api = importlib.import_module(module)
-    except ImportError as e:
+    except (ImportError, OSError) as e:  # OSError: a built module whose shared libraries do not load
         raise ValueError(f"--deepep-module: expected an importable module with DeepEP's Buffer API, got {module!r} "
                          f"({e}); ep_runtime.compat.deep_ep is ep-runtime's facade of it") from None
+    if not hasattr(api, "Buffer"):
+        raise ValueError(f"--deepep-module: expected a module with DeepEP's Buffer API, got {module!r} (no Buffer)")
     return None if module == "deep_ep" else api
 
 

@@ -229,9 +229,10 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
             if i >= spec.warmup:
                 dispatch_ms.append(d_ms)
                 combine_ms.append(c_ms)
+        routes_here = int(out["layout"].counts_E.sum())
         graph_ms = _time_graphs(spec, dispatcher, dispatch, lambda: dispatcher.combine(out["x_PD"], out["handle"]),
                                 timer, sync)
-        routes_here = int(out["layout"].counts_E.sum())
+        out.clear()  # the graphs' outputs hold their memory pool's segments
         # Rows to each rank (a token once per destination rank), and from each.
         send_W = torch.tensor(rows_per_rank(idx_TK, dispatcher.num_local_experts, size), device=device)
         recv_W = send_W.clone()

@@ -8,7 +8,9 @@ group's scale), loaded with 16-byte vectors (:func:`kernels.tiles.vector_layout`
 amax is reduced across the threads that hold it, the scales written, and the values cast and
 stored straight from the registers. An e2m1 byte holds two neighbouring values, which lie in one
 thread's vector, and the bytes leave as vectors. Every input byte is read once and every output
-byte written once.
+byte written once. The bytes match the reference's for finite inputs; a row holding an infinity or a
+NaN does not (the arithmetic encoders take finite values, and bfloat16's UE8M0 exponent from an
+infinite amax's bits is 126 where the reference's division gives 128).
 
 The e2m1 code is found by one float addition, not a comparison against each of the grid's seven
 midpoints (:func:`e2m1_code`): the cast ran at 52% of the copy bandwidth, compute-bound, with the

@@ -2,8 +2,8 @@
 run the kernels' references: forward and gradients against the bfloat16 grouped path, and the
 option that switches it on.
 
-Tolerance: relative L2 error 0.1 of the output and of each gradient (measured about 0.064: each
-chains two GEMMs on four e4m3 casts, ~2.6% each)."""
+Tolerance: relative L2 error 0.1 of the output and of each gradient (measured 0.063-0.070: each
+chains two GEMMs on four e4m3 casts, ~2.6% each; the W13 gradient's x is cast twice)."""
 
 import pytest
 import torch

@@ -11,6 +11,7 @@ from kernels.quant.blockwise_cast_kernel import (
     blockwise_cast,
     get_blockwise_cast_kernel,
     narrow_channel_tile,
+    per_token_tile,
 )
 from kernels.testing import cast_input, poison_allocator, spy
 
@@ -28,6 +29,8 @@ SHAPES = [  # (M, N, block size, input dtype)
     (257, 7168, 128, torch.float16),
     (129, 256, 64, torch.float32),
     (70, 96, 32, torch.bfloat16),
+    (4096, 7168, 128, torch.bfloat16),  # per-token: more CTAs than the SMs hold, two vectors a thread
+    (4096, 7168, 64, torch.float32),
 ]
 SF_MODES = {"fp32_sf": (False, False), "ue8m0_sf": (True, False), "packed_sf": (True, True)}
 
@@ -106,6 +109,21 @@ def test_compiles_for_sm90a():
         tile = (128, NARROW_CHANNEL_COLUMNS, 128)
         for dtype in ("bfloat16", "float32"):
             assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(7168, 128, 1, dtype, False, False, tile)), dtype
+        # per-token scales over many rows: two vectors a thread (per_token_tile's 1 x 1024 tile of 64 threads)
+        for dtype, vec in (("bfloat16", 8), ("float32", 4)):
+            tile = (1, 1024, 1024 // (2 * vec))
+            assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(7168, 1, 128, dtype, False, False, tile)), dtype
+
+
+@pytest.mark.gpu
+def test_many_tokens_take_two_vectors_a_thread():
+    """The per-token tile of two vectors a thread only where the grid outnumbers the CTAs the SMs
+    hold (its results: the bit-exact test above at 4096 rows)."""
+    device = torch.device("cuda")
+    assert per_token_tile(4096, 7168, (1, 128), 8, device) == (1, 1024, 64)
+    assert per_token_tile(4096, 7168, (1, 128), 4, device) == (1, 1024, 128)  # float32: 4 elements a vector
+    assert per_token_tile(128, 7168, (1, 128), 8, device) is None
+    assert per_token_tile(4096, 7168, (128, 128), 8, device) is None
 
 
 @pytest.mark.gpu

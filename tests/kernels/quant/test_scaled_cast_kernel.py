@@ -101,7 +101,7 @@ def test_compiles_for_sm90a():
             back = lowering.kernel_source(get_per_token_scaled_cast_back_kernel(num_cols, group, fmt, sf_format, dtype))
             # IEEE divisions for the scales (never a reciprocal multiply), as the reference; bfloat16's
             # UE8M0 exponents come from amax's bits, with no division
-            no_division = (sf_format, dtype) == ("ue8m0", "bfloat16")
+            no_division = (fmt, sf_format, dtype) == ("e2m1", "ue8m0", "bfloat16")
             assert ("__fdiv_rn" in cast) != no_division, (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
 
@@ -117,16 +117,23 @@ def e2m1_edge_values() -> torch.Tensor:
     return torch.cat([v, -v])
 
 
+def rows_under_six(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v`` laid out in rows of ``width`` that start with 6: the values within 6 in rows of their own
+    (their amax is 6, a UE8M0 scale of exactly 1 and the codes the values' own), then those past it
+    (a larger scale)."""
+    small, large = v[v.abs() <= 6], v[v.abs() > 6]
+    body = torch.cat([torch.nn.functional.pad(part, (0, -part.numel() % (width - 1))).view(-1, width - 1)
+                      for part in (small, large)])
+    return torch.cat([torch.full((body.shape[0], 1), 6.0, dtype=v.dtype), body], dim=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,sf_format", [("e2m1", "ue8m0"), ("e2m1", "e4m3")], ids=["fp4_ue8m0", "fp4_e4m3_sf"])
 def test_e2m1_codes_at_every_edge(fmt, sf_format):
-    """Rows whose first value is 6 (a UE8M0 scale of exactly 1: the codes are the values' own),
-    the rest the edge values: the kernel's arithmetic encoding against the reference's count of
-    the midpoints passed, byte for byte."""
-    v = e2m1_edge_values()
-    width = 512
-    body = torch.nn.functional.pad(v, (0, -v.numel() % (width - 1))).view(-1, width - 1)
-    x = torch.cat([torch.full((body.shape[0], 1), 6.0), body], dim=1)
+    """The edge values in rows of amax 6 (``rows_under_six``: a UE8M0 scale of exactly 1, the codes
+    the values' own), those past 6 in rows of their own: the kernel's arithmetic encoding against
+    the reference's count of the midpoints passed, byte for byte."""
+    x = rows_under_six(e2m1_edge_values(), width=512)
     got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
     want = REFERENCES[fmt, sf_format](x, group=width)
     for g, w in zip(got, want):
@@ -138,7 +145,9 @@ def test_e2m1_codes_at_every_edge(fmt, sf_format):
 def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
     """bfloat16 rows (the bfloat16x2 encoder under UE8M0 scales): the edge values as bfloat16, one
     bfloat16 ulp either side of every grid value and midpoint, subnormals and -0.0, under row scales
-    from 2**-12 to 2**40 (each row's first value 6 * 2**j, so its UE8M0 exponent is j)."""
+    2**j from 2**-12 to 2**40 (``rows_under_six``: the rows within 6 have the UE8M0 exponent j),
+    and, where bfloat16 holds them, values at float32's underflow after the scale (+-2**(j - 150),
+    2**(j - 149), 1.5 * 2**(j - 149), 2**(j - 148): which round to a signed zero decides code 0 or 8)."""
     v = e2m1_edge_values().to(torch.bfloat16)
     points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
     up = torch.nextafter(points, torch.tensor(1e9, dtype=torch.bfloat16))
@@ -146,11 +155,13 @@ def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
     tiny = torch.tensor([2.0**-133, 2.0**-126, 1e-38, 3e-39, -0.0], dtype=torch.bfloat16)
     v = torch.cat([v, up, -up, down, -down, tiny, -tiny])
     width = 512
-    body = torch.nn.functional.pad(v, (0, -v.numel() % (width - 1))).view(-1, width - 1)
     rows = []
     for j in range(-12, 41, 4):
-        scale = torch.tensor(2.0**j, dtype=torch.bfloat16)
-        rows.append(torch.cat([torch.full((body.shape[0], 1), 6.0, dtype=torch.bfloat16), body], dim=1) * scale)
+        rows.append(rows_under_six(v, width) * torch.tensor(2.0**j, dtype=torch.bfloat16))
+        if j - 150 >= -133:  # bfloat16's least subnormal
+            edge = torch.tensor([2.0**(j - 150), 2.0**(j - 149), 1.5 * 2.0**(j - 149), 2.0**(j - 148)])
+            underflow = torch.cat([torch.tensor([6.0 * 2.0**j]), edge, -edge]).to(torch.bfloat16)
+            rows.append(torch.nn.functional.pad(underflow, (0, width - underflow.numel()))[None])
     x = torch.cat(rows)
     got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
     want = REFERENCES[fmt, sf_format](x, group=width)
