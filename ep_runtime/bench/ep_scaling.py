@@ -243,12 +243,9 @@ def _measure(spec: BenchSpec, ctx, group, dispatcher, tokens: int) -> dict:
             row_bytes = _dispatch_row_bytes(spec, dtype)
             send = torch.empty(sum(send_rows) * row_bytes, dtype=torch.uint8, device=device)
             recv = torch.empty(sum(recv_rows) * row_bytes, dtype=torch.uint8, device=device)
-            for i in range(spec.warmup + spec.iters):
-                sync()
-                ms = timer.time(lambda: dist.all_to_all_single(recv, send, [r * row_bytes for r in recv_rows],
-                                                               [s * row_bytes for s in send_rows], group=group))
-                if i >= spec.warmup:
-                    a2a_ms.append(ms)
+            a2a_ms = _series(spec, lambda: dist.all_to_all_single(recv, send, [r * row_bytes for r in recv_rows],
+                                                                  [s * row_bytes for s in send_rows], group=group),
+                             timer, sync)
 
     # The baseline without communication (ep_local.py), every rank at once, on the same tokens.
     del layer  # DeepSeek-V3's experts at EP 2 take 22 GB with their gradients: one layer at a time
@@ -302,30 +299,26 @@ def _time_graphs(spec: BenchSpec, dispatcher, dispatch, combine, timer: EventTim
 
     if type(dispatcher) is not NVLinkDispatcher or dispatcher.device.type != "cuda":
         return None
-    graphs = capture_graphs(dispatch, combine)
-    series = [[], []]
-    for i in range(spec.warmup + spec.iters):
-        for times, graph in zip(series, graphs):
-            sync()
-            ms = timer.time(graph.replay)
-            if i >= spec.warmup:
-                times.append(ms)
-    return series
+    return [_series(spec, graph.replay, timer, sync) for graph in capture_graphs(dispatch, combine)]
 
 
 def _time_layer(spec: BenchSpec, layer, x_TD, grad_TD, timer: EventTimer, sync) -> list[float]:
-    """``layer``'s forward+backward on ``x_TD`` (gradient ``grad_TD``), ms: the ``spec.iters``
-    iterations after ``spec.warmup``, each after ``sync()``."""
+    """``layer``'s forward+backward on ``x_TD`` (gradient ``grad_TD``), ms per iteration."""
     def step():
         x = x_TD.detach().requires_grad_()
         layer(x[None]).backward(grad_TD[None])
         for p in layer.parameters():
             p.grad = None
 
+    return _series(spec, step, timer, sync)
+
+
+def _series(spec: BenchSpec, fn, timer: EventTimer, sync) -> list[float]:
+    """``fn``'s time, ms: the ``spec.iters`` iterations after ``spec.warmup``, each after ``sync()``."""
     times = []
     for i in range(spec.warmup + spec.iters):
         sync()
-        ms = timer.time(step)
+        ms = timer.time(fn)
         if i >= spec.warmup:
             times.append(ms)
     return times

@@ -104,12 +104,14 @@ def backward_plan(
     vec = vector_width(d, x_TND.dtype.itemsize)
     if d == 0 or any(vec * t.dtype.itemsize < 4 for t in (x_TND, k_TND, v_TD)):
         return None
+    def accumulators(warps: int) -> int:  # weight gradients a thread holds with ``warps`` a CTA
+        return -(-(d // vec) // (max(1, warps // n) * WARP)) * vec
+
     if warps is None:  # BACKWARD_WARPS, or twice that where a thread would hold too many weight gradients
-        spills = -(-(d // vec) // (max(1, BACKWARD_WARPS // n) * WARP)) * vec > SPILL_FREE_ACCUMULATORS
-        warps = BACKWARD_WARPS * (2 if spills else 1)
+        warps = BACKWARD_WARPS * (2 if accumulators(BACKWARD_WARPS) > SPILL_FREE_ACCUMULATORS else 1)
     warps_per_stream = max(1, warps // n)
     lanes = warps_per_stream * WARP
-    per_thread = -(-(d // vec) // lanes)
+    per_thread = accumulators(warps) // vec
     if n * lanes > 1024 or per_thread * vec > min(THREAD_ACCUMULATORS, ACCUMULATOR_REGISTERS // (n * lanes)):
         return None
     limit = shared_memory or torch.cuda.get_device_properties(x_TND.device).shared_memory_per_block_optin

@@ -136,9 +136,9 @@ def test_public_op_runs_the_kernels_forward_and_backward(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, d, dtype", [(8, 8192, BF16), (4, 7, BF16)])
 def test_shapes_beyond_the_backward_take_the_reference(n, d, dtype, seed):
-    """N * D = 64K: a thread's weight gradients (128, with the warps doubled) do not fit its registers; D = 7 in bfloat16:
-    a 2-byte vector, under ``cp.async``'s 4. The kernel refuses and the public op runs the
-    reference."""
+    """N * D = 64K: a thread's weight gradients (128, with the warps doubled) do not fit its
+    registers; D = 7 in bfloat16: a 2-byte vector, under ``cp.async``'s 4. The kernel refuses and
+    the public op runs the reference."""
     args = gate_inputs(2, n, d, dtypes=(dtype,) * 4, device="cuda", seed=seed)
     assert not backward_fits(*args[:3])
     with pytest.raises(ValueError, match=rf"^x_TND: N = {n}, D = {d} in torch.bfloat16 .* is beyond the backward"):
