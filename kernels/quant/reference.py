@@ -25,7 +25,8 @@ The cast to e4m3 rounds to nearest even. Dequantization is ``q.float() * sf`` br
 FP4 (e2m1: sign, 2 exponent bits, 1 mantissa bit; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) per token,
 values rounded to nearest even on that grid and saturated at +-6, two a byte: element ``2j`` in the
 low nibble of byte ``j``, ``2j + 1`` in the high nibble (TileKernels' and the PTX ``e2m1x2``
-order); a negative value keeps its sign bit even where it rounds to 0. The width must be even. Two
+order); a value keeps its sign bit even where it rounds to 0 (negative zero and values that
+underflow to it included, as TileKernels' cast does). The width must be even. Two
 scale conventions:
 
 - UE8M0 (MXFP4, groups of 32 by default): ``sf = 2**ceil(log2(amax / 6))``, ``q = e2m1(x / sf)``,
@@ -329,11 +330,11 @@ def cast_back_e4m3_sf(
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """float32 values to e2m1 codes (uint8, 0..15), rounded to nearest even, saturated at +-6; NaN
-    gives code 0."""
+    """float32 values to e2m1 codes (uint8, 0..15), rounded to nearest even, saturated at +-6, the
+    sign bit the value's (-0.0 gives code 8); NaN gives code 0."""
     mag = v.abs()
     code = sum((mag > t).to(torch.uint8) for t in E2M1_ABOVE) + sum((mag >= t).to(torch.uint8) for t in E2M1_FROM)
-    return code | ((v < 0).to(torch.uint8) << 3)
+    return code | ((torch.signbit(v) & ~v.isnan()).to(torch.uint8) << 3)
 
 
 def pack_e2m1(v_TD: torch.Tensor) -> torch.Tensor:

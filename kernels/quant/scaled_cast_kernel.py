@@ -87,14 +87,14 @@ __device__ __forceinline__ unsigned char ep_e2m1_byte(unsigned halves) {
 }
 
 // bfloat16 values under a power-of-two scale: two at a time in bfloat16x2 arithmetic. ``scale2``
-// holds 2**(16 - e) in both halves, so y = x * 2**(16 - e) is exact and the same values are zero
-// as in the reference's float32 x * 2**-e (bfloat16's least subnormal is 2**-133, float32's
-// 2**-149); the fma's +0 addend turns -0 into +0, which the reference gives code 0, and
-// |y| <= 6 * 2**16 (the scale is at least amax / 6). Then k comes from max(|y|, 2**16) and C is
-// 2**(22 + k) with 2k in its low bits (bfloat16 has 7 mantissa bits).
+// holds 2**(16 - e) in both halves, so y = x * 2**(16 - e), and |y| <= 6 * 2**16 (the scale is at
+// least amax / 6). Values the reference's float32 x * 2**-e gives code 0 come out below 2**15 (or
+// zero, where y underflows) and round to 0 here too; the fma's -0 addend keeps every product's sign,
+// zeros included, so a code's sign bit is x's, as the reference's. Then k comes from
+// max(|y|, 2**16) and C is 2**(22 + k) with 2k in its low bits (bfloat16 has 7 mantissa bits).
 __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsigned scale2) {
   unsigned y, p, r;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(*(const unsigned*)x), "r"(scale2), "r"(0u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(*(const unsigned*)x), "r"(scale2), "r"(0x80008000u));
   asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(y), "r"(0x47804780u));  // max(|y|, 2**16)
   p &= 0x7F807F80u;  // 2**(16 + k), each half
   unsigned c = p + (p >> 6) + 0x01E201E2u;  // + 6 << 7 - 2 * (127 + 16): 2**(22 + k) + 2k
@@ -111,11 +111,11 @@ def e2m1_code(v):
     The magnitude, saturated at 6, is rounded to nearest even onto the grid by one float addition:
     with ``C = 2**(22 + k)`` for ``k = max(exponent, 0)`` (steps of 0.5 below 2, 1 below 4, 2 up
     to 6), ``m + C`` keeps ``round(m / step)`` in its lowest mantissa bits, and the code is that
-    count plus ``2k``."""
+    count plus ``2k``; the sign bit is the value's (a negative zero's too)."""
     mag = T.min(T.abs(v), T.float32(E2M1_MAX))
     k = T.max(T.reinterpret(mag, "int32") >> 23, 127) - 127
     steps = T.reinterpret(mag + T.reinterpret((k + 149) << 23, "float32"), "int32") & 7
-    return steps + 2 * k + T.if_then_else(v < T.float32(0), 8, 0)
+    return steps + 2 * k + T.if_then_else(T.reinterpret(v, "int32") < 0, 8, 0)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)

@@ -220,7 +220,7 @@ def model_loss(tokens_BS: torch.Tensor, P: dict, cfg, hash_cfgs: dict) -> torch.
     for layer in range(cfg.num_layers):
         x = block(x, inputs, P, cfg, layer, hash_cfgs.get(layer))
     if cfg.mhc is not None:
-        n, eps, mixed = cfg.mhc.n, cfg.mhc.eps, []
+        eps, mixed = cfg.mhc.eps, []
         for t in range(b * s):
             x_ND = x[t // s, t % s]
             flat = x_ND.reshape(-1)

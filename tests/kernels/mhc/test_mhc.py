@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import mhc
-from kernels.mhc import functions, reference
+from kernels.mhc import functions
 
 F64 = torch.float64
 

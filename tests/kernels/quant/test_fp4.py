@@ -2,6 +2,8 @@
 brute-force nearest-even search over the grid, the nibble order, the scale conventions, the error
 of a round trip, and bad input."""
 
+import math
+
 import pytest
 import torch
 
@@ -14,12 +16,13 @@ E4M3 = torch.float8_e4m3fn
 
 
 def nearest_even_code(v: float) -> int:
-    """The e2m1 code of ``v`` by search: the nearest grid magnitude (saturating), ties to the even code."""
+    """The e2m1 code of ``v`` by search: the nearest grid magnitude (saturating), ties to the even code;
+    the sign bit ``v``'s (-0.0 has it)."""
     mag = min(abs(v), 6.0)
     dist = [abs(mag - g) for g in E2M1_VALUES]
     best = min(dist)
     code = min((c for c in range(8) if dist[c] == best), key=lambda c: (c % 2, c))
-    return code | (8 if v < 0 else 0)
+    return code | (8 if math.copysign(1.0, v) < 0 else 0)
 
 
 def test_codes_are_the_nearest_grid_value_ties_to_even(seed):

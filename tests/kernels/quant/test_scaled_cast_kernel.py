@@ -133,7 +133,8 @@ def test_e2m1_codes_at_every_edge(fmt, sf_format):
     """The edge values in rows of amax 6 (``rows_under_six``: a UE8M0 scale of exactly 1, the codes
     the values' own), those past 6 in rows of their own: the kernel's arithmetic encoding against
     the reference's count of the midpoints passed, byte for byte."""
-    x = rows_under_six(e2m1_edge_values(), width=512)
+    width = 512
+    x = rows_under_six(e2m1_edge_values(), width)
     got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
     want = REFERENCES[fmt, sf_format](x, group=width)
     for g, w in zip(got, want):
@@ -147,7 +148,7 @@ def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
     bfloat16 ulp either side of every grid value and midpoint, subnormals and -0.0, under row scales
     2**j from 2**-12 to 2**40 (``rows_under_six``: the rows within 6 have the UE8M0 exponent j),
     and, where bfloat16 holds them, values at float32's underflow after the scale (+-2**(j - 150),
-    2**(j - 149), 1.5 * 2**(j - 149), 2**(j - 148): which round to a signed zero decides code 0 or 8)."""
+    2**(j - 149), 1.5 * 2**(j - 149), 2**(j - 148): code 0 or 8 by the value's sign, zero or not)."""
     v = e2m1_edge_values().to(torch.bfloat16)
     points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
     up = torch.nextafter(points, torch.tensor(1e9, dtype=torch.bfloat16))
