@@ -85,6 +85,17 @@ def check_routes(topk_idx_TK: torch.Tensor, num_experts: int, name: str = "topk_
         raise ValueError(f"{name}: expected distinct experts per token, token {t} has {topk_idx_TK[t].tolist()}")
 
 
+def assert_routes_async(topk_idx_TK: torch.Tensor, num_experts: int, name: str = "topk_idx_TK") -> None:
+    """:func:`check_routes`' range check without a host sync where the routes live on a GPU: a
+    device-side assert (``torch._assert_async``) stops the process at its next sync, as PyTorch's
+    own index checks do. On a CPU the full check runs (a sync costs nothing there)."""
+    if not topk_idx_TK.is_cuda:
+        check_routes(topk_idx_TK, num_experts, name)
+    elif topk_idx_TK.numel():
+        in_range = torch.logical_and(topk_idx_TK >= -1, topk_idx_TK < num_experts).all()
+        torch._assert_async(in_range, f"{name}: expected entries in -1 or [0, {num_experts})")
+
+
 def check_positive(name: str, value: int) -> int:
     """An integer size or count that must be >= 1."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,8 +1,10 @@
 """The portable backend: torch.distributed ``all_to_all_single`` (NCCL on GPU, gloo on CPU).
 
 Counts travel first (one int per peer), then the rows. Experts are placed contiguously: global
-expert ``e`` lives on EP rank ``e // num_local_experts``. With no process group (one process) the
-transport is the identity and every expert is local.
+expert ``e`` lives on EP rank ``e // num_local_experts``. With no process group, or a group of one
+rank, the transport is the identity and every expert is local: nothing is counted on the host, so
+dispatch and combine never sync (the routes' range is asserted on the device, and the layout keeps
+its static capacity, whose unused rows no expert computes).
 
 Shape letters: T tokens, K routes per token, D hidden, W EP ranks, S rows sent (one per token per
 destination rank), R rows received, P layout rows.
@@ -16,10 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.permute import ExpertLayout, expert_layout
+from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import cast_back, per_token_cast, per_token_cast_fp4_e4m3_sf
 from kernels.reduce import weighted_reduce
-from kernels.validate import check_routes
+from kernels.validate import assert_routes_async, check_routes
 
 from ..config import DISPATCH_FORMATS
 from .autograd import FP4_GROUP, FP8_GROUP, CombineFn, DispatchFn, Fp4Rows, Fp8Rows, expand_rows
@@ -86,8 +88,8 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
                  dispatch_format: str = "bf16", fp8_combine: bool = False):
         if dispatch_format not in DISPATCH_FORMATS:
             raise ValueError(f"dispatch_format: expected one of {DISPATCH_FORMATS}, got {dispatch_format!r}")
-        self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
+        self.group = group if self.world > 1 else None  # one rank: the identity, no collectives
         self.ep_rank = dist.get_rank(group) if group is not None else 0
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, self.world)
         self.alignment = alignment
@@ -95,10 +97,15 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
 
     # The transport: rows grouped by peer, in rank order.
     def scatter(self, rows_TX: torch.Tensor, route: TokenRoute) -> torch.Tensor:
+        if self.group is None:  # every token stays, each once: its own row
+            return rows_TX
         return self._exchange(rows_TX.index_select(0, route.send_token_S), route.splits.send, route.splits.recv)
 
     def gather_home(self, rows_RX: torch.Tensor, route: TokenRoute, *, fp8: bool = False) -> torch.Tensor:
-        """``Dispatcher.gather_home``; with ``fp8`` the rows travel as ``reduce_home``'s do."""
+        """``Dispatcher.gather_home``; with ``fp8`` the rows travel as ``reduce_home``'s do (a rank's
+        own rows never do)."""
+        if self.group is None:  # one row a token, its own: the float32 sum of one row is the row
+            return rows_RX
         if not fp8:
             return sum_home(self._exchange(rows_RX, route.splits.recv, route.splits.send), route.home_TW)
         # Every row travels as e4m3 (the own block too: one collective), but the own block's
@@ -125,10 +132,15 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
-        check_routes(topk_idx_TK, self.num_experts)
+        num_rows = None  # trimmed to the rows in use: one host read, beside the counts' sync
+        if self.group is not None:
+            check_routes(topk_idx_TK, self.num_experts)
+        else:
+            assert_routes_async(topk_idx_TK, self.num_experts)
+            num_rows = max_rows(*topk_idx_TK.shape, self.num_local_experts, self.alignment)
         with torch.no_grad():
             route, local_idx_RK, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
-        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment)
+        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment, num_rows=num_rows)
         route = dataclasses.replace(route, layout=layout)
         x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, expand_rows(x_RD, layout), weights_RK, route,
                                                  self)
@@ -140,6 +152,8 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
         ([R, D], or ``Fp8Rows`` / ``Fp4Rows`` as ``dispatch_format`` says) and their weights
         ([R, K], 0 elsewhere). Not differentiable."""
         idx_TK = topk_idx_TK.long()
+        if self.group is None:
+            return self._stay(x_TD, idx_TK, topk_weights_TK)
         dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
         ranks_W = torch.arange(self.world, device=x_TD.device)
         goes_WT = (dest_TK[None] == ranks_W[:, None, None]).any(-1)
@@ -156,6 +170,16 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
                            splits=splits, layout=None, num_tokens=x_TD.shape[0])
         weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
         return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK
+
+    def _stay(self, x_TD, idx_TK, weights_TK):
+        """``move_tokens`` when every expert is local: each token is its own received row."""
+        num_tokens = x_TD.shape[0]
+        tokens_T = torch.arange(num_tokens, dtype=torch.int32, device=x_TD.device)
+        route = TokenRoute(send_token_S=tokens_T.long(), home_TW=tokens_T[:, None],
+                           splits=RowSplits(send=(num_tokens,), recv=(num_tokens,)), layout=None,
+                           num_tokens=num_tokens)
+        weights_RK = torch.where(idx_TK >= 0, weights_TK, 0.0)
+        return route, idx_TK, self._send_tokens(x_TD, route), weights_RK
 
     def _send_tokens(self, x_TD: torch.Tensor, route: TokenRoute) -> torch.Tensor | Fp8Rows | Fp4Rows:
         """The tokens' rows at the ranks of their experts; as FP8 e4m3 with per-token 1x128 scales

@@ -101,7 +101,8 @@ def test_deepep_across_nodes_is_refused():
     from ep_runtime.dispatch import make_dispatcher
     from ep_runtime.parallel import single_process
 
-    ctx = dataclasses.replace(single_process(torch.device("cpu")), ep_group=object(), ep_rail_group=object())
+    ctx = dataclasses.replace(single_process(torch.device("cpu")), ep_size=2, ep_group=object(),
+                              ep_rail_group=object())
     with pytest.raises(ValueError, match="^model.moe.dispatcher: 'deepep' runs DeepEP's intranode mode"):
         make_dispatcher(MoEConfig(dispatcher="deepep"), ctx)
 
