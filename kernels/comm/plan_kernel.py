@@ -197,8 +197,10 @@ def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions
     home_TW = torch.empty_like(dest_TW)
     kernel = get_put_routes_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch."))
     vec = math.gcd(4, 2 * topk)
+    meta_FV = peer_copy(regions.meta, dtype=torch.int32, width=2 * topk, layout=(torch.int32, -1, vec))
+    counts_F = peer_copy(regions.counts, dtype=torch.int32, width=1, layout=(torch.int32, -1))
     kernel(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), regions.meta.delta_W, dest_TW,
-           home_TW, meta.view(-1, vec), counts.view(-1), num_local_experts, rank, max_tokens)
+           home_TW, meta_FV, counts_F, num_local_experts, rank, max_tokens)
     return dest_TW, home_TW
 
 

@@ -198,7 +198,7 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
     if routes is None:
         stand_in = x_TD.new_empty(k + 2 * world, dtype=torch.int32)  # never read; one allocation
         bits_TK, dest_TW, home_TW = (part.view(1, -1) for part in stand_in.split((k, world, world)))
-        meta = counts = stand_in
+        meta_F = counts_F = stand_in
     else:
         check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
         if routes.meta.delta_W is not regions.q.delta_W or routes.counts.delta_W is not regions.q.delta_W:
@@ -208,12 +208,16 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
         if meta.shape != (q.shape[0], 2 * k) or counts.shape[0] != world:
             raise ValueError(f"routes: expected {q.shape[0]} meta rows (the tokens' regions') of 2K = {2 * k} words "
                              f"and W = {world} counts, got {tuple(meta.shape)} and {tuple(counts.shape)}")
+        meta_F = peer_copy(routes.meta, dtype=torch.int32, layout=(torch.int32, -1))
+        counts_F = peer_copy(routes.counts, dtype=torch.int32, width=1, layout=(torch.int32, -1))
         bits_TK = topk_weights_TK.contiguous().view(torch.int32)
         dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
         home_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
     index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")
     kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, index_dtype, routes=routes is not None)
     vec = math.gcd(vector_width(d, 1), group)
-    kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q.view(E4M3).view(-1, vec), sf.view(-1),
-           num_local_experts, rank, max_tokens, bits_TK, meta.view(-1), counts.view(-1), dest_TW, home_TW)
+    q_CE = peer_copy(regions.q, dtype=torch.uint8, width=d, layout=(E4M3, -1, vec))
+    sf_F = peer_copy(regions.sf, dtype=torch.float32, width=-(-d // group), layout=(torch.float32, -1))
+    kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q_CE, sf_F, num_local_experts, rank,
+           max_tokens, bits_TK, meta_F, counts_F, dest_TW, home_TW)
     return None if routes is None else (dest_TW, home_TW)

@@ -11,7 +11,7 @@ from tilelang import language as T
 from kernels.pdl import chained
 from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.reduce.weighted_reduce_kernel import PEER_SYNC_PASS_CONFIGS, reduce_tile, row_reducer
-from kernels.tiles import aligned, check_cuda, row_major, scale_and_inverse, tl_dtype, to_e4m3
+from kernels.tiles import aligned, as_int32, check_cuda, row_major, scale_and_inverse, tl_dtype, to_e4m3
 from kernels.validate import check_tensor
 
 from .put_rows_kernel import peer_copy
@@ -163,16 +163,17 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         if not fp8_lanes(d, y_PD.element_size(), group):
             raise ValueError(f"group: expected whole vectors of {d} {y_PD.dtype} columns, at most a warp's, per scale "
                              f"group, got {group} (kernels.comm.reduce_put takes the reference then)")
-        first = peer_copy(rows, "region.q", dtype=torch.uint8, width=d).view(torch.float8_e4m3fn)
-        sf_F = peer_copy(region.sf, "region.sf", dtype=torch.float32, width=-(-d // group)).view(-1)
+        peer_copy(rows, "region.q", dtype=torch.uint8, width=d)
+        sf_F = peer_copy(region.sf, "region.sf", dtype=torch.float32, width=-(-d // group), layout=(torch.float32, -1))
     else:
-        first = peer_copy(rows, width=d)
+        peer_copy(rows, width=d)
         sf_F = torch.empty(1, dtype=torch.float32, device=y_PD.device)  # never read
     if r == 0 or d == 0:
         return
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
+    rows_CE = peer_copy(rows, width=d, layout=(torch.float8_e4m3fn if fp8 else out_dtype, -1, vec))
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
                                             max_threads, group if fp8 else 0, staged)
-    kernel(aligned(y_PD), sf_PG, pos_RK.to(torch.int32).contiguous(), weights_RK.contiguous(),
-           dest_RW.to(torch.int32).contiguous(), rows.delta_W, first.view(-1, vec), sf_F, skip_rank)
+    kernel(aligned(y_PD), sf_PG, as_int32(pos_RK), weights_RK.contiguous(),
+           as_int32(dest_RW), rows.delta_W, rows_CE, sf_F, skip_rank)

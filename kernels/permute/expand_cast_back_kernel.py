@@ -32,6 +32,7 @@ from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, SCALE_DTYPES
 from kernels.tiles import (
     PASS_CONFIGS,
+    as_int32,
     blockwise_tile,
     row_major,
     tl_dtype,
@@ -144,6 +145,6 @@ def expand_cast_back(
     if num_tokens == 0:  # every row is padding
         return x_PD.zero_()
     kernel = get_expand_cast_back_kernel(d, topk, group, sf_TG.dtype == torch.uint8, tl_dtype(out_dtype))
-    kernel(q_TD.contiguous(), sf_TG.contiguous(), layout.pos_TK.to(torch.int32).contiguous(),
-           layout.src_P.to(torch.int32).contiguous(), layout.offsets_E.to(torch.int32).contiguous(), x_PD)
+    kernel(q_TD.contiguous(), sf_TG.contiguous(), as_int32(layout.pos_TK),
+           as_int32(layout.src_P), as_int32(layout.offsets_E), x_PD)
     return x_PD

@@ -37,7 +37,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.tiles import row_major, tl_dtype
+from kernels.tiles import as_int32, row_major, tl_dtype
 from kernels.validate import check_tensor
 
 from .reference import ExpertLayout
@@ -197,9 +197,6 @@ def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((*lead, last * like.element_size()), dtype=torch.uint8, device=like.device).view(like.dtype)
 
 
-def _index(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int32).contiguous()
-
 
 def _check(name: str, t: object, layout: object, rows: int | None) -> None:
     if not isinstance(layout, ExpertLayout):
@@ -228,7 +225,7 @@ def expand(x_TD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     x_PD = torch.empty((p, d), dtype=x_TD.dtype, device=x_TD.device)
     x_TNV = _as_vectors(x_TD)
     kernel = get_expand_kernel(*get_kernel_args(d * x_TD.element_size()))
-    kernel(x_TNV, _index(layout.pos_TK), _index(layout.src_P), _index(layout.offsets_E), _as_vectors(x_PD, output=True))
+    kernel(x_TNV, as_int32(layout.pos_TK), as_int32(layout.src_P), as_int32(layout.offsets_E), _as_vectors(x_PD, output=True))
     return x_PD
 
 
@@ -250,5 +247,5 @@ def unexpand(y_PD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         return _zeros((num_tokens, topk, d), y_PD)
     y_TKD = torch.empty((num_tokens, topk, d), dtype=y_PD.dtype, device=y_PD.device)
     kernel = get_unexpand_kernel(*get_kernel_args(d * y_PD.element_size()))
-    kernel(_as_vectors(y_PD), _index(layout.pos_TK).view(-1), _as_vectors(y_TKD.view(num_tokens * topk, d), output=True))
+    kernel(_as_vectors(y_PD), as_int32(layout.pos_TK).view(-1), _as_vectors(y_TKD.view(num_tokens * topk, d), output=True))
     return y_TKD

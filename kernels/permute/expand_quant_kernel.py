@@ -25,6 +25,7 @@ from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.tiles import (
     PASS_CONFIGS,
+    as_int32,
     blockwise_tile,
     cast_per_token,
     check_cuda,
@@ -143,5 +144,5 @@ def expand_per_token_cast(
     if p == 0 or d == 0:
         return q_PD, sf_PG
     kernel = get_expand_per_token_cast_kernel(d, topk, tl_dtype(x_TD.dtype), group, round_sf, pack_sf)
-    kernel(x_TD.contiguous(), layout.pos_TK.to(torch.int32).contiguous(), layout.src_P.to(torch.int32).contiguous(), q_PD, sf_PG)
+    kernel(x_TD.contiguous(), as_int32(layout.pos_TK), as_int32(layout.src_P), q_PD, sf_PG)
     return q_PD, sf_PG

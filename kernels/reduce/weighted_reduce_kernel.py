@@ -43,6 +43,7 @@ from kernels.tiles import (
     PEER_PASS_CONFIGS,
     VECTOR_BYTES,
     aligned,
+    as_int32,
     check_cuda,
     row_major,
     sm_count,
@@ -366,7 +367,7 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
                                         tl_dtype(rows_SD.dtype), group, signal is not None, staged)
-    kernel(aligned(y_PD), sf_PG, pos_TK.to(torch.int32).contiguous(), weights_TK.contiguous(), aligned(rows_SD),
-           sf_PG if sf_SG is None else sf_SG.contiguous(), home_TW.to(torch.int32).contiguous(), out_TD, rank,
+    kernel(aligned(y_PD), sf_PG, as_int32(pos_TK), weights_TK.contiguous(), aligned(rows_SD),
+           sf_PG if sf_SG is None else sf_SG.contiguous(), as_int32(home_TW), out_TD, rank,
            *signal_args(signal, world, y_PD.device))
     return out_TD

@@ -346,3 +346,27 @@ def test_centered_router_inputs_are_causal_and_leave_masked_tokens_out():
     assert not torch.equal(moe.load_E, router(x, batch=seq).counts_E)  # 5 sequences of 2 would route otherwise
     with pytest.raises(ValueError, match="^model.moe.router.center_inputs: expected a bool"):
         RouterConfig(center_inputs=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch_format", ["bf16", "e4m3"])
+def test_one_rank_dispatch_and_combine_never_sync(dispatch_format):
+    """Nothing travels in an EP group of one rank, so dispatch, combine and their backward issue
+    their work without waiting for the GPU (torch's sync debug mode raises on any host sync)."""
+    torch.manual_seed(0)
+    d = AllToAllDispatcher(num_experts=32, alignment=128, dispatch_format=dispatch_format)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.rand(512, 32, device="cuda").topk(8, dim=1).indices
+    w = torch.rand(512, 8, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x_PD, layout, handle = d.dispatch(x, idx, w)
+        out = d.combine(x_PD, handle)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = x.detach().float() * w.detach().sum(1, keepdim=True)
+    tol = 0.07 if dispatch_format == "e4m3" else 0.01
+    assert (out.float() - expected).norm() <= tol * expected.norm()
+    assert x.grad is not None and w.grad is not None
