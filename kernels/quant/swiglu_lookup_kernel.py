@@ -78,7 +78,7 @@ def get_swiglu_lookup_cast_kernel(inter: int, group: int, round_sf: bool, pack_s
     num_tokens = T.dynamic("num_tokens")
     lanes = group // VEC  # threads of a scale group
     row_vecs = inter // VEC
-    sf_dtype = "uint8" if pack_sf else "float32"
+    x_dtype, q_dtype, sf_dtype = "bfloat16", "float8_e4m3fn", "uint8" if pack_sf else "float32"
 
     @T.macro
     def load(x_TI2, total, u, gate, up):
@@ -92,8 +92,8 @@ def get_swiglu_lookup_cast_kernel(inter: int, group: int, round_sf: bool, pack_s
 
     @T.prim_func
     def swiglu_lookup_cast(
-        x_TI2: T.Tensor[(num_tokens, 2 * inter), "bfloat16"],
-        q_TI: T.Tensor[(num_tokens, inter), "float8_e4m3fn"],
+        x_TI2: T.Tensor[(num_tokens, 2 * inter), x_dtype],
+        q_TI: T.Tensor[(num_tokens, inter), q_dtype],
         sf_TG: T.Tensor[(num_tokens, inter // group), sf_dtype],
         weights_T: T.Tensor[(num_tokens,), T.float32],
     ):
