@@ -23,16 +23,14 @@ import tilelang
 import torch
 from tilelang import language as T
 
-from kernels.rows import vector_cp_async
-from kernels.tiles import HAND_SYNC_PASS_CONFIGS, scale_and_inverse, sm_count, to_e4m3
+from kernels.tiles import PASS_CONFIGS, scale_and_inverse, sm_count, to_e4m3
 
 KEY_LOW, KEY_HIGH = 0x3300, 0x42FF  # bfloat16 bits of 2**-25 and 127.5: the band's ends
 BAND_KEYS = KEY_HIGH - KEY_LOW + 1
 VEC = 8  # bfloat16 gates (and ups) a thread loads as one 16-byte vector
-THREADS = 1024
-STAGES = 4  # the ring of staged vectors: 3 iterations' loads in flight
-CTAS_PER_SM = 1
-MIN_TOKENS = 4096  # fewer tokens: building a table a CTA costs more than it saves (see supports_lookup)
+THREADS = 768
+CTAS_PER_SM = 2
+MIN_TOKENS = 16384  # fewer tokens: building a table a CTA costs more than it saves (see supports_lookup)
 
 
 def supports_lookup(num_tokens: int, inter: int, dtype: torch.dtype, group: int, clamp: float | None) -> bool:
@@ -69,34 +67,28 @@ def silu_lookup(table, g):
     return T.ieee_fmaf(g, table[e, 0], table[e, 1])
 
 
-@tilelang.jit(pass_configs=HAND_SYNC_PASS_CONFIGS)  # one barrier, after the table; each thread alone reads its slots
+@tilelang.jit(pass_configs=PASS_CONFIGS)
 def get_swiglu_lookup_cast_kernel(inter: int, group: int, round_sf: bool, pack_sf: bool, ctas: int,
-                                  weighted: bool = False, threads: int = THREADS, stages: int = STAGES):
+                                  weighted: bool = False, threads: int = THREADS, min_blocks: int = CTAS_PER_SM,
+                                  prefetch: bool = True):
     """``(x_TI2, q_TI, sf_TG, weights_T)`` kernel over ``ctas`` persistent CTAs: ``silu(gate) * up``
     in float32 (times ``weights_T[t]`` when ``weighted``, else never read), cast to e4m3 with one
     scale per ``group`` columns, as :func:`kernels.quant.swiglu_kernel.get_swiglu_forward_kernel`
-    computes it. ``threads`` and ``stages`` are for tuning sweeps.
-
-    A warp takes 32 consecutive vectors of the output an iteration (``lanes`` threads a scale
-    group); warp slots are dealt out CTA-minor, so the last, partial round of them spreads over the
-    SMs instead of queueing on a few. Each thread stages its gates and ups by ``cp.async`` in its own
-    slots of a ring of ``stages``, ``stages - 1`` iterations ahead: the loads in flight hold no
-    registers."""
+    computes it. ``threads``, ``min_blocks`` and ``prefetch`` are for tuning sweeps."""
     num_tokens = T.dynamic("num_tokens")
     lanes = group // VEC  # threads of a scale group
     row_vecs = inter // VEC
-    warps = threads // 32
     x_dtype, q_dtype, sf_dtype = "bfloat16", "float8_e4m3fn", "uint8" if pack_sf else "float32"
-    fetch = vector_cp_async(VEC, 2)
 
     @T.macro
-    def stage(x_TI2, ring, total, u, slot, tid):
-        """Vector ``u``'s gates and ups (nothing past ``total``) into ``slot``, as one commit group."""
+    def load(x_TI2, total, u, gate, up):
+        """Vector ``u`` of the output's gates and ups (nothing past ``total``)."""
         if u < total:
             row = T.cast(u // row_vecs, "int64")
-            fetch(ring[slot, 0, tid, 0], x_TI2[row, u % row_vecs * VEC])
-            fetch(ring[slot, 1, tid, 0], x_TI2[row, inter + u % row_vecs * VEC])
-        T.ptx_commit_group()
+            for j in T.vectorized(VEC):
+                gate[j] = x_TI2[row, u % row_vecs * VEC + j]
+            for j in T.vectorized(VEC):
+                up[j] = x_TI2[row, inter + u % row_vecs * VEC + j]
 
     @T.prim_func
     def swiglu_lookup_cast(
@@ -106,33 +98,40 @@ def get_swiglu_lookup_cast_kernel(inter: int, group: int, round_sf: bool, pack_s
         weights_T: T.Tensor[(num_tokens,), T.float32],
     ):
         with T.Kernel(ctas, threads=threads) as cta:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             table = T.alloc_shared((2 * BAND_KEYS, 2), "float32")
-            ring = T.alloc_shared((stages, 2, threads, VEC), x_dtype)  # [slot, gate | up, thread, vector]
-            gate = T.alloc_local((VEC,), x_dtype)
-            up = T.alloc_local((VEC,), x_dtype)
+            gate = T.alloc_local((VEC,), "bfloat16")
+            up = T.alloc_local((VEC,), "bfloat16")
+            next_gate = T.alloc_local((VEC,), "bfloat16")
+            next_up = T.alloc_local((VEC,), "bfloat16")
             y = T.alloc_local((VEC,), "float32")
-            q = T.alloc_local((VEC,), q_dtype)
+            q = T.alloc_local((VEC,), "float8_e4m3fn")
             amax = T.alloc_local((1,), "float32")
             total = num_tokens * row_vecs  # vectors of the output
-            slot0 = tid // 32 * ctas + cta  # this warp's first slot of 32 vectors
-            # every lane of a warp runs the same iterations (the shuffles need the whole warp); a lane
-            # past the end loads and stores nothing, and its whole scale group is past it
-            trips = T.ceildiv(T.ceildiv(total, 32) - slot0, ctas * warps)
-            for s in T.unroll(stages - 1):  # in flight while the table is built
-                stage(x_TI2, ring, total, (slot0 + s * ctas * warps) * 32 + tid % 32, s, tid)
+            stride = ctas * threads
+            first = cta * threads + tid
+            # every lane of a warp runs the same iterations (the shuffles need the whole warp);
+            # a lane past the end loads and stores nothing, and its whole group is past it
+            trips = T.ceildiv(total - (first - tid % 32), stride)
+
+            if prefetch:
+                load(x_TI2, total, first, next_gate, next_up)  # in flight while the table is built
             for s in T.serial(T.ceildiv(2 * BAND_KEYS, threads)):
                 if s * threads + tid < 2 * BAND_KEYS:
                     band_entry(table, s * threads + tid)
             T.sync_threads()
             for it in T.serial(trips):
-                u = (slot0 + it * ctas * warps) * 32 + tid % 32
-                stage(x_TI2, ring, total, u + (stages - 1) * ctas * warps * 32, (it + stages - 1) % stages, tid)
-                T.ptx_wait_group(stages - 1)
-                for j in T.vectorized(VEC):
-                    gate[j] = ring[it % stages, 0, tid, j]
-                for j in T.vectorized(VEC):
-                    up[j] = ring[it % stages, 1, tid, j]
+                u = first + it * stride
+                if prefetch:
+                    for j in T.vectorized(VEC):
+                        gate[j] = next_gate[j]
+                    for j in T.vectorized(VEC):
+                        up[j] = next_up[j]
+                    load(x_TI2, total, u + stride, next_gate, next_up)
+                else:
+                    load(x_TI2, total, u, gate, up)
                 row = T.cast(u // row_vecs, "int64")
                 amax[0] = T.float32(0)
                 for j in T.unroll(VEC):
