@@ -8,8 +8,8 @@ overflows). So each CTA computes, once, the exact SiLU of every gate in the band
 ``0x3300`` to ``0x42ff`` and the same negated: 8192 values, 64 KiB of shared memory) and then reads
 it: ``silu(g) = g * factor + value`` with the gate's magnitude clamped to the band, the entry of each
 end holding its factor (``value = -0``, which adds nothing) and every other entry ``factor = 0``.
-Each value costs about 16 SASS instructions instead of 40, so the kernel is bound by memory
-instead of issue (docs/design/quant.md has the figures).
+A value then costs about 25 SASS instructions with the loop's share, against the tile kernel's
+40 (docs/design/quant.md has the figures).
 
 The CTAs are persistent (a few an SM, each loops over the tensor), so the table is built once per
 CTA; each thread takes one 16-byte vector of gates and of ups an iteration, and a scale group's
@@ -28,9 +28,9 @@ from kernels.tiles import PASS_CONFIGS, scale_and_inverse, sm_count, to_e4m3
 KEY_LOW, KEY_HIGH = 0x3300, 0x42FF  # bfloat16 bits of 2**-25 and 127.5: the band's ends
 BAND_KEYS = KEY_HIGH - KEY_LOW + 1
 VEC = 8  # bfloat16 gates (and ups) a thread loads as one 16-byte vector
-THREADS = 768
+THREADS = 768  # x 2 CTAs an SM, 40 registers: 45.1 us at 16384 x 2048 (1024 x 1: 50.6)
 CTAS_PER_SM = 2
-MIN_TOKENS = 16384  # fewer tokens: building a table a CTA costs more than it saves (see supports_lookup)
+MIN_TOKENS = 16384  # fewer tokens: not measured to pay for a table a CTA (docs/design/quant.md)
 
 
 def supports_lookup(num_tokens: int, inter: int, dtype: torch.dtype, group: int, clamp: float | None) -> bool:
@@ -98,7 +98,7 @@ def get_swiglu_lookup_cast_kernel(inter: int, group: int, round_sf: bool, pack_s
         weights_T: T.Tensor[(num_tokens,), T.float32],
     ):
         with T.Kernel(ctas, threads=threads) as cta:
-            if min_blocks > 1:
+            if min_blocks > 1:  # registers capped so that many CTAs fit an SM (768 x 2: 40 a thread)
                 T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             table = T.alloc_shared((2 * BAND_KEYS, 2), "float32")
