@@ -20,7 +20,6 @@ import torch
 from tilelang import language as T
 
 from kernels.quant.reference import E4M3, FLOAT_DTYPES, check_clamp, check_rows, check_weights
-from kernels.quant.swiglu_lookup_kernel import get_swiglu_lookup_cast_kernel, lookup_ctas, supports_lookup
 from kernels.tiles import (
     PASS_CONFIGS,
     abs_of,
@@ -334,10 +333,6 @@ def swiglu_per_token_cast(
     q_TI = torch.empty((t, inter), dtype=E4M3, device=x_TI2.device)
     sf_TG = torch.empty((t, -(-inter // group)), dtype=torch.uint8 if pack_sf else torch.float32, device=x_TI2.device)
     if t == 0 or inter == 0:
-        return q_TI, sf_TG
-    if supports_lookup(t, inter, x_TI2.dtype, group, clamp):  # many tokens: SiLU from a table
-        kernel = get_swiglu_lookup_cast_kernel(inter, group, round_sf, pack_sf, lookup_ctas(x_TI2.device), weighted)
-        kernel(x_TI2.contiguous(), q_TI, sf_TG, weights_T)
         return q_TI, sf_TG
     kernel = get_swiglu_forward_kernel(inter, tl_dtype(x_TI2.dtype), group, True, round_sf, pack_sf, t <= FEW_TOKENS,
                                        False, weighted=weighted, clamp=clamp)
