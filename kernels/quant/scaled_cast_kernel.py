@@ -101,6 +101,39 @@ __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsi
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(c | (y & 0x80008000u)));  // +-(|y| + C)
   return ep_e2m1_byte(r);
 }
+
+// bfloat16 values under any float32 scale: y = x * inv in float32, as the reference, then rounded to
+// odd into bfloat16 (its top half, the lowest bit set where the bottom half is not zero), two at a
+// time. The e2m1 grid needs 2 bits of precision and bfloat16 holds 8 (at least 2 more), so rounding
+// y's bfloat16 to nearest even onto the grid gives y's own code: no midpoint is odd, so the
+// bfloat16 lands on one only where y is that midpoint. Then as above with k from max(|y|, 1) and
+// C = 2**(6 + k): y saturated at 6 first (an e4m3 scale rounded down leaves |y| up to 9).
+// a / b rounded to nearest even, from rb = 1 / b so rounded (Markstein's correction: q = a * rb is
+// within an ulp, its remainder is exact in one fma, and q + remainder * rb rounds to a / b), where
+// a, b, rb and a / b are normal floats.
+__device__ __forceinline__ float ep_div_by(float a, float b, float rb) {
+  float q = __fmul_rn(a, rb);
+  return __fmaf_rn(__fmaf_rn(-q, b, a), rb, q);
+}
+
+// 2**(127 - e) for a float of biased exponent e, e at most 253: the power of two that takes it to [1, 2)
+__device__ __forceinline__ float ep_unit_scale(float b) {
+  return __uint_as_float((254u - min(__float_as_uint(b) >> 23, 253u)) << 23);
+}
+
+__device__ __forceinline__ unsigned char ep_e2m1x2_bf16_scaled(const void* x, float inv) {
+  unsigned u = *(const unsigned*)x, y, sticky, p, r;
+  unsigned a = __float_as_uint(__uint_as_float(u << 16) * inv);
+  unsigned b = __float_as_uint(__uint_as_float(u & 0xFFFF0000u) * inv);
+  asm("min.u16x2 %0, %1, %2;" : "=r"(sticky) : "r"(__byte_perm(a, b, 0x5410)), "r"(0x00010001u));
+  y = __byte_perm(a, b, 0x7632) | sticky;
+  asm("min.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x40C040C0u));  // +-min(|y|, 6)
+  asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(p) : "r"(y), "r"(0x3F803F80u));  // max(|y|, 1)
+  p &= 0x7F807F80u;  // 2**k, each half
+  unsigned c = p + (p >> 6) + 0x02020202u;  // + 6 << 7 - 2 * 127: 2**(6 + k) + 2k
+  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(y), "r"(c | (y & 0x80008000u)));  // +-(|y| + C)
+  return ep_e2m1_byte(r);
+}
 """
 
 
@@ -133,11 +166,12 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
     packed_pow2 = fmt == "e2m1" and sf_format == "ue8m0" and in_dtype == "bfloat16"  # ENCODER_SOURCE
+    packed_bf16 = fmt == "e2m1" and in_dtype == "bfloat16"  # either of its encoders
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
         with T.Kernel(num_rows, threads=threads) as row:
-            if packed_pow2:
+            if packed_bf16:
                 T.import_source(ENCODER_SOURCE)
             x_frag = T.alloc_fragment((1, tile_n), in_dtype)
             T.annotate_layout({x_frag: vector_layout(1, tile_n, threads, vec)})
@@ -166,22 +200,31 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
             else:
                 row_amax = T.alloc_fragment((1,), in_dtype)
                 T.reduce_max(amax, row_amax, dim=1)
+                top = T.alloc_var(T.float32)
+                unit = T.alloc_var(T.float32)
+                rcp_top = T.alloc_var(T.float32)
+                gsf = T.alloc_var(T.float32)
+                top = T.max(T.cast(row_amax[0], "float32"), T.float32(AMAX_FLOOR))
+                # every group's amax / top from one reciprocal (no division a group): top taken by a
+                # power of two to [1, 2) (to [2, 4) past 2**127), its amax with it
+                unit = T.call_extern("float32", "ep_unit_scale", top)
+                rcp_top = T.ieee_frcp(top * unit)
+                gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
+                if T.get_thread_binding() == 0:
+                    gsf_T[row] = gsf
                 for i, g in T.Parallel(1, tile_g):
-                    top = T.max(T.cast(row_amax[i], "float32"), T.float32(AMAX_FLOOR))
-                    ratio = T.ieee_fdiv(T.cast(amax[i, g], "float32"), top)
+                    ratio = T.call_extern("float32", "ep_div_by", T.cast(amax[i, g], "float32") * unit, top * unit, rcp_top)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
-                    gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
                     if g < groups:
                         sf_TG[row, g] = sf
-                    if g == 0:
-                        gsf_T[row] = gsf
-                    inv_frag[i, g] = T.ieee_fdiv(T.float32(1), T.cast(sf, "float32") * gsf)
-            if packed_pow2:
+                    inv_frag[i, g] = T.ieee_frcp(T.cast(sf, "float32") * gsf)
+            if packed_bf16:
+                encoder = "ep_e2m1x2_bf16_pow2" if packed_pow2 else "ep_e2m1x2_bf16_scaled"
                 packed = T.alloc_fragment((1, tile_n // 2), "uint8")
                 T.annotate_layout({packed: vector_layout(1, tile_n // 2, threads, vec // 2)})
                 for i, p in T.Parallel(1, tile_n // 2):
                     pair = T.address_of(x_frag[i, 2 * p])
-                    packed[i, p] = T.call_extern("uint8", "ep_e2m1x2_bf16_pow2", pair, inv_frag[i, 2 * p // group])
+                    packed[i, p] = T.call_extern("uint8", encoder, pair, inv_frag[i, 2 * p // group])
                 T.copy(packed, q[row, 0])
             elif fmt == "e2m1":
                 nibbles = T.alloc_fragment((1, tile_n), "uint8")
