@@ -108,9 +108,17 @@ __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsi
 // y's bfloat16 to nearest even onto the grid gives y's own code: no midpoint is odd, so the
 // bfloat16 lands on one only where y is that midpoint. Then as above with k from max(|y|, 1) and
 // C = 2**(6 + k): y saturated at 6 first (an e4m3 scale rounded down leaves |y| up to 9).
-// a / b rounded to nearest even, from rb = 1 / b so rounded (Markstein's correction: q = a * rb is
-// within an ulp, its remainder is exact in one fma, and q + remainder * rb rounds to a / b), where
-// a, b, rb and a / b are normal floats.
+// Division and reciprocal rounded to nearest even, in the arithmetic of the fast path of CUDA's own
+// (__fdiv_rn, __frcp_rn) without its range check, which every operand here passes (normal, with a
+// normal result): rcp.approx refined by one Newton step is the rounded reciprocal, and a / b is
+// a * rb corrected once by its remainder. Sharing rb across a row's divisions keeps one reciprocal
+// a row.
+__device__ __forceinline__ float ep_rcp(float b) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+  return __fmaf_rn(y, __fmaf_rn(-b, y, 1.0f), y);
+}
+
 __device__ __forceinline__ float ep_div_by(float a, float b, float rb) {
   float q = __fmul_rn(a, rb);
   return __fmaf_rn(__fmaf_rn(-q, b, a), rb, q);
@@ -208,8 +216,9 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                 # every group's amax / top from one reciprocal (no division a group): top taken by a
                 # power of two to [1, 2) (to [2, 4) past 2**127), its amax with it
                 unit = T.call_extern("float32", "ep_unit_scale", top)
-                rcp_top = T.ieee_frcp(top * unit)
-                gsf = T.ieee_fdiv(top, T.float32(E4M3_MAX * qmax))
+                rcp_top = T.call_extern("float32", "ep_rcp", top * unit)
+                top_q = T.float32(E4M3_MAX * qmax)
+                gsf = T.call_extern("float32", "ep_div_by", top, top_q, T.call_extern("float32", "ep_rcp", top_q))
                 if T.get_thread_binding() == 0:
                     gsf_T[row] = gsf
                 for i, g in T.Parallel(1, tile_g):
@@ -217,7 +226,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
                     if g < groups:
                         sf_TG[row, g] = sf
-                    inv_frag[i, g] = T.ieee_frcp(T.cast(sf, "float32") * gsf)
+                    inv_frag[i, g] = T.call_extern("float32", "ep_rcp", T.cast(sf, "float32") * gsf)
             if packed_bf16:
                 encoder = "ep_e2m1x2_bf16_pow2" if packed_pow2 else "ep_e2m1x2_bf16_scaled"
                 packed = T.alloc_fragment((1, tile_n // 2), "uint8")
