@@ -102,17 +102,10 @@ __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_pow2(const void* x, unsi
   return ep_e2m1_byte(r);
 }
 
-// bfloat16 values under any float32 scale: y = x * inv in float32, as the reference, then rounded to
-// odd into bfloat16 (its top half, the lowest bit set where the bottom half is not zero), two at a
-// time. The e2m1 grid needs 2 bits of precision and bfloat16 holds 8 (at least 2 more), so rounding
-// y's bfloat16 to nearest even onto the grid gives y's own code: no midpoint is odd, so the
-// bfloat16 lands on one only where y is that midpoint. Then as above with k from max(|y|, 1) and
-// C = 2**(6 + k): y saturated at 6 first (an e4m3 scale rounded down leaves |y| up to 9).
-// Division and reciprocal rounded to nearest even, in the arithmetic of the fast path of CUDA's own
-// (__fdiv_rn, __frcp_rn) without its range check, which every operand here passes (normal, with a
-// normal result): rcp.approx refined by one Newton step is the rounded reciprocal, and a / b is
-// a * rb corrected once by its remainder. Sharing rb across a row's divisions keeps one reciprocal
-// a row.
+// Division and reciprocal rounded to nearest even by the fast path of CUDA's own IEEE division and
+// reciprocal, without its range check, which every operand here passes (normal, with a normal
+// result): rcp.approx refined by one Newton step is the rounded reciprocal, and a / b is a * rb
+// corrected once by its remainder. Sharing rb across a row's divisions keeps one reciprocal a row.
 __device__ __forceinline__ float ep_rcp(float b) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
@@ -129,6 +122,12 @@ __device__ __forceinline__ float ep_unit_scale(float b) {
   return __uint_as_float((254u - min(__float_as_uint(b) >> 23, 253u)) << 23);
 }
 
+// bfloat16 values under any float32 scale: y = x * inv in float32, as the reference, then rounded to
+// odd into bfloat16 (its top half, the lowest bit set where the bottom half is not zero), two at a
+// time. The e2m1 grid needs 2 bits of precision and bfloat16 holds 8 (at least 2 more), so rounding
+// y's bfloat16 to nearest even onto the grid gives y's own code: no midpoint is odd, so the
+// bfloat16 lands on one only where y is that midpoint. Then as above with k from max(|y|, 1) and
+// C = 2**(6 + k): y saturated at 6 first (an e4m3 scale rounded down leaves |y| up to 9).
 __device__ __forceinline__ unsigned char ep_e2m1x2_bf16_scaled(const void* x, float inv) {
   unsigned u = *(const unsigned*)x, y, sticky, p, r;
   unsigned a = __float_as_uint(__uint_as_float(u << 16) * inv);
@@ -179,7 +178,7 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
         with T.Kernel(num_rows, threads=threads) as row:
-            if packed_bf16:
+            if packed_bf16 or sf_format == "e4m3":
                 T.import_source(ENCODER_SOURCE)
             x_frag = T.alloc_fragment((1, tile_n), in_dtype)
             T.annotate_layout({x_frag: vector_layout(1, tile_n, threads, vec)})

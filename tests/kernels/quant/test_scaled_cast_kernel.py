@@ -99,10 +99,12 @@ def test_compiles_for_sm90a():
         for num_cols, group, fmt, sf_format, dtype in SPECIALIZATIONS:
             cast = lowering.kernel_source(get_per_token_scaled_cast_kernel(num_cols, group, fmt, sf_format, dtype))
             back = lowering.kernel_source(get_per_token_scaled_cast_back_kernel(num_cols, group, fmt, sf_format, dtype))
-            # IEEE divisions for the scales (never a reciprocal multiply), as the reference; bfloat16's
-            # UE8M0 exponents come from amax's bits, with no division
+            # Divisions rounded as the reference's (never a plain reciprocal multiply): IEEE divisions
+            # under UE8M0 scales, the e4m3 scales' by a shared reciprocal with its remainder's
+            # correction; bfloat16's UE8M0 exponents come from amax's bits, with no division
             no_division = (fmt, sf_format, dtype) == ("e2m1", "ue8m0", "bfloat16")
-            assert ("__fdiv_rn" in cast) != no_division, (num_cols, fmt, sf_format)
+            assert ("__fdiv_rn" in cast) == (sf_format == "ue8m0" and not no_division), (num_cols, fmt, sf_format)
+            assert ("= ep_div_by(" in cast) == (sf_format == "e4m3"), (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
 
 
