@@ -19,6 +19,13 @@ comparisons and one-byte stores from a row staged in shared memory. bfloat16 und
 (``ENCODER_SOURCE``), its exponents taken from amax's bits with no division: 1097 -> 544 SASS
 instructions a thread at 7168 columns, 88.5 -> 72.2 us at 16384 x 7168 on an H200.
 
+bfloat16 under e4m3 scales (NVFP4's two levels) multiplies in float32, as the reference, and rounds
+each pair of products to odd into bfloat16, which the same bfloat16x2 rounding then takes to the
+reference's codes; the scales' divisions share one reciprocal of the row amax, corrected by the
+remainder (the arithmetic of CUDA's own division), and the registers are held to 64 a thread. At
+16384 x 7168 on an H200: 1243 -> 779 SASS instructions a thread, 132.8 -> 75.1 us (93.6% of copy),
+where a skeleton loading the row, reducing both amaxes and storing the same bytes takes 70.7 us.
+
 Shape suffixes: T tokens, D hidden, H packed bytes (``D / 2``), G scale groups.
 """
 
