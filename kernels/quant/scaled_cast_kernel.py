@@ -124,7 +124,7 @@ __device__ __forceinline__ float ep_div_by(float a, float b, float rb) {
   return __fmaf_rn(__fmaf_rn(-q, b, a), rb, q);
 }
 
-// 2**(127 - e) for a float of biased exponent e, e at most 253: the power of two that takes it to [1, 2)
+// 2**(127 - e) for a float of biased exponent e at most 253: the power of two taking it to [1, 2)
 __device__ __forceinline__ float ep_unit_scale(float b) {
   return __uint_as_float((254u - min(__float_as_uint(b) >> 23, 253u)) << 23);
 }
@@ -136,7 +136,8 @@ __device__ __forceinline__ float ep_unit_scale(float b) {
 // y's own code: no midpoint is odd, so the bfloat16 lands on one only where y is that midpoint.
 // Then as above with k from max(|y|, 1) and C = 2**(6 + k), y saturated at 6 first (an e4m3 scale
 // rounded down leaves |y| up to 9); the four bytes are gathered by byte permutes.
-__device__ __forceinline__ unsigned ep_e2m1x2_bf16_scaled_top(unsigned u, float inv) {  // the byte in bits 24-31
+// (one pair: its byte in bits 24-31)
+__device__ __forceinline__ unsigned ep_e2m1x2_bf16_scaled_top(unsigned u, float inv) {
   unsigned y, sticky, p, r;
   unsigned a = __float_as_uint(__uint_as_float(u << 16) * inv);
   unsigned b = __float_as_uint(__uint_as_float(u & 0xFFFF0000u) * inv);
@@ -241,7 +242,8 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                 if T.get_thread_binding() == 0:
                     gsf_T[row] = gsf
                 for i, g in T.Parallel(1, tile_g):
-                    ratio = T.call_extern("float32", "ep_div_by", T.cast(amax[i, g], "float32") * unit, top * unit, rcp_top)
+                    amax_unit = T.cast(amax[i, g], "float32") * unit
+                    ratio = T.call_extern("float32", "ep_div_by", amax_unit, top * unit, rcp_top)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
                     if g < groups:
                         sf_TG[row, g] = sf

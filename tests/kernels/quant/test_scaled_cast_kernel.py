@@ -185,8 +185,8 @@ def e4m3_scale_edge_rows(width: int = 256, group: int = 16) -> torch.Tensor:
         amaxes = [top] + [top / 448 * 2.0**-9 * s for s in (1.0, 1.25, 1.49, 1.5, 2.4, 2.5, 3.49)]
         amaxes += [6 * 2.0**k * e for e in (1.125, 1.375, 1.75, 3.25, 5.5, 7.5, 13.0, 26.0, 104.0, 208.0)]
         row = torch.zeros(width)
+        ramp = torch.tensor([1.0, -1.0, 0.99, -0.75, 0.5, 0.3, -0.1, 0.0, 0.9, 0.6, 0.2, -0.4, 0.01, 0.83, -0.66, 0.45])
         for g, a in enumerate(amaxes[: width // group]):
-            ramp = torch.tensor([1.0, -1.0, 0.99, -0.75, 0.5, 0.3, -0.1, 0.0, 0.9, 0.6, 0.2, -0.4, 0.01, 0.83, -0.66, 0.45])
             row[g * group:(g + 1) * group] = a * ramp[:group]
         rows.append(row)
         points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
