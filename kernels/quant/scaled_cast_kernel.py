@@ -189,9 +189,9 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     q_cols, q_dtype = (num_cols // 2, "uint8") if fmt == "e2m1" else (num_cols, "float8_e4m3fn")
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
     packed_pow2 = fmt == "e2m1" and sf_format == "ue8m0" and in_dtype == "bfloat16"  # ENCODER_SOURCE
-    # bfloat16 under e4m3 scales, whole 16-byte vectors (ep_e2m1x8_bf16_scaled); other widths take
-    # the float32 encoder
-    packed_scaled = fmt == "e2m1" and sf_format == "e4m3" and in_dtype == "bfloat16" and vec == 8
+    # bfloat16 under e4m3 scales, rows of whole tiles of 16-byte vectors (ep_e2m1x8_bf16_scaled, its
+    # stores unguarded); other widths take the float32 encoder
+    packed_scaled = fmt == "e2m1" and sf_format == "e4m3" and in_dtype == "bfloat16" and vec == 8 and tile_n == num_cols
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):
@@ -242,8 +242,8 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                 if T.get_thread_binding() == 0:
                     gsf_T[row] = gsf
                 for i, g in T.Parallel(1, tile_g):
-                    amax_unit = T.cast(amax[i, g], "float32") * unit
-                    ratio = T.call_extern("float32", "ep_div_by", amax_unit, top * unit, rcp_top)
+                    ratio = T.call_extern("float32", "ep_div_by", T.cast(amax[i, g], "float32") * unit,
+                                          top * unit, rcp_top)
                     sf = to_e4m3(T.max(ratio * T.float32(E4M3_MAX), T.float32(E4M3_LEAST)))
                     if g < groups:
                         sf_TG[row, g] = sf
@@ -257,9 +257,8 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
                 T.copy(packed, q[row, 0])
             elif packed_scaled:
                 for i, c in T.Parallel(1, tile_n // 8):
-                    if 8 * c < num_cols:
-                        T.call_extern("handle", "ep_e2m1x8_bf16_scaled", T.address_of(x_frag[i, 8 * c]),
-                                      inv_frag[i, 8 * c // group], T.address_of(q[row, 4 * c]))
+                    T.call_extern("handle", "ep_e2m1x8_bf16_scaled", T.address_of(x_frag[i, 8 * c]),
+                                  inv_frag[i, 8 * c // group], T.address_of(q[row, 4 * c]))
             elif fmt == "e2m1":
                 nibbles = T.alloc_fragment((1, tile_n), "uint8")
                 for i, j in T.Parallel(1, tile_n):

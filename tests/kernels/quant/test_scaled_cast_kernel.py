@@ -20,7 +20,7 @@ CASES = [  # (T, D, group, input dtype)
     (0, 7168, 16, torch.bfloat16),
     (3, 64, 32, torch.float32),
     (37, 100, 16, torch.bfloat16),  # a ragged last group
-    (33, 264, 16, torch.bfloat16),  # vectors past the row (a tile of 512 columns)
+    (33, 264, 16, torch.bfloat16),  # a tile past the row (512 columns): the float32 encoder
     (130, 300, 128, torch.float16),
     (257, 7168, 16, torch.bfloat16),  # the dispatch wire at DeepSeek-V3's hidden
     (64, 7168, 32, torch.float32),
