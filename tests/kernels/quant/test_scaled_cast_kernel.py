@@ -20,6 +20,7 @@ CASES = [  # (T, D, group, input dtype)
     (0, 7168, 16, torch.bfloat16),
     (3, 64, 32, torch.float32),
     (37, 100, 16, torch.bfloat16),  # a ragged last group
+    (33, 264, 16, torch.bfloat16),  # a tile past the row (512 columns): the float32 encoder
     (130, 300, 128, torch.float16),
     (257, 7168, 16, torch.bfloat16),  # the dispatch wire at DeepSeek-V3's hidden
     (64, 7168, 32, torch.float32),
@@ -99,10 +100,12 @@ def test_compiles_for_sm90a():
         for num_cols, group, fmt, sf_format, dtype in SPECIALIZATIONS:
             cast = lowering.kernel_source(get_per_token_scaled_cast_kernel(num_cols, group, fmt, sf_format, dtype))
             back = lowering.kernel_source(get_per_token_scaled_cast_back_kernel(num_cols, group, fmt, sf_format, dtype))
-            # IEEE divisions for the scales (never a reciprocal multiply), as the reference; bfloat16's
-            # UE8M0 exponents come from amax's bits, with no division
+            # Divisions rounded as the reference's (never a plain reciprocal multiply): IEEE divisions
+            # under UE8M0 scales, the e4m3 scales' by a shared reciprocal with its remainder's
+            # correction; bfloat16's UE8M0 exponents come from amax's bits, with no division
             no_division = (fmt, sf_format, dtype) == ("e2m1", "ue8m0", "bfloat16")
-            assert ("__fdiv_rn" in cast) != no_division, (num_cols, fmt, sf_format)
+            assert ("__fdiv_rn" in cast) == (sf_format == "ue8m0" and not no_division), (num_cols, fmt, sf_format)
+            assert ("= ep_div_by(" in cast) == (sf_format == "e4m3"), (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
 
 
@@ -166,5 +169,51 @@ def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
     x = torch.cat(rows)
     got = per_token_scaled_cast(x.cuda(), group=width, fmt=fmt, sf_format=sf_format)
     want = REFERENCES[fmt, sf_format](x, group=width)
+    for g, w in zip(got, want):
+        assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
+
+
+def e4m3_scale_edge_rows(width: int = 256, group: int = 16) -> torch.Tensor:
+    """bfloat16 rows at the edges of the two-level scales: groups whose e4m3 scale is subnormal and
+    rounded down (their values past 6 after the scale, up to 9); groups whose scale is an e4m3 value
+    that is not a power of two (1.125 to 448, over a per-token scale of a power of two), holding the
+    e2m1 grid values and midpoints times that scale and one bfloat16 ulp either side; rows whose amax
+    is past 2**126, under the 1e-4 floor, or zero."""
+    rows = []
+    for k in (-20, 0, 9):  # gsf = 2**k
+        top = 2688.0 * 2.0**k
+        amaxes = [top] + [top / 448 * 2.0**-9 * s for s in (1.0, 1.25, 1.49, 1.5, 2.4, 2.5, 3.49)]
+        amaxes += [6 * 2.0**k * e for e in (1.125, 1.375, 1.75, 3.25, 5.5, 7.5, 13.0, 26.0, 104.0, 208.0)]
+        row = torch.zeros(width)
+        ramp = torch.tensor([1.0, -1.0, 0.99, -0.75, 0.5, 0.3, -0.1, 0.0, 0.9, 0.6, 0.2, -0.4, 0.01, 0.83, -0.66, 0.45])
+        for g, a in enumerate(amaxes[: width // group]):
+            row[g * group:(g + 1) * group] = a * ramp[:group]
+        rows.append(row)
+        points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
+        for e in (1.125, 1.375, 3.25, 13.0, 104.0):
+            v = (points.float() * e * 2.0**k).bfloat16()
+            v = torch.cat([v, torch.nextafter(v, torch.full_like(v, 1e30)), torch.nextafter(v, torch.zeros_like(v))])
+            v = torch.cat([torch.tensor([6 * e * 2.0**k]), v.float(), -v.float()])  # the group's amax first
+            body = torch.nn.functional.pad(v, (0, -v.numel() % (group - 1))).view(-1, group - 1)
+            groups = torch.cat([torch.full((body.shape[0], 1), 6 * e * 2.0**k), body], dim=1).flatten()
+            row = torch.zeros(width)
+            row[:group] = top / 448 * 448  # the per-token scale: amax top
+            row[group:group + groups.numel()] = groups[: width - group]
+            rows.append(row)
+    g = torch.Generator().manual_seed(0)
+    rows.append(torch.randn(width, generator=g) * 2.0**126)
+    rows.append(torch.randn(width, generator=g) * 1e-6)
+    rows.append(torch.zeros(width))
+    return torch.stack(rows).bfloat16()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+def test_e4m3_scales_at_their_edges(fmt):
+    """e4m3 scales at their edges (:func:`e4m3_scale_edge_rows`): the codes, the scales and the
+    per-token scales byte for byte."""
+    x = e4m3_scale_edge_rows()
+    got = per_token_scaled_cast(x.cuda(), group=16, fmt=fmt, sf_format="e4m3")
+    want = REFERENCES[fmt, "e4m3"](x, group=16)
     for g, w in zip(got, want):
         assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
