@@ -171,7 +171,7 @@ def e2m1_code(v):
     mag = T.min(T.abs(v), T.float32(E2M1_MAX))
     k = T.max(T.reinterpret(mag, "int32") >> 23, 127) - 127
     steps = T.reinterpret(mag + T.reinterpret((k + 149) << 23, "float32"), "int32") & 7
-    return steps + 2 * k + T.if_then_else(T.reinterpret(v, "int32") < 0, 8, 0)
+    return steps + 2 * k + T.if_then_else(T.copysign(T.float32(1), v) < T.float32(0), 8, 0)
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
