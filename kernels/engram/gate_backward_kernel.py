@@ -128,7 +128,7 @@ def backward_plan(
 def get_gate_backward_kernel(
     n: int, d: int, dtype: str, k_dtype: str, v_dtype: str, w_dtype: str, clamp: float, add_residual: bool,
     warps_per_stream: int = 2, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
-    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
+    w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, w_fused: bool = False,
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel (``wh``, ``we`` of ``w_dtype``, multiplied here into the reference's float32
@@ -204,6 +204,7 @@ def get_gate_backward_kernel(
                 fetch_k(k_ring[slot, h, s], k_TND[row, h, c * vec])
                 if not w_resident:
                     fetch_w(wh_ring[slot, h, s], wh_ND[h, c * vec])
+                if not (w_resident or w_fused):
                     fetch_w(we_ring[slot, h, s], we_ND[h, c * vec])
 
     @T.macro
@@ -248,6 +249,9 @@ def get_gate_backward_kernel(
                 if w_resident:
                     for e in T.vectorized(vec):
                         wf[e] = w_all[h, c * vec + e]
+                elif w_fused:
+                    for e in T.vectorized(vec):
+                        wf[e] = T.cast(wh_ring[slot, h, s + e], T.float32)
                 else:
                     for e in T.vectorized(vec):
                         wf[e] = T.ieee_mul(T.cast(wh_ring[slot, h, s + e], T.float32),
@@ -287,7 +291,7 @@ def get_gate_backward_kernel(
             x_ring = T.alloc_shared((stages, n, block), dtype)
             k_ring = T.alloc_shared((stages, n, block), k_dtype)
             wh_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
-            we_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
+            we_ring = T.alloc_shared((1, 1, 1) if w_resident or w_fused else (stages, n, block), w_dtype)
             wh_local = T.alloc_local((vec,), w_dtype)
             we_local = T.alloc_local((vec,), w_dtype)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
