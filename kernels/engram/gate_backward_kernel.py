@@ -448,7 +448,7 @@ WEIGHT_GRAD_UNROLL = 4  # rows a warp loads before adding them
 
 
 @tilelang.jit(pass_configs=PASS_CONFIGS)
-def get_weight_grad_kernel(m: int, w_dtype: str, warps: int = WEIGHT_GRAD_WARPS, unroll: int = WEIGHT_GRAD_UNROLL):
+def get_weight_grad_kernel(m: int, w_dtype: str):
     """``(grad_w_CM, wh_M, we_M, grad_wh_M, grad_we_M)`` kernel over ``M = N * D`` flattened weights:
     ``grad_w = sum_c grad_w_CM[c]`` (float32; warp ``u`` of a CTA sums rows ``u, u + warps, ...`` in
     order, then the warps' sums are added in warp order), ``grad_wh = grad_w * we`` and ``grad_we =
@@ -456,7 +456,7 @@ def get_weight_grad_kernel(m: int, w_dtype: str, warps: int = WEIGHT_GRAD_WARPS,
     not a sum and two products)."""
     num_ctas = T.dynamic("num_ctas")
     vec = vector_width(m, 4)
-    nv = m // vec
+    nv, warps, unroll = m // vec, WEIGHT_GRAD_WARPS, WEIGHT_GRAD_UNROLL
 
     @T.prim_func
     def weight_grad_kernel(
