@@ -384,17 +384,12 @@ def get_gate_backward_kernel(
     if w_resident:
         @T.prim_func
         def gate_backward_kernel(
-            x_TND: T.Tensor[(num_tokens, n, d), dtype],
-            k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-            v_TD: T.Tensor[(num_tokens, d), v_dtype],
-            wh_ND: T.Tensor[(n, d), w_dtype],
-            we_ND: T.Tensor[(n, d), w_dtype],
-            g_TND: T.Tensor[(num_tokens, n, d), dtype],
+            x_TND: T.Tensor[(num_tokens, n, d), dtype], k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+            v_TD: T.Tensor[(num_tokens, d), v_dtype], wh_ND: T.Tensor[(n, d), w_dtype],
+            we_ND: T.Tensor[(n, d), w_dtype], g_TND: T.Tensor[(num_tokens, n, d), dtype],
             stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
-            grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
-            grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-            grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
-            grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
+            grad_x_TND: T.Tensor[(num_tokens, n, d), dtype], grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+            grad_v_TD: T.Tensor[(num_tokens, d), v_dtype], grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
         ):
             backward(x_TND, k_TND, v_TD, (wh_ND, we_ND), g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
                      grad_w_CND)
@@ -403,16 +398,11 @@ def get_gate_backward_kernel(
 
     @T.prim_func
     def gate_backward_streamed_kernel(
-        x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        w_ND: T.Tensor[(n, d), T.float32],
-        g_TND: T.Tensor[(num_tokens, n, d), dtype],
-        stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
-        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
+        x_TND: T.Tensor[(num_tokens, n, d), dtype], k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        v_TD: T.Tensor[(num_tokens, d), v_dtype], w_ND: T.Tensor[(n, d), T.float32],
+        g_TND: T.Tensor[(num_tokens, n, d), dtype], stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
+        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype], grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype], grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
     ):
         backward(x_TND, k_TND, v_TD, (w_ND,), g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)
 
