@@ -133,9 +133,9 @@ def get_gate_backward_kernel(
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
     grad_w_CND)`` kernel with ``w_resident`` (``wh``, ``we`` of ``w_dtype``, multiplied here into
-    the reference's float32 ``w``), else ``(x_TND, k_TND, v_TD, w_ND, g_TND, ...)`` (``w_ND`` that
-    product, float32, made by the wrapper: one product, not one a column a CTA; ``stats_TN3`` the
-    forward's ``(rstd_x, rstd_k, raw)``): the gradients of the gate
+    the reference's float32 ``w``), else ``(x_TND, k_TND, v_TD, w_ND, g_TND, ...)`` (``w_ND``: that
+    product, float32, made once by the wrapper); ``stats_TN3`` is the forward's ``(rstd_x, rstd_k,
+    raw)``. It computes the gradients of the gate
     (:func:`kernels.engram.reference._gate_bwd`'s formulas), the weights' as ``grad_w_CND[c] = sum
     over CTA c's tokens of dL/draw * x * k`` (float32; :func:`get_weight_grad_kernel` sums over
     ``C`` and multiplies by ``we`` and ``wh``). The layout is :class:`BackwardPlan`'s.
