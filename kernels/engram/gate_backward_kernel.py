@@ -34,8 +34,8 @@ class BackwardPlan(NamedTuple):
     warps, whose threads own ``per_thread`` vectors of that stream (``vec`` elements, 16 bytes of
     ``x``'s dtype or fewer; thread ``l`` of a stream vectors ``l, l + lanes, ...``), ``tile`` of them
     a pipeline step, through a ring of ``stages`` slots; ``w_resident`` keeps ``w = wh * we`` in
-    shared memory (float32, multiplied once a CTA) for the whole kernel instead of streaming ``wh``
-    and ``we`` through the ring with ``x`` and ``k``; with
+    shared memory (float32, multiplied once a CTA) for the whole kernel instead of streaming it
+    (float32, the wrapper's one product) through the ring with ``x`` and ``k``; with
     ``g_buffers = 2`` the next token's ``g`` loads while this one's is read."""
 
     n: int
@@ -60,19 +60,22 @@ class BackwardPlan(NamedTuple):
     def tiles(self) -> int:
         return -(-self.per_thread // self.tile)
 
-    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype,
-                     w_dtype: torch.dtype = torch.float32) -> int:
+    def shared_bytes(self, dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype) -> int:
         """``g_buffers`` tokens' ``g`` (every stream), a token's ``v``, ``w`` if resident (float32),
-        the ring (``wh`` and ``we`` in ``w_dtype`` unless ``w`` is resident), the partials."""
+        the ring (and ``w`` in it, float32, where not resident), the partials."""
         n, d = self.n, self.nv * self.vec
-        per_column = dtype.itemsize + k_dtype.itemsize + 2 * w_dtype.itemsize * (not self.w_resident)
+        per_column = dtype.itemsize + k_dtype.itemsize + 4 * (not self.w_resident)
         ring = self.stages * n * self.tile * self.lanes * self.vec * per_column
         rows = d * (self.g_buffers * n * dtype.itemsize + v_dtype.itemsize + 4 * n * self.w_resident)
         return rows + ring + 4 * n * (self.warps_per_stream + 2)
 
 
-# On an H100 (T = 8192, N = 4): one g buffer beside w resident 533.8 / 925.6 us at D = 4096 / 7168, two
-# (w streamed at 7168) 535.2 / 937.0.
+# On an H200 (T = 8192, N = 4, D = 4096 / 7168; 8 / 16 warps): one g buffer, w resident and 2 stages
+# (what fits beside w at 7168) 435.7 / 707.6 us; two g buffers, 3 stages, w resident at 4096 and
+# streamed at 7168 (two g buffers and w resident do not fit there) 378.1 / 659.8 us (91.2 / 91.5% of
+# copy; the next token's g no longer loads behind the token's last barrier). At 4096 two g buffers
+# with 2 stages took 381.5 us and 3 stages with one g buffer 433.0; streaming wh and we through the
+# ring (12 bytes a column, so 2 stages) instead of their product took 724.9 us at 7168.
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
 # ... doubled (once) while a thread would hold more weight gradients than this: at D = 7168 eight
 # warps leave 112 a thread, 255 registers with spills, 722.6 us on an H200; sixteen leave 56, 128
@@ -80,9 +83,9 @@ BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one 
 # sixteen, 460.0).
 SPILL_FREE_ACCUMULATORS = 64
 BACKWARD_TILE = 2  # vectors a thread stages a pipeline step
-BACKWARD_STAGES = 2
+BACKWARD_STAGES = 3
 BACKWARD_W_RESIDENT = True
-BACKWARD_G_BUFFERS = 1
+BACKWARD_G_BUFFERS = 2
 # The weight gradients' registers: at most half the SM's register file, and 128 a thread.
 ACCUMULATOR_REGISTERS, THREAD_ACCUMULATORS = 32768, 128
 
@@ -91,13 +94,11 @@ def backward_plan(
     x_TND: torch.Tensor, k_TND: torch.Tensor, v_TD: torch.Tensor, *,
     warps: int | None = None, tile: int = BACKWARD_TILE, stages: int = BACKWARD_STAGES,
     w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS, shared_memory: int | None = None,
-    w_dtype: torch.dtype = torch.float32,
 ) -> BackwardPlan | None:
     """The backward's :class:`BackwardPlan` for these inputs, or None where the kernel cannot take
     them: a vector under 4 bytes (``cp.async``'s least: 2-byte dtypes need an even D), more
     weight-gradient registers than :data:`ACCUMULATOR_REGISTERS` allows, or more shared memory than
-    a CTA gets (``shared_memory`` bytes; by default what their device gives one; ``w_dtype``: the
-    weights'; float32, the largest, where not given). The options are
+    a CTA gets (``shared_memory`` bytes; by default what their device gives one). The options are
     preferences, given up until the CTA fits: fewer stages first, then a smaller tile, then ``w``
     resident or not, then the number of ``g`` buffers."""
     _, n, d = x_TND.shape
@@ -119,7 +120,7 @@ def backward_plan(
         for t in range(min(tile, per_thread), 0, -1):
             for s in range(min(stages, -(-per_thread // t) + 1), 1, -1):
                 plan = BackwardPlan(n, vec, d // vec, warps_per_stream, per_thread, t, s, resident, buffers)
-                if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype, w_dtype) <= limit:
+                if plan.shared_bytes(x_TND.dtype, k_TND.dtype, v_TD.dtype) <= limit:
                     return plan
     return None
 
@@ -131,8 +132,10 @@ def get_gate_backward_kernel(
     w_resident: bool = BACKWARD_W_RESIDENT, g_buffers: int = BACKWARD_G_BUFFERS,
 ):
     """``(x_TND, k_TND, v_TD, wh_ND, we_ND, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
-    grad_w_CND)`` kernel (``wh``, ``we`` of ``w_dtype``, multiplied here into the reference's float32
-    ``w``; ``stats_TN3`` the forward's ``(rstd_x, rstd_k, raw)``): the gradients of the gate
+    grad_w_CND)`` kernel with ``w_resident`` (``wh``, ``we`` of ``w_dtype``, multiplied here into
+    the reference's float32 ``w``), else ``(x_TND, k_TND, v_TD, w_ND, g_TND, ...)`` (``w_ND``: that
+    product, float32, made once by the wrapper); ``stats_TN3`` is the forward's ``(rstd_x, rstd_k,
+    raw)``. It computes the gradients of the gate
     (:func:`kernels.engram.reference._gate_bwd`'s formulas), the weights' as ``grad_w_CND[c] = sum
     over CTA c's tokens of dL/draw * x * k`` (float32; :func:`get_weight_grad_kernel` sums over
     ``C`` and multiplies by ``we`` and ``wh``). The layout is :class:`BackwardPlan`'s.
@@ -151,7 +154,7 @@ def get_gate_backward_kernel(
        residual below still reads this one; ``g`` read again from L2 instead came from memory:
        1076 vs 964 us at D = 7168); with one, its ``g`` loads after a third barrier at the token's
        end;
-    3. the stream's ``x`` and ``k`` (and ``wh``, ``we`` unless ``w`` is resident) stream through a ring of
+    3. the stream's ``x`` and ``k`` (and ``w`` unless resident) stream through a ring of
        ``stages`` slots, ``tile`` vectors a thread a slot, ``stages - 1`` slots ahead and on into
        the next token; each thread stages only what it reads back, so the ring needs
        ``cp.async.wait_group`` and no barrier. ``grad_x``, ``grad_k`` are stored from registers,
@@ -172,7 +175,7 @@ def get_gate_backward_kernel(
     gate_of = gate_value(d, clamp)
 
     fetch_x, fetch_k, fetch_v, fetch_w = (vector_cp_async(vec, T.dtype(t).bytes)
-                                          for t in (dtype, k_dtype, v_dtype, w_dtype))
+                                          for t in (dtype, k_dtype, v_dtype, T.float32))
 
     @T.macro
     def stage_g(g_TND, g_tok, row, buf, tid):
@@ -193,9 +196,9 @@ def get_gate_backward_kernel(
     @T.macro
     def stage_tile(sources, ring, row, j, slot, h, lane):
         """Step j's vectors of this thread's stream into ring slot ``slot`` (no commit):
-        ``sources = (x_TND, k_TND, wh_ND, we_ND)``, ``ring`` their slots."""
-        x_TND, k_TND, wh_ND, we_ND = sources
-        x_ring, k_ring, wh_ring, we_ring = ring
+        ``sources = (x_TND, k_TND, w_ND)`` (``w_ND`` None where resident), ``ring`` their slots."""
+        x_TND, k_TND, w_ND = sources
+        x_ring, k_ring, w_ring = ring
         for q in T.unroll(tile):
             c = (j * tile + q) * lanes + lane
             if j * tile + q < per_thread and c < nv:
@@ -203,8 +206,7 @@ def get_gate_backward_kernel(
                 fetch_x(x_ring[slot, h, s], x_TND[row, h, c * vec])
                 fetch_k(k_ring[slot, h, s], k_TND[row, h, c * vec])
                 if not w_resident:
-                    fetch_w(wh_ring[slot, h, s], wh_ND[h, c * vec])
-                    fetch_w(we_ring[slot, h, s], we_ND[h, c * vec])
+                    fetch_w(w_ring[slot, h, s], w_ND[h, c * vec])
 
     @T.macro
     def step(sources, ring, token, outputs, grad_w, locals_, coefs, i, j, row, following, num_tokens, tid, wait):
@@ -213,7 +215,7 @@ def get_gate_backward_kernel(
         gates_N)``), which needs no slot; wait for step j's slot, then its gradients into
         ``outputs = (grad_x_TND, grad_k_TND, grad_v_TD)`` and ``grad_w`` (``locals_``: scratch
         vectors; ``g`` for the residual from ``g_tok``)."""
-        x_ring, k_ring, wh_ring, we_ring = ring
+        x_ring, k_ring, w_ring = ring
         w_all, g_tok, gates_N = token
         grad_x_TND, grad_k_TND, grad_v_TD = outputs
         xf, kf, wf, out_x, out_k, out_v = locals_
@@ -245,13 +247,8 @@ def get_gate_backward_kernel(
                     xf[e] = T.cast(x_ring[slot, h, s + e], T.float32)
                 for e in T.vectorized(vec):
                     kf[e] = T.cast(k_ring[slot, h, s + e], T.float32)
-                if w_resident:
-                    for e in T.vectorized(vec):
-                        wf[e] = w_all[h, c * vec + e]
-                else:
-                    for e in T.vectorized(vec):
-                        wf[e] = T.ieee_mul(T.cast(wh_ring[slot, h, s + e], T.float32),
-                                           T.cast(we_ring[slot, h, s + e], T.float32))
+                for e in T.vectorized(vec):
+                    wf[e] = w_all[h, c * vec + e] if w_resident else w_ring[slot, h, s + e]
                 for e in T.serial(vec):
                     dx = coefs[1] * (wf[e] * kf[e] - xf[e] * coefs[2])
                     residual = T.cast(g_tok[i % g_buffers, h, c * vec + e], T.float32)
@@ -263,20 +260,9 @@ def get_gate_backward_kernel(
                 for e in T.vectorized(vec):
                     grad_k_TND[row, h, c * vec + e] = out_k[e]
 
-    @T.prim_func
-    def gate_backward_kernel(
-        x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        wh_ND: T.Tensor[(n, d), w_dtype],
-        we_ND: T.Tensor[(n, d), w_dtype],
-        g_TND: T.Tensor[(num_tokens, n, d), dtype],
-        stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
-        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype],
-        grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
-        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype],
-        grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
-    ):
+    @T.macro
+    def backward(x_TND, k_TND, v_TD, weights, g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND):
+        """The kernel's body; ``weights``: ``(wh_ND, we_ND)`` where ``w`` is resident, else ``(w_ND,)``."""
         with T.Kernel(num_ctas, threads=threads) as cta:
             tid = T.get_thread_binding()
             h = tid // lanes  # this thread's stream
@@ -286,8 +272,7 @@ def get_gate_backward_kernel(
             w_all = T.alloc_shared((n, d) if w_resident else (1, 1), T.float32)
             x_ring = T.alloc_shared((stages, n, block), dtype)
             k_ring = T.alloc_shared((stages, n, block), k_dtype)
-            wh_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
-            we_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), w_dtype)
+            w_ring = T.alloc_shared((1, 1, 1) if w_resident else (stages, n, block), T.float32)
             wh_local = T.alloc_local((vec,), w_dtype)
             we_local = T.alloc_local((vec,), w_dtype)
             partial_NW = T.alloc_shared((n, warps_per_stream), T.float32)
@@ -303,7 +288,7 @@ def get_gate_backward_kernel(
             out_k = T.alloc_local((vec,), k_dtype)
             out_v = T.alloc_local((vec,), v_dtype)
 
-            sources, ring = (x_TND, k_TND, wh_ND, we_ND), (x_ring, k_ring, wh_ring, we_ring)
+            sources, ring = (x_TND, k_TND, None if w_resident else weights[0]), (x_ring, k_ring, w_ring)
             token, outputs = (w_all, g_tok, gates_N), (grad_x_TND, grad_k_TND, grad_v_TD)
             locals_ = (xf, kf, wf, out_x, out_k, out_v)
             # Prologue: the first token's g and v as one group, its first steps one group each,
@@ -318,6 +303,7 @@ def get_gate_backward_kernel(
             for _ in T.unroll(tiles - (stages - 1)):
                 T.ptx_commit_group()
             if w_resident:  # w = wh * we, each thread its own columns (it alone reads them), while those land
+                wh_ND, we_ND = weights
                 for p in T.unroll(per_thread):
                     c = p * lanes + lane
                     if c < nv:
@@ -395,7 +381,32 @@ def get_gate_backward_kernel(
                     for e in T.vectorized(vec):
                         grad_w_CND[cta, h, c * vec + e] = grad_w[p * vec + e]
 
-    return gate_backward_kernel
+    if w_resident:
+        @T.prim_func
+        def gate_backward_kernel(
+            x_TND: T.Tensor[(num_tokens, n, d), dtype], k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+            v_TD: T.Tensor[(num_tokens, d), v_dtype], wh_ND: T.Tensor[(n, d), w_dtype],
+            we_ND: T.Tensor[(n, d), w_dtype], g_TND: T.Tensor[(num_tokens, n, d), dtype],
+            stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
+            grad_x_TND: T.Tensor[(num_tokens, n, d), dtype], grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+            grad_v_TD: T.Tensor[(num_tokens, d), v_dtype], grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
+        ):
+            backward(x_TND, k_TND, v_TD, (wh_ND, we_ND), g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD,
+                     grad_w_CND)
+
+        return gate_backward_kernel
+
+    @T.prim_func
+    def gate_backward_streamed_kernel(
+        x_TND: T.Tensor[(num_tokens, n, d), dtype], k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        v_TD: T.Tensor[(num_tokens, d), v_dtype], w_ND: T.Tensor[(n, d), T.float32],
+        g_TND: T.Tensor[(num_tokens, n, d), dtype], stats_TN3: T.Tensor[(num_tokens, n, 3), T.float32],
+        grad_x_TND: T.Tensor[(num_tokens, n, d), dtype], grad_k_TND: T.Tensor[(num_tokens, n, d), k_dtype],
+        grad_v_TD: T.Tensor[(num_tokens, d), v_dtype], grad_w_CND: T.Tensor[(num_ctas, n, d), T.float32],
+    ):
+        backward(x_TND, k_TND, v_TD, (w_ND,), g_TND, stats_TN3, grad_x_TND, grad_k_TND, grad_v_TD, grad_w_CND)
+
+    return gate_backward_streamed_kernel
 
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # unit roundoff, times two
@@ -520,7 +531,7 @@ def gate_backward(
         zeros = torch.zeros_like(wh_ND, **contiguous)
         return (torch.empty_like(x_TND, **contiguous), torch.empty_like(k_TND, **contiguous),
                 torch.zeros_like(v_TD, **contiguous), zeros, zeros.clone())
-    plan = backward_plan(x_TND, k_TND, v_TD, w_dtype=wh_ND.dtype, **plan_options)
+    plan = backward_plan(x_TND, k_TND, v_TD, **plan_options)
     if plan is None:
         raise ValueError(
             f"x_TND: N = {n}, D = {d} in {x_TND.dtype} (k {k_TND.dtype}, v {v_TD.dtype}) is beyond the backward "
@@ -533,7 +544,9 @@ def gate_backward(
     grad_w_CND = torch.empty((min(t, sm_count(x_TND.device)), n, d), dtype=torch.float32, device=x_TND.device)
     dtypes = [tl_dtype(a.dtype) for a in (x_TND, k_TND, v_TD, wh_ND)]
     wh_ND, we_ND = aligned(wh_ND), aligned(we_ND)
-    args = [aligned(a) for a in (x_TND, k_TND, v_TD)] + [wh_ND, we_ND, aligned(g_TND), stats_TN3.contiguous()]
+    # streamed, w is the float32 product the resident layout makes in shared memory
+    weights = [wh_ND, we_ND] if plan.w_resident else [wh_ND.float() * we_ND.float()]
+    args = [aligned(a) for a in (x_TND, k_TND, v_TD)] + weights + [aligned(g_TND), stats_TN3.contiguous()]
     kernel = get_gate_backward_kernel(n, d, *dtypes, float(clamp), bool(add_residual), plan.warps_per_stream,
                                       plan.tile, plan.stages, plan.w_resident, plan.g_buffers)
     kernel(*args, grad_x, grad_k, grad_v, grad_w_CND)

@@ -112,11 +112,11 @@ def check_backward(t, d, n, dtypes, add_residual, seed, **plan_options):
 def test_backward_plans_agree(d, warps, tile, stages, w_resident, g_buffers, seed):
     """Every layout the plan can choose (the sweep's variants), N = 4, where the ring's steps (2 to
     14 a token, the last one short for tile 3) and their slots wrap unevenly, one token into the
-    next; ``w`` resident fits beside two tokens' ``g`` at D = 4096, beside one at 7168. Each is the
-    layout asked for, not a fallback."""
+    next; ``w`` resident fits beside two tokens' ``g`` at D = 4096, beside one at 7168, and streams
+    (the wrapper's float32 product) beside two. Each is the layout asked for, not a fallback."""
     args = gate_inputs(1, 4, d, dtypes=DTYPES["bf16"], device="cuda", seed=seed)
     options = dict(warps=warps, tile=tile, stages=stages, w_resident=w_resident, g_buffers=g_buffers)
-    plan = backward_plan(*args[:3], w_dtype=args[3].dtype, **options)
+    plan = backward_plan(*args[:3], **options)
     assert (plan.threads // 32, plan.tile, plan.stages, plan.w_resident, plan.g_buffers) == tuple(options.values())
     check_backward(600, d, 4, DTYPES["bf16"], True, seed, **options)
 
@@ -146,26 +146,25 @@ def test_shapes_beyond_the_backward_take_the_reference(n, d, dtype, seed):
     assert torch.equal(engram.gate(*args), reference.gate(*args))
 
 
-H100_SHARED = 232448  # bytes a CTA may take on an H100 (shared_memory_per_block_optin)
+H100_SHARED = 232448  # bytes a CTA may take on an H100 or H200 (shared_memory_per_block_optin)
 
 
 def test_backward_plan_picks_the_measured_layout_where_it_fits():
-    """On an H100's shared memory: the measured default (one ``g`` buffer, ``w`` resident, 2
-    stages) at both DeepSeek-V4 widths, 8 warps and tile 2 at D = 4096, 16 warps (56 weight
-    gradients a thread, not 112) and so tile 1 at 7168; float32 streams at D = 7168 give up ``w``
-    resident; a tighter CTA gives up stages, then the tile; shapes beyond registers or
-    ``cp.async`` get none."""
+    """On a Hopper's shared memory: the measured default (two ``g`` buffers, 3 stages) at both
+    DeepSeek-V4 widths, 8 warps, tile 2 and ``w`` resident at D = 4096, 16 warps (56 weight
+    gradients a thread, not 112), so tile 1, and ``w`` streamed (two ``g`` buffers and ``w`` do not
+    fit together) at 7168; float32 streams at D = 7168 give up a ``g`` buffer; a tighter CTA gives
+    up stages, then the tile; shapes beyond registers or ``cp.async`` get none."""
 
     def plan(n, d, dtype=BF16, **options):
         x, v = torch.empty(1, n, d, dtype=dtype, device="meta"), torch.empty(1, d, dtype=dtype, device="meta")
         return backward_plan(x, x, v, shared_memory=options.pop("shared_memory", H100_SHARED), **options)
 
-    for d, warps, tile in ((4096, 2, 2), (7168, 4, 1)):
+    for d, warps, tile, w_resident in ((4096, 2, 2, True), (7168, 4, 1, False)):
         got = plan(4, d)
-        assert got == BackwardPlan(4, 8, d // 8, warps, d // (256 * warps), tile, 2, True, 1), got
+        assert got == BackwardPlan(4, 8, d // 8, warps, d // (256 * warps), tile, 3, w_resident, 2), got
         assert got.threads == 128 * warps and got.shared_bytes(BF16, BF16, BF16) <= H100_SHARED
-    assert plan(4, 7168, F32)._replace(w_resident=True) == BackwardPlan(4, 4, 1792, 4, 14, 1, 2, True, 1)
-    assert not plan(4, 7168, F32).w_resident
+    assert plan(4, 7168, F32) == BackwardPlan(4, 4, 1792, 4, 14, 1, 3, False, 1)
     roomy = plan(4, 4096, tile=2, stages=3)
     assert roomy.stages == 3
     tight = roomy._replace(tile=1, stages=2).shared_bytes(BF16, BF16, BF16)
@@ -201,13 +200,18 @@ def test_public_op_runs_the_kernel_only_where_selected(stub_kernel, monkeypatch)
 
 def test_compiles_for_sm90a():
     """DeepSeek-V4 widths (D = 4096, 7168; N = 4) and the tiny model's D = 64, bfloat16 activations
-    with float32 norm weights: 16-byte vector accesses, IEEE adds, one ``expf`` per row."""
+    with float32 norm weights: 16-byte vector accesses, IEEE adds, one ``expf`` per row; the
+    backward in the layout its plan picks on a Hopper (``w`` streamed at 7168)."""
     with lowering.compile_only():
         for d in (4096, 7168, 64):
             kernel = get_gate_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, 1e-6, True)
             source = lowering.kernel_source(kernel)
             assert "uint4" in source and "__fadd_rn" in source and source.count("expf(") == 1, d
-            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, True)
+            x, v = torch.empty(1, 4, d, dtype=BF16, device="meta"), torch.empty(1, d, dtype=BF16, device="meta")
+            plan = backward_plan(x, x, v, shared_memory=H100_SHARED)
+            backward = get_gate_backward_kernel(4, d, "bfloat16", "bfloat16", "bfloat16", "float32", 1e-6, True,
+                                                plan.warps_per_stream, plan.tile, plan.stages, plan.w_resident,
+                                                plan.g_buffers)
             source = lowering.kernel_source(backward)
             assert "uint4" in source and "warp_reduce_sum" in source and "grad_w_CND" in source, d
             for w_dtype in ("float32", "bfloat16"):
