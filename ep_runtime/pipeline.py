@@ -348,8 +348,9 @@ class PipelineSchedule:
 
 def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> None:
     """Every MoE layer's dispatcher and Engram table of ``stage`` has a member per lane (each over
-    its own EP group), or there is no EP group."""
-    if ctx.ep_group is None:
+    its own EP group), or there is no EP group of more than one rank (whose lanes have no peer to
+    wait for in another lane's order)."""
+    if ctx.ep_group is None or ctx.ep_size == 1:
         return
     model = stage.model
     shared = [f"blocks.{i}.ffn.dispatcher" for i in stage.layers if isinstance(model.blocks[i].ffn, MoELayer)
