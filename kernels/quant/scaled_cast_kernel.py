@@ -190,8 +190,10 @@ def get_per_token_scaled_cast_kernel(num_cols: int, group: int, fmt: str, sf_for
     sf_dtype = "uint8" if sf_format == "ue8m0" else "float8_e4m3fn"
     packed_pow2 = fmt == "e2m1" and sf_format == "ue8m0" and in_dtype == "bfloat16"  # ENCODER_SOURCE
     # bfloat16 under e4m3 scales, rows of whole tiles of 16-byte vectors (ep_e2m1x8_bf16_scaled, its
-    # stores unguarded); other widths take the float32 encoder
-    packed_scaled = fmt == "e2m1" and sf_format == "e4m3" and in_dtype == "bfloat16" and vec == 8 and tile_n == num_cols
+    # stores unguarded) and groups of whole vectors (a call's eight values share one scale); other
+    # widths and groups take the float32 encoder
+    packed_scaled = (fmt == "e2m1" and sf_format == "e4m3" and in_dtype == "bfloat16" and vec == 8 and group % 8 == 0
+                     and tile_n == num_cols)
 
     @T.macro
     def body(x_TD, q, sf_TG, gsf_T):

@@ -21,6 +21,7 @@ CASES = [  # (T, D, group, input dtype)
     (3, 64, 32, torch.float32),
     (37, 100, 16, torch.bfloat16),  # a ragged last group
     (33, 264, 16, torch.bfloat16),  # a tile past the row (512 columns): the float32 encoder
+    (17, 512, 4, torch.bfloat16),  # whole tiles, groups narrower than a vector: the float32 encoder
     (130, 300, 128, torch.float16),
     (257, 7168, 16, torch.bfloat16),  # the dispatch wire at DeepSeek-V3's hidden
     (64, 7168, 32, torch.float32),
@@ -92,6 +93,7 @@ SPECIALIZATIONS = [  # (num_cols, group, fmt, sf_format, dtype)
     (100, 32, "e2m1", "ue8m0", "float16"),
     (7168, 128, "e4m3", "e4m3", "bfloat16"),
     (300, 128, "e4m3", "e4m3", "float32"),
+    (512, 4, "e2m1", "e4m3", "bfloat16"),
 ]
 
 
@@ -107,6 +109,9 @@ def test_compiles_for_sm90a():
             assert ("__fdiv_rn" in cast) == (sf_format == "ue8m0" and not no_division), (num_cols, fmt, sf_format)
             assert ("= ep_div_by(" in cast) == (sf_format == "e4m3"), (num_cols, fmt, sf_format)
             assert ("fp8_e4" in back) == ("e4m3" in (fmt, sf_format)), (num_cols, fmt, sf_format)
+            # bfloat16 rows under e4m3 scales: eight values a call where a vector lies in one group
+            packed = (fmt, sf_format, dtype) == ("e2m1", "e4m3", "bfloat16") and group % 8 == 0
+            assert ("ep_e2m1x8_bf16_scaled((&" in cast) == packed, (num_cols, group, fmt, sf_format, dtype)
 
 
 def e2m1_edge_values() -> torch.Tensor:
