@@ -178,7 +178,7 @@ def test_e2m1_codes_at_every_bfloat16_edge(fmt, sf_format):
         assert torch.equal(as_bytes(g.cpu()), as_bytes(w))
 
 
-def e4m3_scale_edge_rows(width: int = 256, group: int = 16) -> torch.Tensor:
+def e4m3_scale_edge_rows(width: int = 512, group: int = 16) -> torch.Tensor:
     """bfloat16 rows at the edges of the two-level scales: groups whose e4m3 scale is subnormal and
     rounded down (their values past 6 after the scale, up to 9); groups whose scale is an e4m3 value
     that is not a power of two (1.125 to 448, over a per-token scale of a power of two), holding the
@@ -191,7 +191,8 @@ def e4m3_scale_edge_rows(width: int = 256, group: int = 16) -> torch.Tensor:
         amaxes += [6 * 2.0**k * e for e in (1.125, 1.375, 1.75, 3.25, 5.5, 7.5, 13.0, 26.0, 104.0, 208.0)]
         row = torch.zeros(width)
         ramp = torch.tensor([1.0, -1.0, 0.99, -0.75, 0.5, 0.3, -0.1, 0.0, 0.9, 0.6, 0.2, -0.4, 0.01, 0.83, -0.66, 0.45])
-        for g, a in enumerate(amaxes[: width // group]):
+        assert len(amaxes) <= width // group, "every listed scale gets a group of its own"
+        for g, a in enumerate(amaxes):
             row[g * group:(g + 1) * group] = a * ramp[:group]
         rows.append(row)
         points = torch.tensor(reference.E2M1_VALUES[1:] + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0), dtype=torch.bfloat16)
