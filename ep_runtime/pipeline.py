@@ -348,14 +348,16 @@ class PipelineSchedule:
 
 def _check_lanes(stage: PipelineStage, ctx: ParallelContext, num_lanes: int) -> None:
     """Every MoE layer's dispatcher and Engram table of ``stage`` has a member per lane (each over
-    its own EP group), or there is no EP group of more than one rank (whose lanes have no peer to
-    wait for in another lane's order)."""
-    if ctx.ep_group is None or ctx.ep_size == 1:
+    its own EP group), or none that travels: no EP group, or a transport and table without a group
+    (an EP group of one rank: ``make_dispatcher``'s identity, which every lane may share)."""
+    if ctx.ep_group is None:
         return
     model = stage.model
-    shared = [f"blocks.{i}.ffn.dispatcher" for i in stage.layers if isinstance(model.blocks[i].ffn, MoELayer)
-              and lanes.lanes_of(model.blocks[i].ffn.dispatcher) != num_lanes]
+    moe = [i for i in stage.layers if isinstance(model.blocks[i].ffn, MoELayer)]
+    shared = [f"blocks.{i}.ffn.dispatcher" for i in moe if lanes.attribute(model.blocks[i].ffn.dispatcher, "group")
+              is not None and lanes.lanes_of(model.blocks[i].ffn.dispatcher) != num_lanes]
     shared += [f"blocks.{i}.engram.table.group" for i in stage.layers if model.blocks[i].engram is not None
+               and model.blocks[i].engram.table.group is not None
                and lanes.lanes_of(model.blocks[i].engram.table.group) != num_lanes]
     if shared:
         raise ValueError(f"schedule: 'overlap' runs {num_lanes} lanes at once, each needing its own EP groups; "

@@ -40,7 +40,7 @@ class Signal:
     report_2: torch.Tensor | None = None
     # (device, world) pairs ``signal_kernel.check_signal`` passed: a heap's one Signal is checked
     # once, not on every call (its pinned-memory query alone is a driver call)
-    checked: set = field(default_factory=set, repr=False, compare=False)
+    checked: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     @property
     def world(self) -> int:

@@ -109,10 +109,11 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     """The TileLang twin of :func:`kernels.comm.reference.put_rows` (same bits). ``region`` must
     carry ``delta_W``, and its views must start on 16-byte boundaries."""
     check_put_rows_args(src_NX, dest_NW, region)
-    word_bytes, vec, _ = row_words(src_NX.shape[1] * src_NX.element_size())
-    dst_CX = peer_copy(region, layout=(WORD_DTYPES[word_bytes], -1, vec))  # the region's rows as vectors
+    peer_copy(region)
     if src_NX.shape[0] * src_NX.shape[1] == 0:
         return
+    word_bytes, vec, _ = row_words(src_NX.shape[1] * src_NX.element_size())
+    dst_CX = peer_copy(region, layout=(WORD_DTYPES[word_bytes], -1, vec))  # the region's rows as vectors
     src_NVX = _as_vectors(src_NX)
     kernel = get_put_rows_kernel(*get_kernel_args(src_NX.shape[1] * src_NX.element_size(), region.world))
     kernel(src_NVX, as_int32(dest_NW), region.delta_W, dst_CX)

@@ -34,7 +34,7 @@ class PeerRegion:
     unit: int = 16
     # rank 0's copy as kernels take it, checked once (``put_rows_kernel.peer_copy``): a region is
     # made once per heap and called with every transport call, whose host time is the eager limit
-    kernel_views: dict = field(default_factory=dict, repr=False, compare=False)
+    kernel_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def world(self) -> int:

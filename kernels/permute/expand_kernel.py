@@ -197,7 +197,6 @@ def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((*lead, last * like.element_size()), dtype=torch.uint8, device=like.device).view(like.dtype)
 
 
-
 def _check(name: str, t: object, layout: object, rows: int | None) -> None:
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")

@@ -130,4 +130,3 @@ def weighted_reduce_backward(
     kernel(aligned(grad_TD), aligned(y_PD), as_int32(layout.pos_TK), weights_TK.contiguous(), as_int32(layout.src_P),
            as_int32(layout.offsets_E), grad_PD, grad_weights_TK)
     return grad_PD, grad_weights_TK
-
