@@ -72,8 +72,8 @@ class BackwardPlan(NamedTuple):
 
 # On an H200 (T = 8192, N = 4, D = 4096 / 7168; 8 / 16 warps): one g buffer, w resident and 2 stages
 # (what fits beside w at 7168) 435.7 / 707.6 us; two g buffers, 3 stages, w resident at 4096 and
-# streamed at 7168 (two g buffers and w resident do not fit there) 378.1 / 659.8 us (91.2 / 91.5% of
-# copy; the next token's g no longer loads behind the token's last barrier). At 4096 two g buffers
+# streamed at 7168 (two g buffers and w resident do not fit there) 378.1 / 659.8 us in one probe
+# (91.2 / 91.5% of copy; the next token's g no longer loads behind the token's last barrier). At 4096 two g buffers
 # with 2 stages took 381.5 us and 3 stages with one g buffer 433.0; streaming wh and we through the
 # ring (12 bytes a column, so 2 stages) instead of their product took 724.9 us at 7168.
 BACKWARD_WARPS = 8  # a CTA's warps, shared out among the streams (at least one each)
