@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 
@@ -82,8 +80,7 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
                               num_stages=ctx.pp_size,
                               chunks=2 if schedule == "interleaved" else 1)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=num_micro, schedule=schedule)
-        ref = _build(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatcher="all_to_all")),
-                     single_process(ctx.device))
+        ref = _build(cfg, single_process(ctx.device))  # one process: the identity transport, any dispatcher
         all_tokens = torch.cat([tokens(d) for d in range(per_stage)])
         ref_params = dict(ref.named_parameters())
         losses, ref_losses, grad_errors = [], [], []
