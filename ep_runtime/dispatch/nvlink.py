@@ -161,6 +161,16 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self._made[key] = regions
         return regions
 
+    def _mine(self, region: PeerRegion, *view) -> torch.Tensor:
+        """This rank's copy of ``region`` (``.view(*view)`` of it), made once per region: a call's
+        views cost host time, and a region's tensors never change."""
+        key = ("mine", view)
+        mine = region.kernel_views.get(key)
+        if mine is None:
+            mine = region.views[self.ep_rank].view(*view) if view else region.views[self.ep_rank]
+            region.kernel_views[key] = mine
+        return mine
+
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))
         put_rows(rows_TX.contiguous(), route.dest_TW, region)
@@ -185,10 +195,10 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         if fp8:
             q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
             region = TokenRegions(q=q, sf=sf)
-            returned, scales = q.views[self.ep_rank].view(torch.float8_e4m3fn), sf.views[self.ep_rank]
+            returned, scales = self._mine(q, torch.float8_e4m3fn), self._mine(sf)
         else:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
-            returned, scales = region.views[self.ep_rank], None
+            returned, scales = self._mine(region), None
         pos_RK = route.layout.pos_TK
         # With small buffers reduce_sum_home passes the barrier itself where the kernels take one: it
         # signals as it starts and waits for the peers only after reducing its own rows (with large
@@ -253,7 +263,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
                 planned = self.beside.mark() if rows_by_routes else None
                 if not fused:
                     self.heap.barrier(ROUTES)
-                    recv, layout = receive_layout(meta.views[me], counts.views[me][:, 0], num_local_experts=e_local,
+                    recv, layout = receive_layout(self._mine(meta), self._mine(counts, -1), num_local_experts=e_local,
                                                   rank=me, max_tokens=t_max, alignment=self.alignment,
                                                   num_rows=receive_rows(world, t_max, topk, e_local, self.alignment))
             if rows_by_routes:
@@ -271,11 +281,11 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             self.beside.join()
 
         if fp8:
-            x_RD = Fp8Rows(q_RD=data[0].views[me].view(torch.float8_e4m3fn), sf_RG=data[1].views[me], dtype=x_TD.dtype)
+            x_RD = Fp8Rows(q_RD=self._mine(data[0], torch.float8_e4m3fn), sf_RG=self._mine(data[1]), dtype=x_TD.dtype)
         else:
-            x_RD = data[0].views[me]
+            x_RD = self._mine(data[0])
         if fused:
-            recv, layout, x_PD = receive_expand(meta.views[me], counts.views[me][:, 0], x_RD.q_RD, x_RD.sf_RG,
+            recv, layout, x_PD = receive_expand(self._mine(meta), self._mine(counts, -1), x_RD.q_RD, x_RD.sf_RG,
                                                 num_local_experts=e_local, rank=me, max_tokens=t_max,
                                                 alignment=self.alignment, group=FP8_GROUP, out_dtype=x_RD.dtype)
         elif expand:

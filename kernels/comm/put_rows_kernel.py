@@ -19,6 +19,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher
 from kernels.pdl import chained
 from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
 from kernels.tiles import PEER_PASS_CONFIGS, as_int32, tl_dtype
@@ -116,4 +117,4 @@ def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) ->
     dst_CX = peer_copy(region, layout=(WORD_DTYPES[word_bytes], -1, vec))  # the region's rows as vectors
     src_NVX = _as_vectors(src_NX)
     kernel = get_put_rows_kernel(*get_kernel_args(src_NX.shape[1] * src_NX.element_size(), region.world))
-    kernel(src_NVX, as_int32(dest_NW), region.delta_W, dst_CX)
+    launcher(kernel)(src_NVX, as_int32(dest_NW), region.delta_W, dst_CX)

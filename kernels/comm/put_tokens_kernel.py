@@ -28,6 +28,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher, stand_in
 from kernels.pdl import chained
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.tiles import (
@@ -196,9 +197,9 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
     if t == 0:
         return None
     if routes is None:
-        stand_in = x_TD.new_empty(k + 2 * world, dtype=torch.int32)  # never read; one allocation
-        bits_TK, dest_TW, home_TW = (part.view(1, -1) for part in stand_in.split((k, world, world)))
-        meta_F = counts_F = stand_in
+        bits_TK = stand_in((1, k), torch.int32, x_TD.device)  # never read
+        dest_TW = home_TW = stand_in((1, world), torch.int32, x_TD.device)
+        meta_F = counts_F = stand_in((1,), torch.int32, x_TD.device)
     else:
         check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
         if routes.meta.delta_W is not regions.q.delta_W or routes.counts.delta_W is not regions.q.delta_W:
@@ -218,6 +219,6 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
     vec = math.gcd(vector_width(d, 1), group)
     q_CE = peer_copy(regions.q, dtype=torch.uint8, width=d, layout=(E4M3, -1, vec))
     sf_F = peer_copy(regions.sf, dtype=torch.float32, width=-(-d // group), layout=(torch.float32, -1))
-    kernel(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q_CE, sf_F, num_local_experts, rank,
+    launcher(kernel)(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q_CE, sf_F, num_local_experts, rank,
            max_tokens, bits_TK, meta_F, counts_F, dest_TW, home_TW)
     return None if routes is None else (dest_TW, home_TW)

@@ -33,6 +33,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher
 from kernels.pdl import chained
 from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
@@ -250,7 +251,7 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
     x_PD = q_RD.new_empty((num_rows, hidden), dtype=out_dtype)
     kernel = get_receive_expand_kernel(world, max_tokens, topk, num_local_experts, alignment, hidden, group,
                                        tl_dtype(out_dtype))
-    kernel(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), plan.local_idx_RK,
+    launcher(kernel)(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), plan.local_idx_RK,
            plan.weights_RK, plan.back_RW, layout.counts_E, layout.offsets_E, layout.pos_TK, layout.src_P, x_PD, rank)
     return ReceivePlan(local_idx_RK=plan.local_idx_RK, weights_RK=plan.weights_RK.view(torch.float32),
                        back_RW=plan.back_RW), layout, x_PD

@@ -8,6 +8,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher, stand_in
 from kernels.pdl import chained
 from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.reduce.weighted_reduce_kernel import PEER_SYNC_PASS_CONFIGS, reduce_tile, row_reducer
@@ -167,13 +168,13 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         sf_F = peer_copy(region.sf, "region.sf", dtype=torch.float32, width=-(-d // group), layout=(torch.float32, -1))
     else:
         peer_copy(rows, width=d)
-        sf_F = torch.empty(1, dtype=torch.float32, device=y_PD.device)  # never read
+        sf_F = stand_in((1,), torch.float32, y_PD.device)  # never read
     if r == 0 or d == 0:
         return
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     rows_CE = peer_copy(rows, width=d, layout=(torch.float8_e4m3fn if fp8 else out_dtype, -1, vec))
-    sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
+    sf_PG = stand_in((p, -(-d // 128)), torch.float32, y_PD.device)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
                                             max_threads, group if fp8 else 0, staged)
-    kernel(aligned(y_PD), sf_PG, as_int32(pos_RK), weights_RK.contiguous(),
+    launcher(kernel)(aligned(y_PD), sf_PG, as_int32(pos_RK), weights_RK.contiguous(),
            as_int32(dest_RW), rows.delta_W, rows_CE, sf_F, skip_rank)

@@ -22,6 +22,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher
 from kernels.permute.reference import ExpertLayout
 from kernels.tiles import PASS_CONFIGS, aligned, as_int32, check_cuda, tl_dtype
 from kernels.reduce.reference import check_weighted_reduce_backward_args
@@ -127,6 +128,6 @@ def weighted_reduce_backward(
     grad_PD = torch.empty((p, d), dtype=y_PD.dtype, device=y_PD.device)
     grad_weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)
     kernel = get_weighted_reduce_backward_kernel(d, k, tl_dtype(y_PD.dtype))
-    kernel(aligned(grad_TD), aligned(y_PD), as_int32(layout.pos_TK), weights_TK.contiguous(), as_int32(layout.src_P),
+    launcher(kernel)(aligned(grad_TD), aligned(y_PD), as_int32(layout.pos_TK), weights_TK.contiguous(), as_int32(layout.src_P),
            as_int32(layout.offsets_E), grad_PD, grad_weights_TK)
     return grad_PD, grad_weights_TK

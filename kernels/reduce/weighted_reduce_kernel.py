@@ -34,6 +34,7 @@ from tilelang import language as T
 
 from kernels.signal import Signal
 from kernels.signal_kernel import barrier_alone, check_signal, in_kernel_barrier, signal_args
+from kernels.launch import launcher, stand_in
 from kernels.pdl import chained
 from kernels.reduce.reference import check_reduce_sum_home_args, check_weighted_reduce_args
 from kernels.reduce.reference import reduce_sum_home as reference_reduce_sum_home
@@ -328,7 +329,7 @@ def weighted_reduce(
         d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
         unit, reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
     )
-    kernel(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
+    launcher(kernel)(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD
 
 
@@ -364,10 +365,10 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
         return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG,
                                          group=group)
     out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
-    sf_PG = y_PD.new_empty((p, -(-d // 128)), dtype=torch.float32)  # never read
+    sf_PG = stand_in((p, -(-d // 128)), torch.float32, y_PD.device)  # never read
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
                                         tl_dtype(rows_SD.dtype), group, signal is not None, staged)
-    kernel(aligned(y_PD), sf_PG, as_int32(pos_TK), weights_TK.contiguous(), aligned(rows_SD),
+    launcher(kernel)(aligned(y_PD), sf_PG, as_int32(pos_TK), weights_TK.contiguous(), aligned(rows_SD),
            sf_PG if sf_SG is None else sf_SG.contiguous(), as_int32(home_TW), out_TD, rank,
            *signal_args(signal, world, y_PD.device))
     return out_TD
