@@ -23,8 +23,6 @@ the signals' flight over NVLink.
 Shape suffixes: W ranks.
 """
 
-import functools
-
 import tilelang
 import torch
 from tilelang import language as T
@@ -127,9 +125,9 @@ def get_barrier_kernel(world: int):
 
 def barrier_alone(signal: Signal) -> None:
     """The barrier as a kernel of its own (after everything before it in the stream)."""
-    kernel = get_barrier_kernel(signal.world)
-    launcher(kernel)(signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.rank,
-           signal.timeout_ns, signal.report_address)
+    launch = launcher(get_barrier_kernel(signal.world))
+    launch(signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.rank, signal.timeout_ns,
+           signal.report_address)
 
 
 def signal_args(signal: Signal | None, world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -138,14 +136,7 @@ def signal_args(signal: Signal | None, world: int, device: torch.device) -> tupl
     if signal is not None:
         return (signal.flags_W, signal.own_W, signal.delta_W, signal.epoch_1, signal.tickets_1, signal.timeout_ns,
                 signal.report_address)
-    return _unsignalled_args(world, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _unsignalled_args(world: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The stand-ins of :func:`signal_args`, made once per ``(world, device)`` (a call's allocation
-    and views were host time on the eager path)."""
-    stand_in = torch.empty(world + 1, dtype=torch.int64, device=device)
+    stand_in = torch.empty(world + 1, dtype=torch.int64, device=device)  # one allocation on the hot path
     flags = stand_in.view(torch.int32)
     return flags[:world], flags[:world], stand_in[:world], flags[world:world + 1], flags[world + 1:world + 2], 0, 0
 

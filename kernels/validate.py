@@ -6,9 +6,12 @@ non-finite values) with a message naming the argument, what was expected and wha
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
+
+SIGNATURES = 256  # kept per check: a transport gives a few (each holds the regions it was given)
 
 
 def check_tensor(
@@ -101,3 +104,25 @@ def check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
+
+
+def per_signature(check):
+    """``check``, a check of shapes, dtypes and devices only, run once per signature of its
+    positional arguments (each tensor's shape, dtype and device; any other argument with its type)
+    and its result kept: an eager launch would otherwise repeat it on every call (five tensors' checks
+    cost ~2.3x the look-up). A bad argument still raises on every call: a signature is kept once
+    its check passed."""
+    passed = {}
+
+    @functools.wraps(check)
+    def checked(*args):
+        key = tuple([(a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
+        result = passed.get(key, passed)
+        if result is passed:
+            result = check(*args)
+            if len(passed) >= SIGNATURES:
+                passed.clear()
+            passed[key] = result
+        return result
+
+    return checked

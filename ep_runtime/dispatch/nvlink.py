@@ -171,6 +171,16 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             region.kernel_views[key] = mine
         return mine
 
+    @staticmethod
+    def _pair(kind: type, first: PeerRegion, second: PeerRegion):
+        """``kind(first, second)`` (``TokenRegions``, ``RouteRegions``), made once per pair of regions:
+        the kernel ops prepare their launches once per region they are given."""
+        key = (kind, second)
+        pair = first.kernel_views.get(key)
+        if pair is None:
+            pair = first.kernel_views[key] = kind(first, second)
+        return pair
+
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))
         put_rows(rows_TX.contiguous(), route.dest_TW, region)
@@ -194,7 +204,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         rows, hidden = self.num_recv_rows, y_PD.shape[1]
         if fp8:
             q, sf = self._regions((rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32))
-            region = TokenRegions(q=q, sf=sf)
+            region = self._pair(TokenRegions, q, sf)
             returned, scales = self._mine(q, torch.float8_e4m3fn), self._mine(sf)
         else:
             (region,) = self._regions((rows, hidden, y_PD.dtype))
@@ -249,11 +259,11 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         # their own, and the receivers lay them out while the rows travel: what arrived is rank w's
         # routes in block w's first count[w] rows (data where they name our experts).
         fused = expand and fp8 and self.small_buffers(topk)
-        route_regions = RouteRegions(meta=meta, counts=counts)
+        route_regions = self._pair(RouteRegions, meta, counts)
         one_launch = fused and not isinstance(x_TD, Fp8Rows)
         if one_launch:  # tokens and routes in one launch, one stream
             dest_TW, home_TW = put_tokens_and_routes(x_TD, topk_idx_TK, topk_weights_TK,
-                                                     TokenRegions(q=data[0], sf=data[1]), route_regions,
+                                                     self._pair(TokenRegions, *data), route_regions,
                                                      num_local_experts=e_local, rank=me, group=FP8_GROUP)
         else:
             rows_by_routes = not fp8 or isinstance(x_TD, Fp8Rows)  # put_rows goes by put_routes' dest_TW
@@ -272,7 +282,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
                 for rows_TX, region in zip(rows, data):
                     put_rows(rows_TX.contiguous(), dest_TW, region)
             else:  # cast and stored in one pass (kernels.comm.put_tokens)
-                put_tokens(x_TD, topk_idx_TK, TokenRegions(q=data[0], sf=data[1]), num_local_experts=e_local,
+                put_tokens(x_TD, topk_idx_TK, self._pair(TokenRegions, *data), num_local_experts=e_local,
                            rank=me, group=FP8_GROUP)
         if fused and not one_launch:  # one barrier publishes the routes and the rows
             self.beside.join()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from kernels.permute import ExpertLayout
-from kernels.validate import check_positive, check_tensor
+from kernels.validate import check_positive, check_tensor, per_signature
 
 if TYPE_CHECKING:
     from ..config import MoEConfig
@@ -132,6 +132,7 @@ class Dispatcher(abc.ABC):
         itself stay in y's dtype; the sum is in y's dtype."""
 
 
+@per_signature  # checked once per signature: an eager call's host time is the small batch's limit
 def check_dispatch_args(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> None:
     """Dtypes, shapes and devices of ``Dispatcher.dispatch``'s arguments (values are the backend's
     business: checking them on the host costs a sync)."""
@@ -153,4 +154,9 @@ def local_experts(num_experts: int, ep_size: int) -> int:
 def check_combine_args(y_PD: torch.Tensor, handle: object) -> None:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"handle: expected the DispatchHandle from dispatch, got {type(handle).__name__}")
-    check_tensor("y_PD", y_PD, shape=(handle.route.layout.num_rows, None), dtype=FLOAT_DTYPES)
+    _check_y(y_PD, handle.route.layout.num_rows)
+
+
+@per_signature
+def _check_y(y_PD: torch.Tensor, num_rows: int) -> None:
+    check_tensor("y_PD", y_PD, shape=(num_rows, None), dtype=FLOAT_DTYPES)

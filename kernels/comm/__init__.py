@@ -19,6 +19,8 @@ symmetric heap's barrier that a kernel passes itself (``signal_kernel``; ``kerne
 ``reduce_sum_home`` takes one).
 """
 
+import functools
+
 import torch
 
 from kernels.permute import ExpertLayout, expert_layout
@@ -117,6 +119,7 @@ def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_ex
                                routes_per_token=min(plan.local_idx_RK.shape[1], num_local_experts))
 
 
+@functools.cache  # asked on every dispatch and combine of a transport, of its few sizes
 def receive_expand_fits(world: int, max_tokens: int, topk: int, num_local_experts: int) -> bool:
     """Whether :func:`receive_expand` takes ``W * T_max`` received rows of ``topk`` routes in one
     launch on a GPU (a small batch; its layout then costs no launch of its own)."""

@@ -27,6 +27,7 @@ import torch
 from tilelang import language as T
 from tvm import tirx
 
+from kernels.launch import launcher
 from kernels.pdl import chained
 from kernels.tiles import PEER_PASS_CONFIGS
 from kernels.scan import HAND_SYNC_CONFIGS
@@ -195,11 +196,11 @@ def put_routes(topk_idx_TK: torch.Tensor, topk_weights_TK: torch.Tensor, regions
         topk_idx_TK, topk_weights_TK = topk_idx_TK.new_empty((0, topk)), topk_weights_TK.new_empty((0, topk))
     dest_TW = torch.empty((num_tokens, world), dtype=torch.int32, device=topk_idx_TK.device)
     home_TW = torch.empty_like(dest_TW)
-    kernel = get_put_routes_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch."))
+    launch = launcher(get_put_routes_kernel(world, topk, str(topk_idx_TK.dtype).removeprefix("torch.")))
     vec = math.gcd(4, 2 * topk)
     meta_FV = peer_copy(regions.meta, dtype=torch.int32, width=2 * topk, layout=(torch.int32, -1, vec))
     counts_F = peer_copy(regions.counts, dtype=torch.int32, width=1, layout=(torch.int32, -1))
-    kernel(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), regions.meta.delta_W, dest_TW,
+    launch(topk_idx_TK.contiguous(), topk_weights_TK.contiguous().view(torch.int32), regions.meta.delta_W, dest_TW,
            home_TW, meta_FV, counts_F, num_local_experts, rank, max_tokens)
     return dest_TW, home_TW
 

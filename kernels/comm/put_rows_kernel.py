@@ -21,8 +21,9 @@ from tilelang import language as T
 
 from kernels.launch import launcher
 from kernels.pdl import chained
-from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _as_vectors, _tile, row_words, tile_vectors
-from kernels.tiles import PEER_PASS_CONFIGS, as_int32, tl_dtype
+from kernels.permute.expand_kernel import THREADS, WORD_DTYPES, _tile, row_words, tile_vectors
+from kernels.tiles import PEER_PASS_CONFIGS, aligned, as_int32, tl_dtype
+from kernels.validate import per_signature
 
 from .reference import PeerRegion, check_put_rows_args
 
@@ -109,12 +110,22 @@ def peer_copy(region: PeerRegion, name: str = "region", *, dtype: torch.dtype | 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
     """The TileLang twin of :func:`kernels.comm.reference.put_rows` (same bits). ``region`` must
     carry ``delta_W``, and its views must start on 16-byte boundaries."""
+    plan = _plan(src_NX, dest_NW, region)
+    if plan is not None:
+        launch, dst_CX, word, vectors = plan  # the rows as words, in two views (a view is host time)
+        launch(aligned(src_NX).view(word).view(vectors), as_int32(dest_NW), region.delta_W, dst_CX)
+
+
+@per_signature
+def _plan(src_NX, dest_NW, region):
+    """:func:`put_rows`' checks, its launch and the region's rows as vectors (None: nothing to put),
+    once per signature of its arguments (``kernels.validate.per_signature``)."""
     check_put_rows_args(src_NX, dest_NW, region)
     peer_copy(region)
     if src_NX.shape[0] * src_NX.shape[1] == 0:
-        return
-    word_bytes, vec, _ = row_words(src_NX.shape[1] * src_NX.element_size())
-    dst_CX = peer_copy(region, layout=(WORD_DTYPES[word_bytes], -1, vec))  # the region's rows as vectors
-    src_NVX = _as_vectors(src_NX)
+        return None
+    word_bytes, vec, nv = row_words(src_NX.shape[1] * src_NX.element_size())
+    word = WORD_DTYPES[word_bytes]
+    dst_CX = peer_copy(region, layout=(word, -1, vec))  # the region's rows as vectors
     kernel = get_put_rows_kernel(*get_kernel_args(src_NX.shape[1] * src_NX.element_size(), region.world))
-    launcher(kernel)(src_NVX, as_int32(dest_NW), region.delta_W, dst_CX)
+    return launcher(kernel), dst_CX, word, (src_NX.shape[0], nv, vec)

@@ -42,7 +42,7 @@ from kernels.tiles import (
     vector_layout,
     vector_width,
 )
-from kernels.validate import check_tensor
+from kernels.validate import check_tensor, per_signature
 
 from .plan_kernel import assert_routes, goes_to, put_routes
 from .put_rows_kernel import peer_copy
@@ -174,6 +174,29 @@ def put_tokens_and_routes(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_we
 def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_experts, rank, group):
     """``put_tokens``, and with ``routes`` (``RouteRegions`` of the tokens' heap) ``put_routes``'
     stores too, returning ``(dest_TW, home_TW)``."""
+    launch, args, tail = _plan(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, num_local_experts, rank, group)
+    t = x_TD.shape[0]
+    if routes is not None and t == 0:  # no rows; put_routes still tells every rank the count
+        return put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
+    if t == 0:
+        return None
+    if routes is None:
+        launch(x_TD.contiguous(), topk_idx_TK.contiguous(), *args, *tail)
+        return None
+    world = regions.q.world
+    dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
+    home_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
+    launch(x_TD.contiguous(), topk_idx_TK.contiguous(), *args, topk_weights_TK.contiguous().view(torch.int32), *tail,
+           dest_TW, home_TW)
+    return dest_TW, home_TW
+
+
+@per_signature
+def _plan(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, num_local_experts, rank, group):
+    """:func:`_put`'s checks, once per signature of its arguments (``kernels.validate.per_signature``),
+    and ``(launch, args, tail)``: the launch, its arguments between the routes and the weights' bits,
+    and those after the bits (with ``routes``: the route regions' flat copies, before the way there
+    and back; without: stand-ins of every unread argument from the bits on); Nones for no tokens."""
     check_tensor("x_TD", x_TD, dtype=FLOAT_DTYPES, ndim=2)
     check_cuda("x_TD", x_TD)
     if not supports_block((1, group)):
@@ -191,15 +214,14 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
         raise ValueError(f"rank: expected 0 <= rank < {world} (the regions' ranks), got {rank}")
     if t > max_tokens:
         raise ValueError(f"x_TD: expected at most T_max = {max_tokens} tokens (the regions' rows / W), got {t}")
-    k = topk_idx_TK.shape[1]
-    if routes is not None and t == 0:  # no rows; put_routes still tells every rank the count
-        return put_routes(topk_idx_TK, topk_weights_TK, routes, num_local_experts=num_local_experts, rank=rank)
     if t == 0:
-        return None
+        return None, None, None
+    k = topk_idx_TK.shape[1]
     if routes is None:
         bits_TK = stand_in((1, k), torch.int32, x_TD.device)  # never read
         dest_TW = home_TW = stand_in((1, world), torch.int32, x_TD.device)
         meta_F = counts_F = stand_in((1,), torch.int32, x_TD.device)
+        tail = (bits_TK, meta_F, counts_F, dest_TW, home_TW)
     else:
         check_tensor("topk_weights_TK", topk_weights_TK, dtype=torch.float32, shape=(t, k), device=x_TD.device)
         if routes.meta.delta_W is not regions.q.delta_W or routes.counts.delta_W is not regions.q.delta_W:
@@ -209,16 +231,11 @@ def _put(x_TD, topk_idx_TK, topk_weights_TK, regions, routes, *, num_local_exper
         if meta.shape != (q.shape[0], 2 * k) or counts.shape[0] != world:
             raise ValueError(f"routes: expected {q.shape[0]} meta rows (the tokens' regions') of 2K = {2 * k} words "
                              f"and W = {world} counts, got {tuple(meta.shape)} and {tuple(counts.shape)}")
-        meta_F = peer_copy(routes.meta, dtype=torch.int32, layout=(torch.int32, -1))
-        counts_F = peer_copy(routes.counts, dtype=torch.int32, width=1, layout=(torch.int32, -1))
-        bits_TK = topk_weights_TK.contiguous().view(torch.int32)
-        dest_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
-        home_TW = torch.empty((t, world), dtype=torch.int32, device=x_TD.device)
+        tail = (peer_copy(routes.meta, dtype=torch.int32, layout=(torch.int32, -1)),
+                peer_copy(routes.counts, dtype=torch.int32, width=1, layout=(torch.int32, -1)))
     index_dtype = str(topk_idx_TK.dtype).removeprefix("torch.")
     kernel = get_put_tokens_kernel(d, tl_dtype(x_TD.dtype), group, world, k, index_dtype, routes=routes is not None)
     vec = math.gcd(vector_width(d, 1), group)
     q_CE = peer_copy(regions.q, dtype=torch.uint8, width=d, layout=(E4M3, -1, vec))
     sf_F = peer_copy(regions.sf, dtype=torch.float32, width=-(-d // group), layout=(torch.float32, -1))
-    launcher(kernel)(x_TD.contiguous(), topk_idx_TK.contiguous(), regions.q.delta_W, q_CE, sf_F, num_local_experts, rank,
-           max_tokens, bits_TK, meta_F, counts_F, dest_TW, home_TW)
-    return None if routes is None else (dest_TW, home_TW)
+    return launcher(kernel), (regions.q.delta_W, q_CE, sf_F, num_local_experts, rank, max_tokens), tail

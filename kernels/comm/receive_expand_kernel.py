@@ -39,7 +39,7 @@ from kernels.permute.reference import ExpertLayout
 from kernels.quant.reference import E4M3, FLOAT_DTYPES
 from kernels.tiles import tl_dtype, vector_layout, vector_width
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
-from kernels.validate import check_dtype, check_tensor
+from kernels.validate import check_dtype, check_tensor, per_signature
 
 from .reference import ReceivePlan, receive_rows
 
@@ -231,6 +231,23 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
                    out_dtype: torch.dtype) -> tuple[ReceivePlan, ExpertLayout, torch.Tensor]:
     """The TileLang twin of :func:`kernels.comm.reference.receive_expand` (same values; ``x_PD``
     unwritten past ``offsets_E[-1]``), for a batch that :func:`fits`, over ``receive_rows`` rows."""
+    launch, rows, topk, world, num_rows = _plan(meta_RM, count_W, q_RD, sf_RG, num_local_experts, max_tokens, alignment,
+                                                group, out_dtype)
+    new = meta_RM.new_empty  # three [R, K] and two [E] in one allocation each (an allocation is host time)
+    local_idx_RK, bits_RK, pos_RK = new((3, rows, topk)).unbind()
+    counts_E, offsets_E = new((2, num_local_experts)).unbind()
+    back_RW, src_P = new((rows, world)), new(num_rows)
+    x_PD = q_RD.new_empty((num_rows, q_RD.shape[1]), dtype=out_dtype)
+    launch(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), local_idx_RK, bits_RK,
+           back_RW, counts_E, offsets_E, pos_RK, src_P, x_PD, rank)
+    layout = ExpertLayout(counts_E=counts_E, offsets_E=offsets_E, pos_TK=pos_RK, src_P=src_P, alignment=alignment)
+    return ReceivePlan(local_idx_RK=local_idx_RK, weights_RK=bits_RK.view(torch.float32), back_RW=back_RW), layout, x_PD
+
+
+@per_signature
+def _plan(meta_RM, count_W, q_RD, sf_RG, num_local_experts, max_tokens, alignment, group, out_dtype):
+    """:func:`receive_expand`'s checks, its launch and sizes ``(R, K, W, P)``, once per signature of
+    its arguments (``kernels.validate.per_signature``)."""
     check_tensor("meta_RM", meta_RM, dtype=torch.int32, ndim=2)
     check_tensor("count_W", count_W, dtype=torch.int32, ndim=1, device=meta_RM.device)
     world, (rows, words) = count_W.shape[0], meta_RM.shape
@@ -244,14 +261,6 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
         raise ValueError(f"meta_RM: one launch takes at most {MAX_ROUTES} routes and {MAX_EXPERTS} experts, got "
                          f"{rows * topk} routes ({rows} rows of {topk}) and {num_local_experts} experts")
     num_rows = receive_rows(world, max_tokens, topk, num_local_experts, alignment)
-    new = meta_RM.new_empty
-    plan = ReceivePlan(local_idx_RK=new((rows, topk)), weights_RK=new((rows, topk)), back_RW=new((rows, world)))
-    layout = ExpertLayout(counts_E=new(num_local_experts), offsets_E=new(num_local_experts), pos_TK=new((rows, topk)),
-                          src_P=new(num_rows), alignment=alignment)
-    x_PD = q_RD.new_empty((num_rows, hidden), dtype=out_dtype)
     kernel = get_receive_expand_kernel(world, max_tokens, topk, num_local_experts, alignment, hidden, group,
                                        tl_dtype(out_dtype))
-    launcher(kernel)(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), plan.local_idx_RK,
-           plan.weights_RK, plan.back_RW, layout.counts_E, layout.offsets_E, layout.pos_TK, layout.src_P, x_PD, rank)
-    return ReceivePlan(local_idx_RK=plan.local_idx_RK, weights_RK=plan.weights_RK.view(torch.float32),
-                       back_RW=plan.back_RW), layout, x_PD
+    return launcher(kernel), rows, topk, world, num_rows

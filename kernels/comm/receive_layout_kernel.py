@@ -31,6 +31,7 @@ import tilelang
 import torch
 from tilelang import language as T
 
+from kernels.launch import launcher
 from kernels.pdl import chained
 from kernels.permute.reference import ExpertLayout
 from kernels.scan import HAND_SYNC_CONFIGS, WARP, block_scan
@@ -200,8 +201,8 @@ def receive_layout(meta_RM: torch.Tensor, count_W: torch.Tensor, *, num_local_ex
     plan = ReceivePlan(local_idx_RK=new((rows, topk)), weights_RK=new((rows, topk)), back_RW=new((rows, world)))
     layout = ExpertLayout(counts_E=new(num_local_experts), offsets_E=new(num_local_experts), pos_TK=new((rows, topk)),
                           src_P=new(num_rows), alignment=alignment)
-    kernel = get_receive_layout_kernel(world, topk, num_local_experts, alignment)
-    kernel(meta_RM.contiguous(), count_W.contiguous(), plan.local_idx_RK, plan.weights_RK, plan.back_RW,
+    launch = launcher(get_receive_layout_kernel(world, topk, num_local_experts, alignment))
+    launch(meta_RM.contiguous(), count_W.contiguous(), plan.local_idx_RK, plan.weights_RK, plan.back_RW,
            layout.counts_E, layout.offsets_E, layout.pos_TK.view(-1), layout.src_P, rank, max_tokens)
     return ReceivePlan(local_idx_RK=plan.local_idx_RK, weights_RK=plan.weights_RK.view(torch.float32),
                        back_RW=plan.back_RW), layout

@@ -13,7 +13,7 @@ from kernels.pdl import chained
 from kernels.reduce.reference import check_weighted_reduce_args
 from kernels.reduce.weighted_reduce_kernel import PEER_SYNC_PASS_CONFIGS, reduce_tile, row_reducer
 from kernels.tiles import aligned, as_int32, check_cuda, row_major, scale_and_inverse, tl_dtype, to_e4m3
-from kernels.validate import check_tensor
+from kernels.validate import check_tensor, per_signature
 
 from .put_rows_kernel import peer_copy
 
@@ -141,6 +141,17 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
     ``max_threads`` at most, rows ``staged`` or not (:func:`get_weighted_reduce_put_kernel`); by
     default ``PUT_THREADS`` in registers for rows in y's dtype, ``FP8_PUT_THREADS`` staged where a
     thread's vector is 16 bytes for e4m3 rows."""
+    plan = _plan(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank, group, max_threads, staged)
+    if plan is not None:
+        launch, rows_CE, sf_F, sf_PG, delta_W = plan
+        launch(aligned(y_PD), sf_PG, as_int32(pos_RK), weights_RK.contiguous(), as_int32(dest_RW), delta_W, rows_CE,
+               sf_F, skip_rank)
+
+
+@per_signature
+def _plan(y_PD, pos_RK, weights_RK, dest_RW, region, skip_rank, group, max_threads, staged):
+    """:func:`reduce_put`'s checks, and what its launch takes besides the call's tensors (None: no
+    launch), once per signature of its arguments (``kernels.validate.per_signature``)."""
     # here, not at the top: kernels.comm's reference imports kernels.reduce
     from kernels.comm.reference import TokenRegions, check_skip_rank
 
@@ -170,11 +181,10 @@ def reduce_put(y_PD: torch.Tensor, pos_RK: torch.Tensor, weights_RK: torch.Tenso
         peer_copy(rows, width=d)
         sf_F = stand_in((1,), torch.float32, y_PD.device)  # never read
     if r == 0 or d == 0:
-        return
+        return None
     vec = reduce_tile(d, y_PD.element_size(), max_threads)[0]
     rows_CE = peer_copy(rows, width=d, layout=(torch.float8_e4m3fn if fp8 else out_dtype, -1, vec))
     sf_PG = stand_in((p, -(-d // 128)), torch.float32, y_PD.device)  # never read
     kernel = get_weighted_reduce_put_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), 128, False, rows.world,
                                             max_threads, group if fp8 else 0, staged)
-    launcher(kernel)(aligned(y_PD), sf_PG, as_int32(pos_RK), weights_RK.contiguous(),
-           as_int32(dest_RW), rows.delta_W, rows_CE, sf_F, skip_rank)
+    return launcher(kernel), rows_CE, sf_F, sf_PG, rows.delta_W

@@ -159,11 +159,17 @@ def check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout, *, va
     the ``values`` check: a host sync)."""
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
-    check_tensor("y_PD", y_PD, dtype=FLOAT_DTYPES, shape=(layout.num_rows, None), device=layout.pos_TK.device)
-    check_tensor("grad_TD", grad_TD, dtype=y_PD.dtype, shape=(layout.pos_TK.shape[0], y_PD.shape[1]), device=y_PD.device)
-    check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=layout.pos_TK.shape, device=y_PD.device)
+    check_weighted_reduce_backward_tensors(grad_TD, y_PD, weights_TK, layout.pos_TK, layout.src_P)
     if values:
         check_index_range("layout.pos_TK", layout.pos_TK, layout.num_rows)
+
+
+def check_weighted_reduce_backward_tensors(grad_TD, y_PD, weights_TK, pos_TK, src_P) -> None:
+    """:func:`check_weighted_reduce_backward_args` but for the layout's type and values, given its
+    ``pos_TK`` and ``src_P`` (one per row)."""
+    check_tensor("y_PD", y_PD, dtype=FLOAT_DTYPES, shape=(src_P.shape[0], None), device=pos_TK.device)
+    check_tensor("grad_TD", grad_TD, dtype=y_PD.dtype, shape=(pos_TK.shape[0], y_PD.shape[1]), device=y_PD.device)
+    check_tensor("weights_TK", weights_TK, dtype=torch.float32, shape=pos_TK.shape, device=y_PD.device)
 
 
 def check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, *, values: bool = True) -> torch.dtype:

@@ -25,7 +25,8 @@ from tilelang import language as T
 from kernels.launch import launcher
 from kernels.permute.reference import ExpertLayout
 from kernels.tiles import PASS_CONFIGS, aligned, as_int32, check_cuda, tl_dtype
-from kernels.reduce.reference import check_weighted_reduce_backward_args
+from kernels.reduce.reference import check_weighted_reduce_backward_tensors
+from kernels.validate import per_signature
 from kernels.rows import row_geometry, row_reduction
 
 
@@ -120,14 +121,26 @@ def weighted_reduce_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The TileLang twin of :func:`kernels.reduce.reference.weighted_reduce_backward` (``grad_PD``
     bit for bit, ``grad_weights_TK`` up to float32 summation order); tensors on a CUDA device."""
-    check_weighted_reduce_backward_args(grad_TD, y_PD, weights_TK, layout, values=False)
-    check_cuda("y_PD", y_PD)
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"layout: expected an ExpertLayout, got {type(layout).__name__}")
+    launch = _plan(grad_TD, y_PD, weights_TK, layout.pos_TK, layout.src_P, layout.offsets_E)
     (p, d), (t, k) = y_PD.shape, layout.pos_TK.shape
-    if t * p * d * k == 0 or layout.offsets_E.numel() == 0:  # no route has a row, and every row is padding
+    if launch is None:  # no route has a row, and every row is padding
         return torch.zeros_like(y_PD), torch.zeros((t, k), dtype=torch.float32, device=y_PD.device)
     grad_PD = torch.empty((p, d), dtype=y_PD.dtype, device=y_PD.device)
     grad_weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)
-    kernel = get_weighted_reduce_backward_kernel(d, k, tl_dtype(y_PD.dtype))
-    launcher(kernel)(aligned(grad_TD), aligned(y_PD), as_int32(layout.pos_TK), weights_TK.contiguous(), as_int32(layout.src_P),
+    launch(aligned(grad_TD), aligned(y_PD), as_int32(layout.pos_TK), weights_TK.contiguous(), as_int32(layout.src_P),
            as_int32(layout.offsets_E), grad_PD, grad_weights_TK)
     return grad_PD, grad_weights_TK
+
+
+@per_signature
+def _plan(grad_TD, y_PD, weights_TK, pos_TK, src_P, offsets_E):
+    """:func:`weighted_reduce_backward`'s checks and launch (None: nothing to launch), once per
+    signature of its arguments (``kernels.validate.per_signature``)."""
+    check_weighted_reduce_backward_tensors(grad_TD, y_PD, weights_TK, pos_TK, src_P)
+    check_cuda("y_PD", y_PD)
+    (p, d), (t, k) = y_PD.shape, pos_TK.shape
+    if t * p * d * k == 0 or offsets_E.numel() == 0:
+        return None
+    return launcher(get_weighted_reduce_backward_kernel(d, k, tl_dtype(y_PD.dtype)))

@@ -51,6 +51,7 @@ from kernels.tiles import (
     tl_dtype,
     unpack_scale,
 )
+from kernels.validate import per_signature
 
 MAX_THREADS = 256
 # reduce_put and reduce_sum_home (peers' memory; their loads guarded by hand) also place their own CTA
@@ -312,25 +313,34 @@ def weighted_reduce(
     """The TileLang twin of :func:`kernels.reduce.reference.weighted_reduce` (same arguments, same
     bits); tensors must be on a CUDA device and are copied first if not contiguous. Weights of 1
     (``weights_TK`` None) are compiled in: no tensor of ones is made (a fill launch)."""
-    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, values=False)
-    check_cuda("y_PD", y_PD)
-    p, d = y_PD.shape
+    out_dtype, launch = _reduce_plan(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype)
+    (p, d), (t, k) = y_PD.shape, pos_TK.shape
+    if launch is None:  # no token, or no row any route could read
+        return torch.zeros((t, d), dtype=out_dtype, device=y_PD.device)
     if sf_PG is None:
         sf_PG = y_PD.new_empty((p, -(-d // group)), dtype=torch.float32)  # never read
-
-    t, k = pos_TK.shape
-    if t == 0 or d == 0 or k == 0 or p == 0:  # no token, or no row any route could read
-        return torch.zeros((t, d), dtype=out_dtype, device=y_PD.device)
-    out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
-    unit = weights_TK is None
-    if unit:
+    if weights_TK is None:
         weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
-    kernel = get_weighted_reduce_kernel(
-        d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group, sf_PG.dtype == torch.uint8,
-        unit, reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
-    )
-    launcher(kernel)(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
+    out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+    launch(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD
+
+
+@per_signature
+def _reduce_plan(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype):
+    """:func:`weighted_reduce`'s checks, its output dtype and launch (None: nothing to reduce), once
+    per signature of its arguments (``kernels.validate.per_signature``)."""
+    out_dtype = check_weighted_reduce_args(y_PD, pos_TK, weights_TK, sf_PG, group, out_dtype, values=False)
+    check_cuda("y_PD", y_PD)
+    (p, d), (t, k) = y_PD.shape, pos_TK.shape
+    if t == 0 or d == 0 or k == 0 or p == 0:
+        return out_dtype, None
+    kernel = get_weighted_reduce_kernel(
+        d, k, tl_dtype(y_PD.dtype), tl_dtype(pos_TK.dtype), tl_dtype(out_dtype), group,
+        sf_PG is not None and sf_PG.dtype == torch.uint8, weights_TK is None,
+        reduce_vector_bytes(t, d, y_PD.element_size(), y_PD.device),
+    )
+    return out_dtype, launcher(kernel)
 
 
 
@@ -344,6 +354,28 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     read only after the heap's barrier it stands for, which the kernel passes itself (the own rows
     reduced while the peers' signals fly; a CTA narrower than the ranks, a small hidden size, takes
     the barrier as a kernel of its own first). ``staged``: see :func:`get_reduce_sum_home_kernel`."""
+    barrier, out_dtype, launch, sf_PG, signal_tail = _sum_home_plan(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank,
+                                                                   sf_SG, group, signal, staged)
+    if barrier is not None:
+        barrier_alone(barrier)
+    t, d = pos_TK.shape[0], y_PD.shape[1]
+    if t == 0 or d == 0:
+        return torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+    if launch is None:
+        return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG,
+                                         group=group)
+    out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+    launch(aligned(y_PD), sf_PG, as_int32(pos_TK), weights_TK.contiguous(), aligned(rows_SD),
+           sf_PG if sf_SG is None else sf_SG.contiguous(), as_int32(home_TW), out_TD, rank, *signal_tail)
+    return out_TD
+
+
+@per_signature
+def _sum_home_plan(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group, signal, staged):
+    """:func:`reduce_sum_home`'s checks and choices, once per signature of its arguments
+    (``kernels.validate.per_signature``): ``(the signal to pass as a kernel of its own first, or
+    None; out_dtype; the kernel's launch, None where the reference sums; its never-read scales;
+    its signal arguments)``."""
     out_dtype = check_reduce_sum_home_args(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank, sf_SG, group)
     check_cuda("y_PD", y_PD)
     (t, k), (p, d) = pos_TK.shape, y_PD.shape
@@ -357,18 +389,12 @@ def reduce_sum_home(y_PD: torch.Tensor, pos_TK: torch.Tensor, weights_TK: torch.
     # the barrier as a kernel of its own where no kernel of ours follows, or where its CTA has fewer
     # threads than ranks (a thread a peer signals and waits)
     if signal is not None and (alone or reduce_tile(d, y_PD.element_size())[1] < world):
-        barrier_alone(signal)
-        signal = None
-    if t == 0 or d == 0:
-        return torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
+        barrier, signal = signal, None
+    else:
+        barrier = None
     if alone:
-        return reference_reduce_sum_home(y_PD, pos_TK, weights_TK, rows_SD, home_TW, rank=rank, sf_SG=sf_SG,
-                                         group=group)
-    out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
-    sf_PG = stand_in((p, -(-d // 128)), torch.float32, y_PD.device)  # never read
+        return barrier, out_dtype, None, None, None
     kernel = get_reduce_sum_home_kernel(d, k, tl_dtype(y_PD.dtype), tl_dtype(out_dtype), world,
                                         tl_dtype(rows_SD.dtype), group, signal is not None, staged)
-    launcher(kernel)(aligned(y_PD), sf_PG, as_int32(pos_TK), weights_TK.contiguous(), aligned(rows_SD),
-           sf_PG if sf_SG is None else sf_SG.contiguous(), as_int32(home_TW), out_TD, rank,
-           *signal_args(signal, world, y_PD.device))
-    return out_TD
+    return (barrier, out_dtype, launcher(kernel), stand_in((p, -(-d // 128)), torch.float32, y_PD.device),
+            signal_args(signal, world, y_PD.device))

@@ -78,6 +78,28 @@ def test_kernel_matches_reference_bit_for_bit(n, width, dtype, world, seed):
         assert torch.equal(got[w].view(torch.uint8), want[w].view(torch.uint8)), w
 
 
+@pytest.mark.gpu
+def test_kernel_calls_of_one_signature_take_their_own_rows_and_regions(seed):
+    """The launch is prepared once per signature (kernels.validate.per_signature): later calls of
+    the same shapes, into the same region or another, still store their own rows."""
+    n, width, world, rows = 40, 96, 2, 80
+    regions = []
+    for _ in range(2):
+        got = tuple(torch.zeros(rows, width, dtype=torch.bfloat16, device="cuda") for _ in range(world))
+        delta = torch.tensor([t.data_ptr() - got[0].data_ptr() for t in got], dtype=torch.int64, device="cuda")
+        regions.append(PeerRegion(views=got, delta_W=delta))
+    for call, region in enumerate((regions[0], regions[0], regions[1])):
+        src = random_bits(n, width, dtype=torch.bfloat16, device="cuda", seed=seed + call)
+        dest = destinations(n, world, rows, seed + call).cuda()
+        want = tuple(t.clone() for t in region.views)
+        put_rows(src, dest, region)
+        reference.put_rows(src, dest, PeerRegion(views=want))
+        for w in range(world):
+            assert torch.equal(region.views[w].view(torch.uint8), want[w].view(torch.uint8)), (call, w)
+    with pytest.raises(TypeError, match="src_NX: expected dtype torch.bfloat16"):
+        put_rows(src.float(), dest, regions[1])  # after good calls, a bad one still raises
+
+
 def test_compiles_for_sm90a():
     """Dispatch's payloads for 2, 4 and 8 ranks: FP8 rows of hidden 7168, bf16 rows, scales,
     routes, counts."""
