@@ -233,10 +233,9 @@ def receive_expand(meta_RM: torch.Tensor, count_W: torch.Tensor, q_RD: torch.Ten
     unwritten past ``offsets_E[-1]``), for a batch that :func:`fits`, over ``receive_rows`` rows."""
     launch, rows, topk, world, num_rows = _plan(meta_RM, count_W, q_RD, sf_RG, num_local_experts, max_tokens, alignment,
                                                 group, out_dtype)
-    new = meta_RM.new_empty  # three [R, K] and two [E] in one allocation each (an allocation is host time)
-    local_idx_RK, bits_RK, pos_RK = new((3, rows, topk)).unbind()
-    counts_E, offsets_E = new((2, num_local_experts)).unbind()
-    back_RW, src_P = new((rows, world)), new(num_rows)
+    new = meta_RM.new_empty
+    local_idx_RK, bits_RK, pos_RK, back_RW = new((rows, topk)), new((rows, topk)), new((rows, topk)), new((rows, world))
+    counts_E, offsets_E, src_P = new(num_local_experts), new(num_local_experts), new(num_rows)
     x_PD = q_RD.new_empty((num_rows, q_RD.shape[1]), dtype=out_dtype)
     launch(meta_RM.contiguous(), count_W.contiguous(), q_RD.contiguous(), sf_RG.contiguous(), local_idx_RK, bits_RK,
            back_RW, counts_E, offsets_E, pos_RK, src_P, x_PD, rank)
