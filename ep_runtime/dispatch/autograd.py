@@ -19,7 +19,6 @@ Shape letters as in ``protocol``: T tokens, K routes, D hidden, R received rows,
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,12 +69,6 @@ def expand_rows(rows_RD: torch.Tensor | Fp8Rows | Fp4Rows, layout: ExpertLayout)
     return expand(rows_RD, layout)
 
 
-@functools.lru_cache(maxsize=16)
-def ones(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """float32 ones of ``shape``, made once per shape (read only: a fill launch a backward saved)."""
-    return torch.ones(shape, dtype=torch.float32, device=device)
-
-
 class DispatchFn(torch.autograd.Function):
     """(x_TD, weights_TK) -> (x_PD in the local experts' layout, weights_RK of the received rows),
     given what the backend already moved and laid out (``x_PD`` and ``weights_RK``: no gradient of
@@ -92,8 +85,7 @@ class DispatchFn(torch.autograd.Function):
         route, transport = ctx.route, ctx.transport
         pos_RK = route.layout.pos_TK
         routed_RK = pos_RK >= 0
-        # unit weights: ones where a route has a row, and weights are ignored where it has none
-        grad_TD = transport.reduce_home(grad_PD.contiguous(), ones(tuple(pos_RK.shape), pos_RK.device), route)
+        grad_TD = transport.reduce_home(grad_PD.contiguous(), routed_RK.float(), route)
         grad_weights_TK = None
         # Weights that reach no loss get zeros here, not None (autograd materializes the gradient).
         if ctx.needs_input_grad[1]:  # the same on every rank, so the collectives stay in step
