@@ -108,10 +108,12 @@ def check_positive(name: str, value: int) -> int:
 
 def per_signature(check):
     """``check``, a check of shapes, dtypes and devices only, run once per signature of its
-    positional arguments (each tensor's shape, dtype and device; any other argument with its type)
-    and its result kept: an eager launch would otherwise repeat it on every call (five tensors' checks
-    cost ~2.3x the look-up). A bad argument still raises on every call: a signature is kept once
-    its check passed."""
+    positional arguments (each tensor's shape, dtype and device; any other argument with its type,
+    hashable) and its result kept: an eager launch would otherwise repeat it on every call
+    (``reduce_sum_home``'s checks take 11.3 us on an H200's host, their look-up 5.7). A bad argument
+    still raises on every call: a signature is kept once its check passed. A kept signature holds
+    its arguments that are not tensors: give it objects that live on anyway (a transport's
+    regions), never one made per call."""
     passed = {}
 
     @functools.wraps(check)
