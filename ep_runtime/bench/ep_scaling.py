@@ -126,10 +126,6 @@ class BenchSpec:
             if self.only_ep not in sizes:
                 raise ValueError(f"bench.only_ep: expected one of {sizes}, got {self.only_ep!r}")
             return [self.only_ep]
-        if self.dispatcher == "nvlink" and sum(s > 1 for s in sizes) > 1:
-            raise ValueError("bench.dispatcher: 'nvlink' measures one EP size > 1 per process set (a process's "
-                             f"symmetric memory goes over one group), got EP sizes {sizes}: use the local or ray "
-                             "launcher (a fresh process set per size) or --max-ep / --only-ep")
         return sizes
 
 
@@ -143,6 +139,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     import torch.distributed as dist
 
     from ..config import ParallelConfig
+    from ..dispatch.nvlink import NVLinkDispatcher, reserve_heaps
     from ..parallel import block_group, init_parallel
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # a hung rank says where
@@ -161,6 +158,10 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     # second nvlink dispatcher's heap over the same group hung on 4 H200s.
     dispatchers = {size: _make_dispatcher(spec, groups[size], ctx.device, max(tokens_per_rank(m, size) for m in spec.modes))
                    for size in sizes if groups[size] is not None or size == 1}
+    nvlink = [d for d in dispatchers.values() if isinstance(d, NVLinkDispatcher)]
+    if len(nvlink) > 1:  # EP groups of several sizes: one process's symmetric memory goes over one set of ranks
+        reserve_heaps(nvlink, hidden=spec.hidden, topk=spec.topk, over=dist.group.WORLD, device=ctx.device,
+                      dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
     for mode, size in points:
         group = groups[size]
         if size in dispatchers:

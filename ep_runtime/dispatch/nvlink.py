@@ -44,7 +44,8 @@ the signals' flight. With ``fp8_combine`` the rows bound for the peers travel as
 link's bytes).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
-symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
+symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes),
+or reserves its groups' heaps up front in one pool (``reserve_heaps``).
 
 Overflow is never silent: a rank that dispatches more than ``max_tokens_per_rank`` tokens raises
 before anything moves (a shape check, no sync), naming itself and the limit.
@@ -71,7 +72,7 @@ from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from ..streams import SideStream
-from .symmetric import SymmetricHeap, aligned, make_heap
+from .symmetric import SymmetricHeap, SymmetricPool, aligned, make_heap
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
 
@@ -100,6 +101,18 @@ def node_sizes(cfg, ctx) -> dict:
     """The ``nvlink`` backends' constructor settings from ``model.moe`` and the rank's device."""
     return dict(num_experts=cfg.num_experts, device=ctx.device, max_tokens_per_rank=cfg.max_tokens_per_rank,
                 alignment=cfg.alignment, fp8=cfg.dispatch_format == "e4m3", fp8_combine=cfg.fp8_combine)
+
+
+def reserve_heaps(dispatchers, *, hidden: int, topk: int, dtype: torch.dtype, over: dist.ProcessGroup,
+                  device: torch.device) -> None:
+    """The heaps of ``dispatchers`` (nvlink, over groups of different ranks: EP groups of several
+    sizes in one process) reserved in one pool over ``over``, a group holding all their ranks
+    (``symmetric.SymmetricPool``). Collective over ``over``: every rank calls it, before any of
+    these dispatchers moves a token."""
+    needs: dict = {}
+    for d in dispatchers:
+        needs[d.group] = max(needs.get(d.group, 0), d.heap_bytes(hidden, topk, dtype))
+    SymmetricPool.reserve(needs, over, device)
 
 
 class NVLinkDispatcher(Dispatcher, name="nvlink"):
@@ -150,6 +163,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             return self._made[key]
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
         if self.heap is None or self.heap.nbytes < 2 * sum(sizes):
+            # (a reserved heap, SymmetricPool's, holds the largest call: it is never made again)
             # Every rank asks for the same size at the same call (it depends on shapes all ranks
             # share), so this collective allocation stays in step.
             self.heap, self._made = make_heap(2 * sum(sizes), self.group, self.device), {}
@@ -160,6 +174,18 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             offset += size
         self._made[key] = regions
         return regions
+
+    def heap_bytes(self, hidden: int, topk: int, dtype: torch.dtype) -> int:
+        """The heap this dispatcher's largest transport call takes, for rows of ``hidden``
+        values of ``dtype`` (activations and their gradients) and ``topk`` routes a token: both
+        halves of dispatch's counts, routes and rows (FP8 or not), combine's rows, or the
+        backward's rows and weights."""
+        rows = self.num_recv_rows
+        fp8 = [(rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32)]
+        plain = [(rows, hidden, dtype)]
+        routes = [(self.world, 1, torch.int32), (rows, 2 * topk, torch.int32)]
+        calls = [routes + fp8, routes + plain, fp8, plain, [(rows, topk, torch.float32)]]
+        return max(2 * sum(aligned(r * w * t.itemsize) for r, w, t in call) for call in calls)
 
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))
