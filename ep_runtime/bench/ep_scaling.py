@@ -53,7 +53,7 @@ import math
 import os
 import signal
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import StartWorkers, need_start
@@ -90,7 +90,7 @@ class BenchSpec:
     dispatcher: str = "all_to_all"  # or "nvlink" (EP 1 has no transport: all_to_all's identity)
     fp8_experts: bool = False  # the routed experts' GEMMs in FP8 (model.moe.fp8_experts)
     max_ep: int | None = None  # None: the world size
-    only_ep: int | None = None  # measure this EP size alone (one launch of a per-size sweep)
+    only_ep: int | None = None  # measure this EP size alone
     modes: tuple[str, ...] = MODES
     warmup: int = 2
     iters: int = 5
@@ -448,8 +448,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
     launcher = a.launcher or ("torchrun-env" if "WORLD_SIZE" in os.environ else "local")
     spec = spec_from_args(a, on_gpu=torch.cuda.is_available())
     world = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun-env" else a.num_workers or torch.cuda.device_count() or 2
-    if launcher == "torchrun-env" or spec.dispatcher != "nvlink" or spec.only_ep is not None:
-        spec.ep_sizes(world)  # bad sizes fail here, not in every worker
+    spec.ep_sizes(world)  # bad sizes fail here, not in every worker
     if launcher == "torchrun-env":
         result = bench_worker(spec)
         if result is None:  # not rank 0
@@ -458,14 +457,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
         start = need_start(start, "ep-scaling")
         options = {"address": a.address, "gpus_per_worker": a.gpus_per_worker} if launcher == "ray" else {}
 
-        def launch(s: BenchSpec) -> dict:
-            return start(bench_worker, s, launcher=launcher, num_workers=world, **options)[0]
-        if spec.dispatcher == "nvlink" and spec.only_ep is None:
-            # A fresh process set per EP size: a process's symmetric memory goes over one group.
-            parts = [launch(replace(spec, only_ep=size)) for size in spec.sweep(world)]
-            result = {**parts[0], "rows": [r for mode in spec.modes for p in parts for r in p["rows"] if r["mode"] == mode]}
-        else:
-            result = launch(spec)
+        result = start(bench_worker, spec, launcher=launcher, num_workers=world, **options)[0]
     report = _report(spec, result, launcher, a.commit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
