@@ -158,10 +158,14 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     # second nvlink dispatcher's heap over the same group hung on 4 H200s.
     dispatchers = {size: _make_dispatcher(spec, groups[size], ctx.device, max(tokens_per_rank(m, size) for m in spec.modes))
                    for size in sizes if groups[size] is not None or size == 1}
-    nvlink = [d for d in dispatchers.values() if isinstance(d, NVLinkDispatcher)]
-    if len(nvlink) > 1:  # EP groups of several sizes: one process's symmetric memory goes over one set of ranks
-        reserve_heaps(nvlink, hidden=spec.hidden, topk=spec.topk, over=dist.group.WORLD, device=ctx.device,
-                      dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32)
+    if spec.dispatcher == "nvlink" and sum(s > 1 for s in sizes) > 1:
+        # EP groups of several sizes: a process's symmetric memory goes over one set of ranks, so
+        # their heaps come from one pool over the node (every rank takes part, with or without groups)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        node = dist.group.WORLD if per_node >= ctx.world_size else block_group(per_node)
+        reserve_heaps([d for d in dispatchers.values() if isinstance(d, NVLinkDispatcher)], hidden=spec.hidden,
+                      topk=spec.topk, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
+                      over=node, device=ctx.device)
     for mode, size in points:
         group = groups[size]
         if size in dispatchers:

@@ -72,7 +72,7 @@ from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from ..streams import SideStream
-from .symmetric import SymmetricHeap, SymmetricPool, aligned, make_heap
+from .symmetric import SymmetricHeap, aligned, make_heap, reserve_pool
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
 
@@ -105,14 +105,22 @@ def node_sizes(cfg, ctx) -> dict:
 
 def reserve_heaps(dispatchers, *, hidden: int, topk: int, dtype: torch.dtype, over: dist.ProcessGroup,
                   device: torch.device) -> None:
-    """The heaps of ``dispatchers`` (nvlink, over groups of different ranks: EP groups of several
-    sizes in one process) reserved in one pool over ``over``, a group holding all their ranks
-    (``symmetric.SymmetricPool``). Collective over ``over``: every rank calls it, before any of
-    these dispatchers moves a token."""
-    needs: dict = {}
+    """Heaps for ``dispatchers`` (``NVLinkDispatcher`` s, over groups of different ranks: EP groups
+    of several sizes in one process; a two-stage one's is its ``node``) reserved in one pool over
+    ``over``, a group holding all their ranks (``symmetric.reserve_pool``), each heap sized for
+    its dispatcher's largest call. Collective over ``over``: every rank of it calls this, with the
+    same dispatchers in the same order as its groups' other ranks (possibly none), before any of
+    them moves a token."""
+    needs, seen = [], {}
     for d in dispatchers:
-        needs[d.group] = max(needs.get(d.group, 0), d.heap_bytes(hidden, topk, dtype))
-    SymmetricPool.reserve(needs, over, device)
+        if d.heap is not None:
+            raise ValueError(f"dispatchers: expected dispatchers that have not moved tokens yet; one over ranks "
+                             f"{dist.get_process_group_ranks(d.group)} already holds a heap")
+        place = seen[d.group.group_name] = seen.get(d.group.group_name, -1) + 1
+        needs.append((f"{d.group.group_name}/{place}", d.group, d.heap_bytes(hidden, topk, dtype)))
+    heaps = reserve_pool(needs, over, device)
+    for d, (key, _, _) in zip(dispatchers, needs):
+        d.heap, d.reserved = heaps.get(key), key in heaps
 
 
 class NVLinkDispatcher(Dispatcher, name="nvlink"):
@@ -137,6 +145,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self.alignment = check_positive("alignment", alignment)
         self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
+        self.reserved = False  # the heap is reserve_heaps': sized for the largest call, never made again
         self._made: dict[tuple, list[PeerRegion]] = {}  # _regions' of the current heap
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
         self.beside = SideStream(device, priority=-1)
@@ -163,7 +172,10 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             return self._made[key]
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
         if self.heap is None or self.heap.nbytes < 2 * sum(sizes):
-            # (a reserved heap, SymmetricPool's, holds the largest call: it is never made again)
+            if self.reserved:
+                raise RuntimeError(f"a transport call needs {2 * sum(sizes)} bytes of heap, more than the "
+                                   f"{self.heap.nbytes} reserve_heaps reserved (heap_bytes: hidden, topk or dtype "
+                                   "larger than the calls')")
             # Every rank asks for the same size at the same call (it depends on shapes all ranks
             # share), so this collective allocation stays in step.
             self.heap, self._made = make_heap(2 * sum(sizes), self.group, self.device), {}

@@ -12,7 +12,7 @@ Both hand out ``PeerRegion`` s: a typed ``[rows, width]`` slice at one byte offs
 rank's copy. A ``CudaHeap`` whose kernels are TileLang's also hands out a barrier that a kernel
 passes itself (``kernels.comm.Signal``: flags past its regions).
 
-- ``SymmetricPool`` / ``PooledHeap``: heaps of several groups of ranks (EP groups of different
+- ``reserve_pool`` / ``PooledHeap``: heaps of several groups of ranks (EP groups of different
   sizes in one process) reserved up front in one heap over a set holding them all, as torch's
   symmetric memory needs; each barrier goes over its own group's ranks only.
 """
@@ -119,7 +119,7 @@ class CudaHeap:
     wrong peers, when a process's rendezvous over some ranks follows one over others (seen on 4
     H200s: all four after two hangs, pytorch/pytorch#196082; nodes of two after all four gave wrong
     rows). Other ranks raise instead; groups of other ranks take heaps reserved in one pool over a
-    set that holds them all (``SymmetricPool``). A group of one rank has no peers and needs no
+    set that holds them all (``reserve_pool``). A group of one rank has no peers and needs no
     rendezvous."""
 
     _ranks_of_process: tuple[int, ...] | None = None  # the ranks this process's rendezvous went over
@@ -177,7 +177,7 @@ class CudaHeap:
                 f"group: this process's symmetric memory already went over ranks {list(cls._ranks_of_process)}; "
                 f"torch's symmetric memory cannot rendezvous over other ranks ({list(ranks)}) in the same process "
                 "(pytorch/pytorch#196082): reserve every group's heap up front over one set of ranks "
-                "(SymmetricPool.reserve, nvlink.reserve_heaps), or use one nvlink EP group per process")
+                "(nvlink.reserve_heaps), or use one nvlink EP group per process")
 
     def barrier(self, channel: int = 0) -> None:
         if self.handle is not None:  # one rank: no peer to wait for; stream order does the rest
@@ -202,17 +202,17 @@ def plan_offsets(needs: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, int
 
 
 class PooledHeap:
-    """A heap of ``nbytes`` per rank of ``group`` at byte ``offset`` of a pool: one heap over a
-    wider set of ranks (``SymmetricPool``). Its barriers are its own ranks': the group's (gloo)
-    barrier on CPU; on CUDA a ``kernels.comm.Signal`` a channel, its flags past the regions."""
+    """A heap of ``nbytes`` per rank of ``group`` at byte ``offset`` of ``pool``, a heap over a
+    set of ranks holding the group's (``reserve_pool``). Its barriers are its own ranks': the
+    group's (gloo) barrier on CPU; on CUDA a ``kernels.comm.Signal`` a channel, its flags past the
+    regions."""
 
     CHANNELS = 2  # barrier channels (nvlink's rows and routes): each a sequence of its own, on its own stream
 
-    def __init__(self, pool: SymmetricHeap, ranks: tuple[int, ...], offset: int, nbytes: int,
-                 group: dist.ProcessGroup):
+    def __init__(self, pool: CudaHeap | FileHeap, offset: int, nbytes: int, group: dist.ProcessGroup):
         self.group, self.nbytes = group, nbytes
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        pool_ranks = dist.get_process_group_ranks(pool.group)
+        ranks, pool_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(pool.group)
         whole = [pool.heaps[pool_ranks.index(r)][offset:offset + nbytes + self.flag_bytes(self.world)] for r in ranks]
         self.heaps = [h[:nbytes] for h in whole]
         self.cuda = isinstance(pool, CudaHeap)
@@ -253,50 +253,37 @@ class PooledHeap:
         return self._signals[0] if self.cuda else None
 
 
-class SymmetricPool:
-    """Heaps of any groups of ranks in one process, carved from one heap over a wider group (a
-    node's ranks): the one rendezvous torch's symmetric memory allows a process (``CudaHeap``).
-    ``reserve`` is collective over that group and made before any of its heaps is used; groups
-    it reserved then get their ``PooledHeap`` from ``make_heap``."""
-
-    _reserved: dict[str, PooledHeap] = {}  # by process group name, this process's groups
-
-    @classmethod
-    def reserve(cls, needs: dict[dist.ProcessGroup, int], over: dist.ProcessGroup, device: torch.device) -> None:
-        """Heaps of ``needs[group]`` bytes for this rank's groups (every rank of ``over`` calls
-        this, with its own groups, possibly none; a group's ranks may ask different sizes: the
-        largest is kept)."""
-        mine = [(g.group_name, tuple(dist.get_process_group_ranks(g)), nbytes) for g, nbytes in needs.items()
-                if dist.get_world_size(g) > 1]
-        everyone: list = [None] * dist.get_world_size(over)
-        dist.all_gather_object(everyone, mine, group=over)
-        merged: dict[str, tuple[tuple[int, ...], int]] = {}
-        for name, ranks, nbytes in (need for per_rank in everyone for need in per_rank):
-            whole = nbytes + PooledHeap.flag_bytes(len(ranks))
-            merged[name] = (ranks, max(whole, merged.get(name, (ranks, 0))[1]))
-        offsets = plan_offsets(merged)
-        total = max((offsets[n] + aligned(b) for n, (_, b) in merged.items()), default=ALIGN)
-        pool = make_heap(total, over, device)  # zeroed, behind a barrier of every rank of ``over``
-        for g, nbytes in needs.items():
-            if dist.get_world_size(g) > 1:
-                ranks, whole = merged[g.group_name]
-                cls._reserved[g.group_name] = PooledHeap(pool, ranks, offsets[g.group_name],
-                                                         whole - PooledHeap.flag_bytes(len(ranks)), g)
-
-    @classmethod
-    def heap(cls, nbytes: int, group: dist.ProcessGroup) -> PooledHeap | None:
-        """``group``'s reserved heap, None if it has none; raises if it holds fewer than ``nbytes``."""
-        reserved = cls._reserved.get(group.group_name)
-        if reserved is not None and reserved.nbytes < nbytes:
-            raise RuntimeError(f"group: its reserved symmetric heap holds {reserved.nbytes} bytes, a call needs "
-                               f"{nbytes} (reserve what its largest call takes)")
-        return reserved
+def reserve_pool(needs: list[tuple[str, dist.ProcessGroup, int]], over: dist.ProcessGroup,
+                 device: torch.device) -> dict[str, PooledHeap]:
+    """Heaps of several groups of ranks in one process, carved from one heap over ``over`` (a set
+    holding all their ranks: one node's): the one rendezvous torch's symmetric memory allows a
+    process (``CudaHeap``). ``needs``: this rank's ``(key, group, nbytes)``, a key naming the
+    same heap on every rank of its group (e.g. the group's name and the heap's place among that
+    group's heaps); a group's ranks may ask different sizes, the largest is kept. Collective over
+    ``over``: every rank of it calls this, with its own needs (possibly none), before any heap is
+    used. Groups of one rank need no pool: their keys are left out."""
+    over_ranks = set(dist.get_process_group_ranks(over))
+    mine = []
+    for key, group, nbytes in needs:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if not set(ranks) <= over_ranks:
+            raise ValueError(f"over: expected a group holding every rank of the heaps' groups; {key}'s ranks "
+                             f"{list(ranks)} are not all in {sorted(over_ranks)}")
+        if len(ranks) > 1:
+            mine.append((key, ranks, aligned(nbytes) + PooledHeap.flag_bytes(len(ranks))))
+    everyone: list = [None] * len(over_ranks)
+    dist.all_gather_object(everyone, mine, group=over)
+    merged: dict[str, tuple[tuple[int, ...], int]] = {}
+    for key, ranks, nbytes in (need for per_rank in everyone for need in per_rank):
+        merged[key] = (ranks, max(nbytes, merged.get(key, (ranks, 0))[1]))
+    offsets = plan_offsets(merged)
+    total = max((offsets[k] + aligned(b) for k, (_, b) in merged.items()), default=ALIGN)
+    pool = CudaHeap(total, over, device) if device.type == "cuda" else FileHeap(total, over)  # zeroed, then a barrier
+    return {key: PooledHeap(pool, offsets[key], merged[key][1] - PooledHeap.flag_bytes(dist.get_world_size(group)),
+                            group)
+            for key, group, _ in needs if key in merged}
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
-    """``group``'s reserved heap (``SymmetricPool``), else a heap of its own: ``CudaHeap`` on
-    CUDA, ``FileHeap`` on CPU."""
-    reserved = SymmetricPool.heap(nbytes, group)
-    if reserved is not None:
-        return reserved
+    """The heap for ``device``: ``CudaHeap`` on CUDA, ``FileHeap`` on CPU."""
     return CudaHeap(nbytes, group, device) if device.type == "cuda" else FileHeap(nbytes, group)
