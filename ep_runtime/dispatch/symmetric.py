@@ -263,19 +263,17 @@ def reserve_pool(needs: list[tuple[str, dist.ProcessGroup, int]], over: dist.Pro
     ``over``: every rank of it calls this, with its own needs (possibly none), before any heap is
     used. Groups of one rank need no pool: their keys are left out."""
     over_ranks = set(dist.get_process_group_ranks(over))
-    mine = []
-    for key, group, nbytes in needs:
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if not set(ranks) <= over_ranks:
-            raise ValueError(f"over: expected a group holding every rank of the heaps' groups; {key}'s ranks "
-                             f"{list(ranks)} are not all in {sorted(over_ranks)}")
-        if len(ranks) > 1:
-            mine.append((key, ranks, aligned(nbytes) + PooledHeap.flag_bytes(len(ranks))))
+    mine = [(key, tuple(dist.get_process_group_ranks(group)), aligned(nbytes)) for key, group, nbytes in needs]
     everyone: list = [None] * len(over_ranks)
     dist.all_gather_object(everyone, mine, group=over)
     merged: dict[str, tuple[tuple[int, ...], int]] = {}
     for key, ranks, nbytes in (need for per_rank in everyone for need in per_rank):
-        merged[key] = (ranks, max(nbytes, merged.get(key, (ranks, 0))[1]))
+        if not set(ranks) <= over_ranks:  # every rank raises: none is left waiting in the pool's rendezvous
+            raise ValueError(f"over: expected a group holding every rank of the heaps' groups; {key}'s ranks "
+                             f"{list(ranks)} are not all in {sorted(over_ranks)}")
+        if len(ranks) > 1:
+            whole = nbytes + PooledHeap.flag_bytes(len(ranks))
+            merged[key] = (ranks, max(whole, merged.get(key, (ranks, 0))[1]))
     offsets = plan_offsets(merged)
     total = max((offsets[k] + aligned(b) for k, (_, b) in merged.items()), default=ALIGN)
     pool = CudaHeap(total, over, device) if device.type == "cuda" else FileHeap(total, over)  # zeroed, then a barrier

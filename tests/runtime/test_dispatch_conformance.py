@@ -17,7 +17,7 @@ import importlib
 import pytest
 import torch
 from dispatch_workers import (carries, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
-                              groups_of_two_sizes, nvlink_without_routes)
+                              groups_of_two_sizes, nvlink_without_routes, pool_over_a_group_too_small)
 
 from ep_runtime.dispatch.symmetric import ALIGN, aligned, plan_offsets
 from launch.local import launch_local
@@ -88,6 +88,16 @@ def test_nvlink_over_ep_groups_of_two_sizes_in_one_process():
         for key, r in per_group.items():
             assert r["out"] <= TOL["out"] and r["same_out"] and r["same_rows"] and r["same_grad_x"], (rank, key, r)
             assert r["pooled"] == "PooledHeap", (rank, key, r)
+
+
+def test_a_pool_over_too_few_ranks_is_refused_on_every_rank():
+    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    messages = launch_local(pool_over_a_group_too_small, nproc=4)
+    assert sorted(messages) == [0, 1, 2, 3]
+    for message in messages.values():
+        assert message.startswith("over: expected a group holding every rank of the heaps' groups;"), message
+        assert "[0, 1, 2, 3] are not all in" in message, message
 
 
 def test_pool_offsets_keep_heaps_that_share_a_rank_apart():

@@ -337,3 +337,16 @@ def groups_of_two_sizes(num_tokens: int) -> dict:
                                   "pooled": type(made[size, fp8].heap).__name__}
     dist.destroy_process_group()
     return results
+
+
+def pool_over_a_group_too_small() -> str:
+    """The error of ``reserve_heaps`` over pairs of ranks for a dispatcher over all four (every
+    rank's, none left waiting in the pool's collective)."""
+    from ep_runtime.dispatch.nvlink import reserve_heaps
+    from ep_runtime.parallel import block_group
+
+    ctx = init_parallel(ParallelConfig())
+    pair = block_group(2)
+    dispatcher = NVLinkDispatcher(num_experts=8, group=dist.group.WORLD, device=ctx.device, max_tokens_per_rank=4)
+    return _error_of(ValueError, lambda: reserve_heaps([dispatcher], hidden=HIDDEN, topk=TOPK, dtype=torch.float32,
+                                                       over=pair, device=ctx.device))
