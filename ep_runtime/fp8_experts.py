@@ -11,7 +11,8 @@ transposed K-major. ``x`` is kept for the backward as its forward cast, as DeepS
 Linear's input in FP8: half the bytes of bf16 rows, and its per-channel cast is requantized from it
 (:func:`kernels.quant.requant`, 1 x 128 to 128 x 1 blocks), which reads 1 byte an element, not 2.
 Every GEMM accumulates in float32 with per-128 promotion; the GEMMs' outputs are bfloat16, the
-weight gradients float32.
+weight gradients in the weights' dtype (float32, or bfloat16 for bfloat16 weights: half the bytes
+of the GEMM's largest output, and no cast of it after).
 
 Rows at or past ``offsets_E[-1]`` (a static capacity's spare rows) are unspecified in the output
 and in ``x``'s gradient, as in the bf16 path.
@@ -47,6 +48,7 @@ class FP8ExpertsFn(torch.autograd.Function):
         h_PI2 = grouped_fp8_mm(qx_PD, sx_PG, *forward13, offsets_E)
         y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
         ctx.save_for_backward(qx_PD, sx_PG, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
+        ctx.grad_dtypes = tuple(torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32 for w in (w13_EDI2, w2_EID))
         return y_PD.to(x_PD.dtype)
 
     @staticmethod
@@ -55,11 +57,12 @@ class FP8ExpertsFn(torch.autograd.Function):
         grad_PD = grad_PD.contiguous()
         rows = offsets_E[-1:]
         grad_h_PI = grouped_fp8_mm(*per_token_cast(grad_PD), q2_EID, sf2, offsets_E)
-        grad_w2_EID = _wgrad(per_channel_cast(swiglu(h_PI2, rows=rows)), grad_PD, offsets_E)
+        grad13_dtype, grad2_dtype = ctx.grad_dtypes
+        grad_w2_EID = _wgrad(per_channel_cast(swiglu(h_PI2, rows=rows)), grad_PD, offsets_E, grad2_dtype)
         grad_h_PI2 = swiglu_backward(h_PI2, grad_h_PI, rows=rows)
         grad_x_PD = grouped_fp8_mm(*per_token_cast(grad_h_PI2), q13_EDI2, sf13, offsets_E)
         x_per_channel = requant(qx_PD, sx_PG, in_block=(1, FP8_BLOCK), out_block=(FP8_BLOCK, 1))
-        grad_w13_EDI2 = _wgrad(x_per_channel, grad_h_PI2, offsets_E)
+        grad_w13_EDI2 = _wgrad(x_per_channel, grad_h_PI2, offsets_E, grad13_dtype)
         return grad_x_PD, grad_w13_EDI2, grad_w2_EID, None  # autograd casts each to its input's dtype
 
 
@@ -95,10 +98,10 @@ def _transposed(q_ENK: torch.Tensor, sf_EJG: torch.Tensor) -> tuple[torch.Tensor
     return batched_transpose(q_ENK), sf_EJG.transpose(1, 2).contiguous()
 
 
-def _wgrad(x_cast: tuple[torch.Tensor, torch.Tensor], grad_PN: torch.Tensor,
-           offsets_E: torch.Tensor) -> torch.Tensor:
-    """``x[rows of e]^T @ grad[rows of e]`` per expert, float32 ``[E, M, N]``, from ``x``'s cast per
-    channel (``per_channel_cast``'s ``(q_PM, sf_CM)``)."""
+def _wgrad(x_cast: tuple[torch.Tensor, torch.Tensor], grad_PN: torch.Tensor, offsets_E: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """``x[rows of e]^T @ grad[rows of e]`` per expert, ``[E, M, N]`` in ``out_dtype``, from ``x``'s
+    cast per channel (``per_channel_cast``'s ``(q_PM, sf_CM)``)."""
     qx_PM, sx_CM = x_cast
     qg_PN, sg_CN = per_channel_cast(grad_PN)
-    return grouped_fp8_mm_wgrad(k_major(qx_PM), sx_CM, k_major(qg_PN), sg_CN, offsets_E)
+    return grouped_fp8_mm_wgrad(k_major(qx_PM), sx_CM, k_major(qg_PN), sg_CN, offsets_E, out_dtype=out_dtype)

@@ -53,7 +53,7 @@ import math
 import os
 import signal
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import StartWorkers, need_start
@@ -90,7 +90,7 @@ class BenchSpec:
     dispatcher: str = "all_to_all"  # or "nvlink" (EP 1 has no transport: all_to_all's identity)
     fp8_experts: bool = False  # the routed experts' GEMMs in FP8 (model.moe.fp8_experts)
     max_ep: int | None = None  # None: the world size
-    only_ep: int | None = None  # measure this EP size alone (one launch of a per-size sweep)
+    only_ep: int | None = None  # measure this EP size alone
     modes: tuple[str, ...] = MODES
     warmup: int = 2
     iters: int = 5
@@ -126,10 +126,6 @@ class BenchSpec:
             if self.only_ep not in sizes:
                 raise ValueError(f"bench.only_ep: expected one of {sizes}, got {self.only_ep!r}")
             return [self.only_ep]
-        if self.dispatcher == "nvlink" and sum(s > 1 for s in sizes) > 1:
-            raise ValueError("bench.dispatcher: 'nvlink' measures one EP size > 1 per process set (a process's "
-                             f"symmetric memory goes over one group), got EP sizes {sizes}: use the local or ray "
-                             "launcher (a fresh process set per size) or --max-ep / --only-ep")
         return sizes
 
 
@@ -143,6 +139,7 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     import torch.distributed as dist
 
     from ..config import ParallelConfig
+    from ..dispatch.nvlink import NVLinkDispatcher, reserve_heaps
     from ..parallel import block_group, init_parallel
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)  # a hung rank says where
@@ -161,6 +158,14 @@ def bench_worker(spec: BenchSpec) -> dict | None:
     # second nvlink dispatcher's heap over the same group hung on 4 H200s.
     dispatchers = {size: _make_dispatcher(spec, groups[size], ctx.device, max(tokens_per_rank(m, size) for m in spec.modes))
                    for size in sizes if groups[size] is not None or size == 1}
+    if spec.dispatcher == "nvlink" and sum(s > 1 for s in sizes) > 1:
+        # EP groups of several sizes: a process's symmetric memory goes over one set of ranks, so
+        # their heaps come from one pool over the node (every rank takes part, with or without groups)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        node = dist.group.WORLD if per_node >= ctx.world_size else block_group(per_node)
+        reserve_heaps([d for d in dispatchers.values() if isinstance(d, NVLinkDispatcher)], hidden=spec.hidden,
+                      topk=spec.topk, dtype=torch.bfloat16 if ctx.device.type == "cuda" else torch.float32,
+                      over=node, device=ctx.device)
     for mode, size in points:
         group = groups[size]
         if size in dispatchers:
@@ -447,8 +452,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
     launcher = a.launcher or ("torchrun-env" if "WORLD_SIZE" in os.environ else "local")
     spec = spec_from_args(a, on_gpu=torch.cuda.is_available())
     world = int(os.environ["WORLD_SIZE"]) if launcher == "torchrun-env" else a.num_workers or torch.cuda.device_count() or 2
-    if launcher == "torchrun-env" or spec.dispatcher != "nvlink" or spec.only_ep is not None:
-        spec.ep_sizes(world)  # bad sizes fail here, not in every worker
+    spec.ep_sizes(world)  # bad sizes fail here, not in every worker
     if launcher == "torchrun-env":
         result = bench_worker(spec)
         if result is None:  # not rank 0
@@ -457,14 +461,7 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
         start = need_start(start, "ep-scaling")
         options = {"address": a.address, "gpus_per_worker": a.gpus_per_worker} if launcher == "ray" else {}
 
-        def launch(s: BenchSpec) -> dict:
-            return start(bench_worker, s, launcher=launcher, num_workers=world, **options)[0]
-        if spec.dispatcher == "nvlink" and spec.only_ep is None:
-            # A fresh process set per EP size: a process's symmetric memory goes over one group.
-            parts = [launch(replace(spec, only_ep=size)) for size in spec.sweep(world)]
-            result = {**parts[0], "rows": [r for mode in spec.modes for p in parts for r in p["rows"] if r["mode"] == mode]}
-        else:
-            result = launch(spec)
+        result = start(bench_worker, spec, launcher=launcher, num_workers=world, **options)[0]
     report = _report(spec, result, launcher, a.commit)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,8 @@ the signals' flight. With ``fp8_combine`` the rows bound for the peers travel as
 link's bytes).
 
 On GPUs a process's heaps go over one set of ranks only (``symmetric.CudaHeap``: torch 2.11's
-symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes).
+symmetric memory breaks on a second), so a process runs nvlink over one EP group (and its lanes),
+or reserves its groups' heaps up front in one pool (``reserve_heaps``).
 
 Overflow is never silent: a rank that dispatches more than ``max_tokens_per_rank`` tokens raises
 before anything moves (a shape check, no sync), naming itself and the limit.
@@ -71,7 +72,7 @@ from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from ..streams import SideStream
-from .symmetric import SymmetricHeap, aligned, make_heap
+from .symmetric import SymmetricHeap, aligned, make_heap, reserve_pool
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
 
@@ -102,6 +103,26 @@ def node_sizes(cfg, ctx) -> dict:
                 alignment=cfg.alignment, fp8=cfg.dispatch_format == "e4m3", fp8_combine=cfg.fp8_combine)
 
 
+def reserve_heaps(dispatchers, *, hidden: int, topk: int, dtype: torch.dtype, over: dist.ProcessGroup,
+                  device: torch.device) -> None:
+    """Heaps for ``dispatchers`` (``NVLinkDispatcher`` s, over groups of different ranks: EP groups
+    of several sizes in one process; a two-stage one's is its ``node``) reserved in one pool over
+    ``over``, a group holding all their ranks (``symmetric.reserve_pool``), each heap sized for
+    its dispatcher's largest call. Collective over ``over``: every rank of it calls this, with the
+    same dispatchers in the same order as its groups' other ranks (possibly none), before any of
+    them moves a token."""
+    needs, seen = [], {}
+    for d in dispatchers:
+        if d.heap is not None:
+            raise ValueError(f"dispatchers: expected dispatchers that have not moved tokens yet; one over ranks "
+                             f"{dist.get_process_group_ranks(d.group)} already holds a heap")
+        place = seen[d.group.group_name] = seen.get(d.group.group_name, -1) + 1
+        needs.append((f"{d.group.group_name}/{place}", d.group, d.heap_bytes(hidden, topk, dtype)))
+    heaps = reserve_pool(needs, over, device)
+    for d, (key, _, _) in zip(dispatchers, needs):
+        d.heap, d.reserved = heaps.get(key), key in heaps
+
+
 class NVLinkDispatcher(Dispatcher, name="nvlink"):
     """Dispatch/combine through a symmetric heap over ``group`` (GPUs of one NVLink domain, or CPU
     processes of one host). Experts are placed contiguously, as in ``AllToAllDispatcher``."""
@@ -124,6 +145,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self.alignment = check_positive("alignment", alignment)
         self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
+        self.reserved = False  # the heap is reserve_heaps': sized for the largest call, never made again
         self._made: dict[tuple, list[PeerRegion]] = {}  # _regions' of the current heap
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
         self.beside = SideStream(device, priority=-1)
@@ -150,6 +172,10 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             return self._made[key]
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
         if self.heap is None or self.heap.nbytes < 2 * sum(sizes):
+            if self.reserved:
+                raise RuntimeError(f"a transport call needs {2 * sum(sizes)} bytes of heap, more than the "
+                                   f"{self.heap.nbytes} reserve_heaps reserved (heap_bytes: hidden, topk or dtype "
+                                   "larger than the calls')")
             # Every rank asks for the same size at the same call (it depends on shapes all ranks
             # share), so this collective allocation stays in step.
             self.heap, self._made = make_heap(2 * sum(sizes), self.group, self.device), {}
@@ -161,10 +187,22 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self._made[key] = regions
         return regions
 
+    def heap_bytes(self, hidden: int, topk: int, dtype: torch.dtype) -> int:
+        """The heap this dispatcher's largest transport call takes, for rows of ``hidden``
+        values of ``dtype`` (activations and their gradients) and ``topk`` routes a token: both
+        halves of dispatch's counts, routes and rows (FP8 or not), combine's rows, or the
+        backward's rows and weights."""
+        rows = self.num_recv_rows
+        fp8 = [(rows, hidden, torch.uint8), (rows, -(-hidden // FP8_GROUP), torch.float32)]
+        plain = [(rows, hidden, dtype)]
+        routes = [(self.world, 1, torch.int32), (rows, 2 * topk, torch.int32)]
+        calls = [routes + fp8, routes + plain, fp8, plain, [(rows, topk, torch.float32)]]
+        return max(2 * sum(aligned(r * w * t.itemsize) for r, w, t in call) for call in calls)
+
     def _mine(self, region: PeerRegion, *view) -> torch.Tensor:
         """This rank's copy of ``region`` (``.view(*view)`` of it), made once per region: a call's
         views cost host time, and a region's tensors never change."""
-        key = ("mine", view)
+        key = ("mine", self.ep_rank, view)
         mine = region.kernel_views.get(key)
         if mine is None:
             mine = region.views[self.ep_rank].view(*view) if view else region.views[self.ep_rank]

@@ -11,6 +11,10 @@ into peers' copies (``kernels.comm.put_rows``), then a barrier makes the stores 
 Both hand out ``PeerRegion`` s: a typed ``[rows, width]`` slice at one byte offset of every
 rank's copy. A ``CudaHeap`` whose kernels are TileLang's also hands out a barrier that a kernel
 passes itself (``kernels.comm.Signal``: flags past its regions).
+
+- ``reserve_pool`` / ``PooledHeap``: heaps of several groups of ranks (EP groups of different
+  sizes in one process) reserved up front in one heap over a set holding them all, as torch's
+  symmetric memory needs; each barrier goes over its own group's ranks only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 from kernels.comm import PeerRegion, Signal
 from kernels.select import use_tilelang
+from kernels.signal_kernel import barrier_alone
 
 from ..failures import DEVICE_WAITS
 
@@ -113,7 +118,9 @@ class CudaHeap:
     the same ranks, a second lane's, is fine): torch 2.11's symmetric memory hangs, or maps the
     wrong peers, when a process's rendezvous over some ranks follows one over others (seen on 4
     H200s: all four after two hangs, pytorch/pytorch#196082; nodes of two after all four gave wrong
-    rows). Other ranks raise instead. A group of one rank has no peers and needs no rendezvous."""
+    rows). Other ranks raise instead; groups of other ranks take heaps reserved in one pool over a
+    set that holds them all (``reserve_pool``). A group of one rank has no peers and needs no
+    rendezvous."""
 
     _ranks_of_process: tuple[int, ...] | None = None  # the ranks this process's rendezvous went over
     # Every heap and its peer mappings, never freed: freeing a mapping runs cudaDeviceSynchronize
@@ -169,7 +176,8 @@ class CudaHeap:
             raise RuntimeError(
                 f"group: this process's symmetric memory already went over ranks {list(cls._ranks_of_process)}; "
                 f"torch's symmetric memory cannot rendezvous over other ranks ({list(ranks)}) in the same process "
-                "(pytorch/pytorch#196082): use one nvlink EP group per process, e.g. one process set per EP size")
+                "(pytorch/pytorch#196082): reserve every group's heap up front over one set of ranks "
+                "(nvlink.reserve_heaps), or use one nvlink EP group per process")
 
     def barrier(self, channel: int = 0) -> None:
         if self.handle is not None:  # one rank: no peer to wait for; stream order does the rest
@@ -180,6 +188,98 @@ class CudaHeap:
         if self.handle is None or not use_tilelang(self.delta_W.device):  # no peers, or no kernel to pass it
             return None
         return self._signal
+
+
+def plan_offsets(needs: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, int]:
+    """Byte offsets in a pool for heaps ``name -> (ranks, nbytes)``: heaps that share a rank never
+    overlap; heaps of disjoint ranks may. Every rank computes the same plan from the same needs
+    (largest first, then by ranks and name; each heap at the end of the placed ones it meets)."""
+    offsets: dict[str, int] = {}
+    for name, (ranks, nbytes) in sorted(needs.items(), key=lambda kv: (-kv[1][1], kv[1][0], kv[0])):
+        met = [offsets[other] + aligned(needs[other][1]) for other in offsets if set(needs[other][0]) & set(ranks)]
+        offsets[name] = max(met, default=0)
+    return offsets
+
+
+class PooledHeap:
+    """A heap of ``nbytes`` per rank of ``group`` at byte ``offset`` of ``pool``, a heap over a
+    set of ranks holding the group's (``reserve_pool``). Its barriers are its own ranks': the
+    group's (gloo) barrier on CPU; on CUDA a ``kernels.comm.Signal`` a channel, its flags past the
+    regions."""
+
+    CHANNELS = 2  # barrier channels (nvlink's rows and routes): each a sequence of its own, on its own stream
+
+    def __init__(self, pool: CudaHeap | FileHeap, offset: int, nbytes: int, group: dist.ProcessGroup):
+        self.group, self.nbytes = group, nbytes
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        ranks, pool_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(pool.group)
+        whole = [pool.heaps[pool_ranks.index(r)][offset:offset + nbytes + self.flag_bytes(self.world)] for r in ranks]
+        self.heaps = [h[:nbytes] for h in whole]
+        self.cuda = isinstance(pool, CudaHeap)
+        if self.cuda and not use_tilelang(pool.delta_W.device):
+            raise RuntimeError("group: a pooled heap on CUDA passes its barriers by TileLang kernels, and TileLang's "
+                               "kernels are not in use here (kernels.select)")
+        self.delta_W = None
+        self._signals: list[Signal] = []
+        if self.cuda:
+            device = whole[0].device
+            ptrs = [h.data_ptr() for h in whole]
+            self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
+            counters = torch.zeros(self.CHANNELS, 2, dtype=torch.int32, device=device)
+            for channel in range(self.CHANNELS):
+                at = nbytes + channel * aligned(self.world * 4)
+                flags = [h[at:at + self.world * 4].view(torch.int32) for h in whole]
+                report = DEVICE_WAITS.word(lambda peer: f"rank {ranks[peer]}'s signal in the nvlink barrier")
+                self._signals.append(Signal(flags_W=flags[0], own_W=flags[self.rank], delta_W=self.delta_W,
+                                            epoch_1=counters[channel, :1], tickets_1=counters[channel, 1:],
+                                            rank=self.rank, timeout_ns=int(DEVICE_WAITS.timeout_s * 1e9),
+                                            report_2=report))
+
+    @classmethod
+    def flag_bytes(cls, world: int) -> int:
+        return cls.CHANNELS * aligned(world * 4)
+
+    def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
+        return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps), delta_W=self.delta_W)
+
+    def barrier(self, channel: int = 0) -> None:
+        if not self.cuda:
+            dist.barrier(group=self.group)
+            return
+        barrier_alone(self._signals[channel])
+
+    def signal(self) -> Signal | None:
+        # the rows' channel: a kernel passing it stands in for that channel's next barrier, on its stream
+        return self._signals[0] if self.cuda else None
+
+
+def reserve_pool(needs: list[tuple[str, dist.ProcessGroup, int]], over: dist.ProcessGroup,
+                 device: torch.device) -> dict[str, PooledHeap]:
+    """Heaps of several groups of ranks in one process, carved from one heap over ``over`` (a set
+    holding all their ranks: one node's): the one rendezvous torch's symmetric memory allows a
+    process (``CudaHeap``). ``needs``: this rank's ``(key, group, nbytes)``, a key naming the
+    same heap on every rank of its group (e.g. the group's name and the heap's place among that
+    group's heaps); a group's ranks may ask different sizes, the largest is kept. Collective over
+    ``over``: every rank of it calls this, with its own needs (possibly none), before any heap is
+    used. Groups of one rank need no pool: their keys are left out."""
+    over_ranks = set(dist.get_process_group_ranks(over))
+    mine = [(key, tuple(dist.get_process_group_ranks(group)), aligned(nbytes)) for key, group, nbytes in needs]
+    everyone: list = [None] * len(over_ranks)
+    dist.all_gather_object(everyone, mine, group=over)
+    merged: dict[str, tuple[tuple[int, ...], int]] = {}
+    for key, ranks, nbytes in (need for per_rank in everyone for need in per_rank):
+        if not set(ranks) <= over_ranks:  # every rank raises: none is left waiting in the pool's rendezvous
+            raise ValueError(f"over: expected a group holding every rank of the heaps' groups; {key}'s ranks "
+                             f"{list(ranks)} are not all in {sorted(over_ranks)}")
+        if len(ranks) > 1:
+            whole = nbytes + PooledHeap.flag_bytes(len(ranks))
+            merged[key] = (ranks, max(whole, merged.get(key, (ranks, 0))[1]))
+    offsets = plan_offsets(merged)
+    total = max((offsets[k] + aligned(b) for k, (_, b) in merged.items()), default=ALIGN)
+    pool = CudaHeap(total, over, device) if device.type == "cuda" else FileHeap(total, over)  # zeroed, then a barrier
+    return {key: PooledHeap(pool, offsets[key], merged[key][1] - PooledHeap.flag_bytes(dist.get_world_size(group)),
+                            group)
+            for key, group, _ in needs if key in merged}
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:

@@ -83,6 +83,15 @@ def test_ep_scaling_with_the_nvlink_backend(tmp_path):
     assert [r["ep"] for r in report["rows"]] == [1, 2] and all(r["layer_ms"] > 0 for r in report["rows"])
 
 
+def test_ep_scaling_sweeps_nvlink_ep_sizes_in_one_process_set(tmp_path):
+    """EP 2 and 4 over nvlink in the same processes (their heaps from one pool), with ranks 4 and
+    5 in no EP-4 group: every rank still takes part in the pool's collective."""
+    run_bench(tmp_path, "ep-scaling", "--num-workers", "6", "--max-ep", "4", "--dispatcher", "nvlink",
+              "--modes", "weak", "--warmup", "1", "--iters", "1")
+    report = json.loads((tmp_path / "ep_scaling_small_nvlink.json").read_text())
+    assert [r["ep"] for r in report["rows"]] == [1, 2, 4] and all(r["layer_ms"] > 0 for r in report["rows"])
+
+
 def test_dispatch_bench_times_every_backend_and_peer(tmp_path):
     """CPU: all_to_all and nvlink (shared-memory heap), its transport, DeepEP's Buffer API (here the
     facade's: the adapter and the Buffer's own calls), and the collective all-to-all of the same

@@ -3,6 +3,9 @@ second ``ray start`` at 127.0.0.3 with its own resource, one CPU and one fake GP
 spans both nodes, a killed worker fails the job naming its rank or, with a restart left, the job
 resumes from its last checkpoint and ends with the losses of an uninterrupted run."""
 
+import re
+import time
+
 import pytest
 from conftest import STEPS, read_losses, train_cli
 
@@ -36,6 +39,19 @@ def test_killed_worker_fails_the_job_naming_its_rank(ray_cluster, tmp_path, monk
                                                             gpus_per_worker=1))
     assert failed.value.ranks == (1,)
     assert "rank 1 (node 1, local 0): its worker process died" in str(failed.value)
+
+
+def test_a_hung_worker_ends_the_job_within_the_timeout_naming_it(ray_cluster, tmp_path, monkeypatch):
+    """Rank 1 stops taking part at step 3: rank 0's collective gives up after --timeout (10 s), and
+    the job ends with the wait named, not after the hung actor."""
+    monkeypatch.setenv("EP_RUNTIME_FAIL_AT_STEP", "1:3:hang")
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failed:
+        launch_ray(worker, job(tmp_path), config=RayConfig(address=ray_cluster.address, num_workers=2))
+    assert time.monotonic() - start < 10 + 60  # the timeout, plus the job's start and its first steps
+    message = str(failed.value)
+    assert "rank 0 (node 0, local 0, pp 0, ep 0) stopped at step 3: a collective failed" in message, message
+    assert re.search(r"rank 1 never reported within \d+ s \(withheld, hung or dead\)$", message), message
 
 
 def test_restart_resumes_from_the_last_checkpoint(ray_cluster, tmp_path, monkeypatch, reference_losses):

@@ -17,8 +17,9 @@ import importlib
 import pytest
 import torch
 from dispatch_workers import (carries, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
-                              nvlink_without_routes)
+                              groups_of_two_sizes, nvlink_without_routes, pool_over_a_group_too_small)
 
+from ep_runtime.dispatch.symmetric import ALIGN, aligned, plan_offsets
 from launch.local import launch_local
 
 CASES = [("balanced", 37, False), ("skewed", 37, False), ("masked", 37, False), ("idle", 37, False),
@@ -74,6 +75,42 @@ def test_backends_conform(world, ranks_per_node, backends):
                 assert errs.pop("padding_zero"), (rank, case, backend)
                 for name, err in errs.items():
                     assert err <= tol[name], f"rank {rank} {case} {backend} {name}: error {err:.3g} > {tol[name]}"
+
+
+def test_nvlink_over_ep_groups_of_two_sizes_in_one_process():
+    """Heaps of EP groups of 2 and 4 ranks reserved in one pool: each gives all_to_all's bits
+    over its group, whichever ran before it."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    results = launch_local(groups_of_two_sizes, 24, nproc=4)
+    for rank, per_group in results.items():
+        assert sorted(per_group) == [(2, False), (2, True), (4, False), (4, True)], rank
+        for key, r in per_group.items():
+            assert r["out"] <= TOL["out"] and r["same_out"] and r["same_rows"] and r["same_grad_x"], (rank, key, r)
+            assert r["pooled"] == "PooledHeap", (rank, key, r)
+
+
+def test_a_pool_over_too_few_ranks_is_refused_on_every_rank():
+    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    messages = launch_local(pool_over_a_group_too_small, nproc=4)
+    assert sorted(messages) == [0, 1, 2, 3]
+    for message in messages.values():
+        assert message.startswith("over: expected a group holding every rank of the heaps' groups;"), message
+        assert "[0, 1, 2, 3] are not all in" in message, message
+
+
+def test_pool_offsets_keep_heaps_that_share_a_rank_apart():
+    needs = {"a": ((0, 1), 1000), "b": ((2, 3), 3000), "c": ((0, 1, 2, 3), 500), "d": ((0, 1), 100)}
+    offsets = plan_offsets(needs)
+    spans = {n: (offsets[n], offsets[n] + aligned(b)) for n, (_, b) in needs.items()}
+    for x in needs:
+        assert offsets[x] % ALIGN == 0
+        for y in needs:
+            if x < y and set(needs[x][0]) & set(needs[y][0]):
+                assert spans[x][1] <= spans[y][0] or spans[y][1] <= spans[x][0], (x, y, spans)
+    # largest first; heaps of disjoint ranks share offsets; each past the placed heaps it meets
+    assert offsets == {"b": 0, "a": 0, "c": aligned(3000), "d": aligned(3000) + aligned(500)}
 
 
 def test_nvlink_on_cpu_refuses_ranks_on_other_hosts():

@@ -64,6 +64,29 @@ def test_fp8_path_matches_the_bf16_path(seed):
     assert not got[1][1].any() and not got[2][1].any()  # expert 1 has no rows
 
 
+def test_weight_gradients_come_in_the_weights_dtype(seed, monkeypatch):
+    """bfloat16 weights: the weight-gradient GEMM writes bfloat16 (half the bytes, no cast after),
+    the gradients as close to float32 weights' as FP8 gets to bfloat16."""
+    import ep_runtime.fp8_experts as fp8_experts
+
+    asked = []
+    wgrad = fp8_experts.grouped_fp8_mm_wgrad
+    monkeypatch.setattr(fp8_experts, "grouped_fp8_mm_wgrad", lambda *a, **k: asked.append(k["out_dtype"]) or wgrad(*a, **k))
+    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed)
+    x_PD, layout = dispatched(seed)
+    n = int(layout.offsets_E[-1])
+    grad_PD = torch.randn(n, HIDDEN)
+
+    def weight_grads(w13, w2):
+        return torch.autograd.grad(FP8ExpertsFn.apply(x_PD, w13, w2, layout.offsets_E)[:n], (w13, w2), grad_PD)
+
+    want = weight_grads(experts.w13_EDI2, experts.w2_EID)
+    got = weight_grads(*(w.detach().bfloat16().requires_grad_() for w in (experts.w13_EDI2, experts.w2_EID)))
+    assert asked == [torch.float32] * 2 + [torch.bfloat16] * 2
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and rel_error(g, w) < FP8_ERROR  # the weights rounded to bfloat16 first
+
+
 def test_the_option_switches_the_cuda_path(seed):
     x_PD, layout = dispatched(seed)
     n = int(layout.offsets_E[-1])
@@ -84,10 +107,11 @@ def test_config_needs_128_row_segments():
 
 
 @pytest.mark.gpu
-def test_fp8_kernels_match_the_bf16_path_on_cuda(seed):
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_fp8_kernels_match_the_bf16_path_on_cuda(seed, weights):
     """The same comparison with the TileLang kernels (a layout of 128-row segments, spare rows
-    after them), forward and gradients."""
-    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed).cuda()
+    after them), forward and gradients, for float32 and bfloat16 weights."""
+    experts = GroupedExperts(4, HIDDEN, INTER, seed=seed).cuda().to(weights)
     x_PD, layout = dispatched(seed, num_tokens=600, device="cuda", dtype=torch.bfloat16)
     n = int(layout.offsets_E[-1])
     fp8 = FP8ExpertsFn.apply(x_PD, experts.w13_EDI2, experts.w2_EID, layout.offsets_E)
@@ -99,7 +123,7 @@ def test_fp8_kernels_match_the_bf16_path_on_cuda(seed):
     want = torch.autograd.grad(bf16[:n], params, grad_PD)
     assert rel_error(got[0][:n], want[0][:n]) < FP8_ERROR
     for name, g, w in zip(("w13", "w2"), got[1:], want[1:]):
-        assert rel_error(g, w) < FP8_ERROR, name
+        assert g.dtype == weights and rel_error(g, w) < FP8_ERROR, name
 
 
 def test_a_weights_cast_is_kept_until_the_weight_changes(seed):

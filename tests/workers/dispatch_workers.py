@@ -300,3 +300,53 @@ def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -
         }
     dist.destroy_process_group()
     return results
+
+
+def groups_of_two_sizes(num_tokens: int) -> dict:
+    """``nvlink`` over EP groups of 2 ranks and of all 4 in one process, their heaps reserved in
+    one pool (``nvlink.reserve_heaps``), each group's dispatch + combine after the other's, twice,
+    FP8 dispatch in the second round: per group size, the largest error against the definition and
+    whether the rows and outputs are ``all_to_all``'s bits over the same group."""
+    from ep_runtime.dispatch.nvlink import reserve_heaps
+    from ep_runtime.parallel import block_group
+
+    ctx = init_parallel(ParallelConfig())
+    groups = {2: block_group(2), 4: dist.group.WORLD}
+    made = {(size, fp8): NVLinkDispatcher(num_experts=4 * size, group=g, device=ctx.device,
+                                          max_tokens_per_rank=num_tokens, alignment=8, fp8=fp8)
+            for size, g in groups.items() for fp8 in (False, True)}
+    reserve_heaps(made.values(), hidden=HIDDEN, topk=TOPK, dtype=torch.float32, over=dist.group.WORLD,
+                  device=ctx.device)
+    results = {}
+    for fp8 in (False, True):
+        for size, group in groups.items():
+            rank = dist.get_rank(group)
+            idx, weights = routing("balanced", ctx.rank, num_tokens, 4 * size, ctx.device)
+            g = torch.Generator().manual_seed(11 + ctx.rank)
+            x = (torch.randn(num_tokens, HIDDEN, generator=g) * 3).round().clamp(-7, 7).to(ctx.device)
+            x[:, 1], x[:, 128] = 7, -7  # a scale of 2^-6 in both FP8 groups: no cast error
+            reference = AllToAllDispatcher(num_experts=4 * size, group=group, alignment=8,
+                                           dispatch_format="e4m3" if fp8 else "bf16")
+            got = run_case(made[size, fp8], x, idx, weights, first_expert=rank * 4)
+            base = run_case(reference, x, idx, weights, first_expert=rank * 4)
+            want = expected(x, idx, weights)
+            results[size, fp8] = {"out": _max_abs(got["out"].double() - want.double()) / max(_max_abs(want), 1.0),
+                                  "same_out": torch.equal(got["out"], base["out"]),
+                                  "same_rows": all(torch.equal(p, q) for p, q in zip(got["rows_E"], base["rows_E"])),
+                                  "same_grad_x": torch.equal(got["grad_x"], base["grad_x"]),
+                                  "pooled": type(made[size, fp8].heap).__name__}
+    dist.destroy_process_group()
+    return results
+
+
+def pool_over_a_group_too_small() -> str:
+    """The error of ``reserve_heaps`` over pairs of ranks for a dispatcher over all four (every
+    rank's, none left waiting in the pool's collective)."""
+    from ep_runtime.dispatch.nvlink import reserve_heaps
+    from ep_runtime.parallel import block_group
+
+    ctx = init_parallel(ParallelConfig())
+    pair = block_group(2)
+    dispatcher = NVLinkDispatcher(num_experts=8, group=dist.group.WORLD, device=ctx.device, max_tokens_per_rank=4)
+    return _error_of(ValueError, lambda: reserve_heaps([dispatcher], hidden=HIDDEN, topk=TOPK, dtype=torch.float32,
+                                                       over=pair, device=ctx.device))
