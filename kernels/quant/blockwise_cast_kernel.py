@@ -6,7 +6,9 @@ A CTA loads a ``[tile_m, tile_n]`` tile of whole scale blocks into registers wit
 (:func:`kernels.tiles.vector_layout`), reduces each block's amax (across threads by warp
 shuffles, or one ``redux.sync`` a warp for a per-block tile; across warps through shared memory),
 writes the scales, and stores the e4m3 bytes
-straight from the registers. Every input byte is read once and every output byte written once.
+straight from the registers (a per-channel tile of 2-byte values waits out the reduction in shared
+memory instead: :func:`staged_channel_ctas`). Every input byte is read once and every output byte
+written once.
 
 Shape suffixes: M rows (tokens), N columns (hidden), G scale groups (``ceil(N / block_n)``),
 B scale row blocks (``ceil(M / block_m)``).
@@ -211,14 +213,26 @@ def narrow_channel_tile(m: int, n: int, block: tuple[int, int], vec: int, device
     return tile_m, NARROW_CHANNEL_COLUMNS, max(32, min(128, tile_m * NARROW_CHANNEL_COLUMNS // vec))
 
 
-STAGED_CHANNEL_CTAS = 5  # per-channel CTAs an SM holds with the values in shared memory
+STAGED_CHANNEL_CTAS = 4  # CTAs of the staged per-channel tile an SM holds (register cap: 64 a thread)
 
 
-def staged_channel_ctas(block: tuple[int, int], itemsize: int) -> int:
-    """CTAs an SM should hold of the default per-channel tile, its values staged in shared memory
-    across the reduction (0: not staged). Held in registers, a bfloat16 tile took 96 registers a
-    thread (each value in a register of its own once unpacked), two CTAs an SM; staged, 48."""
-    return STAGED_CHANNEL_CTAS if block[0] > 1 and block[1] == 1 and itemsize == 2 else 0
+def staged_channel_ctas(n: int, block: tuple[int, int], vec: int, itemsize: int) -> int:
+    """``staged_ctas`` for the default per-channel tile of 2-byte values on tile_caster's shuffle
+    path (bands of whole rows, a row's vectors within one warp), else 0.
+
+    Held in registers across the reduction, a 128 x 128 bfloat16 tile took 96 registers a thread
+    (ptxas unpacks the bfloat16 pairs for the cast ahead of the barrier): two CTAs of 256 threads
+    an SM, 64 KiB of loads in flight. Staged in shared memory (each thread reads back what it
+    wrote, behind the reduction's barriers), 68 registers, or 63 held to four CTAs. At 16384 x 7168
+    on an H200 (one process, the L2 flushed): 85.6 us in registers; staged 83.3 (3 CTAs), 83.4 (4),
+    83.8 (5 CTAs, 48 registers), 98.8 (6: spills); tile-kernels 82.8. Under the cap of four CTAs
+    blocks of 4 or 8 rows (TileLang's reduce) spill; blocks of 64 rows and more do not."""
+    if block[1] != 1 or itemsize != 2:
+        return 0
+    tile_m, tile_n, threads = blockwise_tile(n, block, vec)
+    band = threads * vec
+    shuffles = band % tile_n == 0 and tile_m * tile_n > band and tile_n // vec <= 32
+    return STAGED_CHANNEL_CTAS if shuffles else 0
 
 
 def per_token_tile(m: int, n: int, block: tuple[int, int], vec: int, device: torch.device):
@@ -270,7 +284,7 @@ def blockwise_cast(
         return q_MN, sf_BG
     vec = vector_width(n, x_MN.element_size())
     tile = narrow_channel_tile(m, n, block, vec, x_MN.device) or per_token_tile(m, n, block, vec, x_MN.device)
-    staged = staged_channel_ctas(block, x_MN.element_size()) if tile is None else 0
+    staged = staged_channel_ctas(n, block, vec, x_MN.element_size()) if tile is None else 0
     kernel = get_blockwise_cast_kernel(n, block_m, block_n, tl_dtype(x_MN.dtype), round_sf, pack_sf, tile, None, staged)
     kernel(x_MN.contiguous(), q_MN, sf_BG)
     return q_MN, sf_BG
