@@ -8,10 +8,12 @@ from kernels import lowering
 from kernels.quant import reference
 from kernels.quant.blockwise_cast_kernel import (
     NARROW_CHANNEL_COLUMNS,
+    STAGED_CHANNEL_CTAS,
     blockwise_cast,
     get_blockwise_cast_kernel,
     narrow_channel_tile,
     per_token_tile,
+    staged_channel_ctas,
 )
 from kernels.testing import cast_input, poison_allocator, spy
 
@@ -31,6 +33,7 @@ SHAPES = [  # (M, N, block size, input dtype)
     (70, 96, 32, torch.bfloat16),
     (4096, 7168, 128, torch.bfloat16),  # per-token: more CTAs than the SMs hold, two vectors a thread
     (4096, 7168, 64, torch.float32),
+    (300, 7168, 64, torch.bfloat16),  # per-channel: staged in shared memory, 64-row blocks
 ]
 SF_MODES = {"fp32_sf": (False, False), "ue8m0_sf": (True, False), "packed_sf": (True, True)}
 
@@ -109,6 +112,10 @@ def test_compiles_for_sm90a():
         tile = (128, NARROW_CHANNEL_COLUMNS, 128)
         for dtype in ("bfloat16", "float32"):
             assert "fp8" in lowering.kernel_source(get_blockwise_cast_kernel(7168, 128, 1, dtype, False, False, tile)), dtype
+        # per-channel 2-byte tiles staged in shared memory (staged_channel_ctas)
+        for dtype in ("bfloat16", "float16"):
+            kernel = get_blockwise_cast_kernel(7168, 128, 1, dtype, False, False, None, None, STAGED_CHANNEL_CTAS)
+            assert "fp8" in lowering.kernel_source(kernel), dtype
         # per-token scales over many rows: two vectors a thread (per_token_tile's 1 x 1024 tile of 64 threads)
         for dtype, vec in (("bfloat16", 8), ("float32", 4)):
             tile = (1, 1024, 1024 // (2 * vec))
@@ -124,6 +131,18 @@ def test_many_tokens_take_two_vectors_a_thread():
     assert per_token_tile(4096, 7168, (1, 128), 4, device) == (1, 1024, 128)  # float32: 4 elements a vector
     assert per_token_tile(128, 7168, (1, 128), 8, device) is None
     assert per_token_tile(4096, 7168, (128, 128), 8, device) is None
+
+
+def test_per_channel_stages_two_byte_tiles_on_the_shuffle_path():
+    """Staged only where measured (tile_caster's per-channel shuffles); under the register cap
+    blocks of 4 or 8 rows spill, and float32 tiles do not fit four CTAs an SM."""
+    assert staged_channel_ctas(7168, (128, 1), 8, 2) == STAGED_CHANNEL_CTAS
+    assert staged_channel_ctas(7168, (64, 1), 8, 2) == STAGED_CHANNEL_CTAS
+    assert staged_channel_ctas(300, (64, 1), 4, 2) == 0  # 64 vectors a row: TileLang's reduce
+    assert staged_channel_ctas(7168, (8, 1), 8, 2) == 0
+    assert staged_channel_ctas(7168, (128, 1), 4, 4) == 0
+    assert staged_channel_ctas(7168, (128, 128), 8, 2) == 0
+    assert staged_channel_ctas(7168, (1, 128), 8, 2) == 0
 
 
 @pytest.mark.gpu
