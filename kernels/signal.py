@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,9 +38,6 @@ class Signal:
     rank: int
     timeout_ns: int = 120 * 10**9  # past any skew of the ranks' first-call compiles
     report_2: torch.Tensor | None = None
-    # (device, world) pairs ``signal_kernel.check_signal`` passed: a heap's one Signal is checked
-    # once, not on every call (its pinned-memory query alone is a driver call)
-    checked: set = field(default_factory=set, init=False, repr=False, compare=False)
 
     @property
     def world(self) -> int:

@@ -145,8 +145,6 @@ def check_signal(signal: Signal, device: torch.device, world: int) -> None:
     """``signal``'s tensors on ``device``, of the dtypes a kernel takes, over ``world`` ranks."""
     if not isinstance(signal, Signal):
         raise TypeError(f"signal: expected a kernels.comm.Signal, got {type(signal).__name__}")
-    if (device, world) in signal.checked:
-        return
     if signal.world != world or signal.delta_W.shape != (world,):
         raise ValueError(f"signal: expected flags and offsets for {world} ranks, got {signal.world} flags and "
                          f"offsets of shape {tuple(signal.delta_W.shape)}")
@@ -160,4 +158,3 @@ def check_signal(signal: Signal, device: torch.device, world: int) -> None:
     if report is not None and (report.shape != (2,) or report.dtype != torch.int32 or not report.is_pinned()):
         raise ValueError(f"signal.report_2: expected int32 [2] in pinned host memory, got {report.dtype} "
                          f"{tuple(report.shape)} on {report.device} (pinned: {report.is_pinned()})")
-    signal.checked.add((device, world))
