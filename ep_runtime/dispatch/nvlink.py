@@ -202,22 +202,14 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
     def _mine(self, region: PeerRegion, *view) -> torch.Tensor:
         """This rank's copy of ``region`` (``.view(*view)`` of it), made once per region: a call's
         views cost host time, and a region's tensors never change."""
-        key = ("mine", self.ep_rank, view)
-        mine = region.kernel_views.get(key)
-        if mine is None:
-            mine = region.views[self.ep_rank].view(*view) if view else region.views[self.ep_rank]
-            region.kernel_views[key] = mine
-        return mine
+        own = region.views[self.ep_rank]
+        return region.kept(("mine", self.ep_rank, view), lambda: own.view(*view) if view else own)
 
     @staticmethod
     def _pair(kind: type, first: PeerRegion, second: PeerRegion):
         """``kind(first, second)`` (``TokenRegions``, ``RouteRegions``), made once per pair of regions:
         the kernel ops prepare their launches once per region they are given."""
-        key = (kind, second)
-        pair = first.kernel_views.get(key)
-        if pair is None:
-            pair = first.kernel_views[key] = kind(first, second)
-        return pair
+        return first.kept((kind, second), lambda: kind(first, second))
 
     def scatter(self, rows_TX: torch.Tensor, route: PeerRoute) -> torch.Tensor:
         (region,) = self._regions((self.num_recv_rows, rows_TX.shape[1], rows_TX.dtype))

@@ -86,12 +86,13 @@ def peer_copy(region: PeerRegion, name: str = "region", *, dtype: torch.dtype | 
     with the peers' byte offsets (``delta_W``) and to be a contiguous CUDA tensor starting on a
     16-byte boundary (of ``dtype`` and ``width`` columns, when given); then, with ``layout =
     (view_dtype, *shape)``, viewed as that. Checked and viewed once per region and arguments
-    (``PeerRegion.kernel_views``: its tensors never change, and a transport call's host time is
-    what an eager call waits for)."""
-    key = (dtype, width, layout)
-    found = region.kernel_views.get(key)
-    if found is not None:
-        return found
+    (``PeerRegion.kept``: its tensors never change, and a transport call's host time is what an
+    eager call waits for)."""
+    return region.kept(("peer_copy", dtype, width, layout), lambda: _checked_copy(region, name, dtype, width, layout))
+
+
+def _checked_copy(region: PeerRegion, name: str, dtype: torch.dtype | None, width: int | None,
+                  layout: tuple | None) -> torch.Tensor:
     if region.delta_W is None:
         raise ValueError(f"{name}.delta_W: expected the peers' byte offsets from views[0] (a symmetric heap's region)")
     first = region.views[0]
@@ -103,7 +104,6 @@ def peer_copy(region: PeerRegion, name: str = "region", *, dtype: torch.dtype | 
     if layout is not None:
         view_dtype, *shape = layout
         first = first.view(view_dtype).view(*shape)
-    region.kernel_views[key] = first
     return first
 
 

@@ -32,13 +32,21 @@ class PeerRegion:
     views: tuple[torch.Tensor, ...]
     delta_W: torch.Tensor | None = field(default=None)
     unit: int = 16
-    # rank 0's copy as kernels take it, checked once (``put_rows_kernel.peer_copy``): a region is
-    # made once per heap and called with every transport call, whose host time is the eager limit
-    kernel_views: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # what is made of the region once (``kept``): a region is made once per heap and given to every
+    # transport call, whose host time is the eager limit
+    _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def world(self) -> int:
         return len(self.views)
+
+    def kept(self, key, make):
+        """``make()``, made on the first call with ``key`` and kept with the region (its views as a
+        kernel takes them, checked: ``put_rows_kernel.peer_copy``; a rank's own copy)."""
+        found = self._kept.get(key)
+        if found is None:
+            found = self._kept[key] = make()
+        return found
 
 
 def put_rows(src_NX: torch.Tensor, dest_NW: torch.Tensor, region: PeerRegion) -> None:
