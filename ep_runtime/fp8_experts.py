@@ -48,7 +48,8 @@ class FP8ExpertsFn(torch.autograd.Function):
         h_PI2 = grouped_fp8_mm(qx_PD, sx_PG, *forward13, offsets_E)
         y_PD = grouped_fp8_mm(*swiglu_per_token_cast(h_PI2), *forward2, offsets_E)
         ctx.save_for_backward(qx_PD, sx_PG, h_PI2, q13_EDI2, sf13, q2_EID, sf2, offsets_E)
-        ctx.grad_dtypes = tuple(torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32 for w in (w13_EDI2, w2_EID))
+        ctx.grad_dtypes = tuple(torch.bfloat16 if w.dtype == torch.bfloat16 else torch.float32
+                                for w in (w13_EDI2, w2_EID))
         return y_PD.to(x_PD.dtype)
 
     @staticmethod

@@ -50,7 +50,8 @@ def train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     source.add_argument("--experts", type=int, help="routed experts (default: the config's model.moe.num_experts)")
     source.add_argument("--topk", type=int, help="routes per token (default: the config's model.moe.router.topk)")
     source.add_argument("--bias-update-rate", type=float,
-                        help=f"aux-loss-free balancing's bias step, 0: off (default {router.bias_update_rate}; v3-layer 1e-2)")
+                        help=f"aux-loss-free balancing's bias step, 0: off (default {router.bias_update_rate}; "
+                             "v3-layer 1e-2)")
     source.add_argument("--aux-loss-coef", type=float,
                         help=f"sequence-wise balance loss weight, DeepSeek-V3's alpha (default {router.aux_loss_coef})")
     par_ = p.add_argument_group("parallelism")

@@ -72,7 +72,7 @@ from .all_to_all import sum_home
 from .autograd import FP8_GROUP, CombineFn, DispatchFn, Fp8Rows, expand_rows
 from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_dispatch_args, local_experts
 from ..streams import SideStream
-from .symmetric import SymmetricHeap, aligned, make_heap, reserve_pool
+from .symmetric import PooledHeap, SymmetricHeap, aligned, make_heap, reserve_pool
 
 ROWS, ROUTES = 0, 1  # barrier channels: the rows' (every transport call's), and the routes' beside them
 
@@ -120,7 +120,7 @@ def reserve_heaps(dispatchers, *, hidden: int, topk: int, dtype: torch.dtype, ov
         needs.append((f"{d.group.group_name}/{place}", d.group, d.heap_bytes(hidden, topk, dtype)))
     heaps = reserve_pool(needs, over, device)
     for d, (key, _, _) in zip(dispatchers, needs):
-        d.heap, d.reserved = heaps.get(key), key in heaps
+        d.heap = heaps.get(key)
 
 
 class NVLinkDispatcher(Dispatcher, name="nvlink"):
@@ -145,7 +145,6 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
         self.alignment = check_positive("alignment", alignment)
         self.fp8, self.fp8_combine = fp8, fp8_combine
         self.heap: SymmetricHeap | None = None
-        self.reserved = False  # the heap is reserve_heaps': sized for the largest call, never made again
         self._made: dict[tuple, list[PeerRegion]] = {}  # _regions' of the current heap
         self.calls = 0  # transport calls so far: which half of the heap the next one uses
         self.beside = SideStream(device, priority=-1)
@@ -172,7 +171,7 @@ class NVLinkDispatcher(Dispatcher, name="nvlink"):
             return self._made[key]
         sizes = [aligned(rows * width * dtype.itemsize) for rows, width, dtype in widths]
         if self.heap is None or self.heap.nbytes < 2 * sum(sizes):
-            if self.reserved:
+            if isinstance(self.heap, PooledHeap):  # reserve_heaps': sized for the largest call, never made again
                 raise RuntimeError(f"a transport call needs {2 * sum(sizes)} bytes of heap, more than the "
                                    f"{self.heap.nbytes} reserve_heaps reserved (heap_bytes: hidden, topk or dtype "
                                    "larger than the calls')")

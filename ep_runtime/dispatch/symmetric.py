@@ -155,13 +155,7 @@ class CudaHeap:
         self.heaps = [h[:nbytes] for h in whole]
         ptrs = [h.data_ptr() for h in whole]
         self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
-        flags = [h[nbytes:nbytes + self.world * 4].view(torch.int32) for h in whole]
-        counters = torch.zeros(2, dtype=torch.int32, device=device)
-        ranks = dist.get_process_group_ranks(group)
-        report = DEVICE_WAITS.word(lambda peer: f"rank {ranks[peer]}'s signal in the nvlink barrier")
-        self._signal = Signal(flags_W=flags[0], own_W=flags[self.rank], delta_W=self.delta_W, epoch_1=counters[:1],
-                              tickets_1=counters[1:], rank=self.rank, timeout_ns=int(DEVICE_WAITS.timeout_s * 1e9),
-                              report_2=report)
+        self._signal = _signal(whole, nbytes, self.rank, self.delta_W, dist.get_process_group_ranks(group))
         self.barrier()
 
     def region(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> PeerRegion:
@@ -190,6 +184,17 @@ class CudaHeap:
         return self._signal
 
 
+def _signal(whole: list[torch.Tensor], at: int, rank: int, delta_W: torch.Tensor, ranks: list[int]) -> Signal:
+    """The barrier a kernel passes itself over the heaps ``whole`` (one a rank), its int32 flags at
+    byte ``at`` of each, its epoch counters on this rank; a wait that gives up names the peer by its
+    job rank (``ranks``)."""
+    flags = [h[at:at + len(whole) * 4].view(torch.int32) for h in whole]
+    counters = torch.zeros(2, dtype=torch.int32, device=delta_W.device)
+    report = DEVICE_WAITS.word(lambda peer: f"rank {ranks[peer]}'s signal in the nvlink barrier")
+    return Signal(flags_W=flags[0], own_W=flags[rank], delta_W=delta_W, epoch_1=counters[:1], tickets_1=counters[1:],
+                  rank=rank, timeout_ns=int(DEVICE_WAITS.timeout_s * 1e9), report_2=report)
+
+
 def plan_offsets(needs: dict[str, tuple[tuple[int, ...], int]]) -> dict[str, int]:
     """Byte offsets in a pool for heaps ``name -> (ranks, nbytes)``: heaps that share a rank never
     overlap; heaps of disjoint ranks may. Every rank computes the same plan from the same needs
@@ -215,25 +220,15 @@ class PooledHeap:
         ranks, pool_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(pool.group)
         whole = [pool.heaps[pool_ranks.index(r)][offset:offset + nbytes + self.flag_bytes(self.world)] for r in ranks]
         self.heaps = [h[:nbytes] for h in whole]
-        self.cuda = isinstance(pool, CudaHeap)
-        if self.cuda and not use_tilelang(pool.delta_W.device):
-            raise RuntimeError("group: a pooled heap on CUDA passes its barriers by TileLang kernels, and TileLang's "
-                               "kernels are not in use here (kernels.select)")
-        self.delta_W = None
-        self._signals: list[Signal] = []
-        if self.cuda:
-            device = whole[0].device
+        self.delta_W, self._signals = None, []  # CPU: the group's barrier
+        if isinstance(pool, CudaHeap):
+            if not use_tilelang(pool.delta_W.device):
+                raise RuntimeError("group: a pooled heap on CUDA passes its barriers by TileLang kernels, and "
+                                   "TileLang's kernels are not in use here (kernels.select)")
             ptrs = [h.data_ptr() for h in whole]
-            self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=device)
-            counters = torch.zeros(self.CHANNELS, 2, dtype=torch.int32, device=device)
-            for channel in range(self.CHANNELS):
-                at = nbytes + channel * aligned(self.world * 4)
-                flags = [h[at:at + self.world * 4].view(torch.int32) for h in whole]
-                report = DEVICE_WAITS.word(lambda peer: f"rank {ranks[peer]}'s signal in the nvlink barrier")
-                self._signals.append(Signal(flags_W=flags[0], own_W=flags[self.rank], delta_W=self.delta_W,
-                                            epoch_1=counters[channel, :1], tickets_1=counters[channel, 1:],
-                                            rank=self.rank, timeout_ns=int(DEVICE_WAITS.timeout_s * 1e9),
-                                            report_2=report))
+            self.delta_W = torch.tensor([p - ptrs[0] for p in ptrs], dtype=torch.int64, device=whole[0].device)
+            self._signals = [_signal(whole, nbytes + channel * aligned(self.world * 4), self.rank, self.delta_W, ranks)
+                             for channel in range(self.CHANNELS)]
 
     @classmethod
     def flag_bytes(cls, world: int) -> int:
@@ -243,14 +238,14 @@ class PooledHeap:
         return PeerRegion(views=tuple(_slice(h, offset, shape, dtype) for h in self.heaps), delta_W=self.delta_W)
 
     def barrier(self, channel: int = 0) -> None:
-        if not self.cuda:
+        if self._signals:
+            barrier_alone(self._signals[channel])
+        else:
             dist.barrier(group=self.group)
-            return
-        barrier_alone(self._signals[channel])
 
     def signal(self) -> Signal | None:
         # the rows' channel: a kernel passing it stands in for that channel's next barrier, on its stream
-        return self._signals[0] if self.cuda else None
+        return self._signals[0] if self._signals else None
 
 
 def reserve_pool(needs: list[tuple[str, dist.ProcessGroup, int]], over: dist.ProcessGroup,
@@ -266,20 +261,18 @@ def reserve_pool(needs: list[tuple[str, dist.ProcessGroup, int]], over: dist.Pro
     mine = [(key, tuple(dist.get_process_group_ranks(group)), aligned(nbytes)) for key, group, nbytes in needs]
     everyone: list = [None] * len(over_ranks)
     dist.all_gather_object(everyone, mine, group=over)
-    merged: dict[str, tuple[tuple[int, ...], int]] = {}
+    merged: dict[str, tuple[tuple[int, ...], int]] = {}  # key: (ranks, the largest regions' bytes asked)
     for key, ranks, nbytes in (need for per_rank in everyone for need in per_rank):
         if not set(ranks) <= over_ranks:  # every rank raises: none is left waiting in the pool's rendezvous
             raise ValueError(f"over: expected a group holding every rank of the heaps' groups; {key}'s ranks "
                              f"{list(ranks)} are not all in {sorted(over_ranks)}")
         if len(ranks) > 1:
-            whole = nbytes + PooledHeap.flag_bytes(len(ranks))
-            merged[key] = (ranks, max(whole, merged.get(key, (ranks, 0))[1]))
-    offsets = plan_offsets(merged)
-    total = max((offsets[k] + aligned(b) for k, (_, b) in merged.items()), default=ALIGN)
+            merged[key] = (ranks, max(nbytes, merged.get(key, (ranks, 0))[1]))
+    wholes = {k: (ranks, nbytes + PooledHeap.flag_bytes(len(ranks))) for k, (ranks, nbytes) in merged.items()}
+    offsets = plan_offsets(wholes)
+    total = max((offsets[k] + aligned(b) for k, (_, b) in wholes.items()), default=ALIGN)
     pool = CudaHeap(total, over, device) if device.type == "cuda" else FileHeap(total, over)  # zeroed, then a barrier
-    return {key: PooledHeap(pool, offsets[key], merged[key][1] - PooledHeap.flag_bytes(dist.get_world_size(group)),
-                            group)
-            for key, group, _ in needs if key in merged}
+    return {key: PooledHeap(pool, offsets[key], merged[key][1], group) for key, group, _ in needs if key in merged}
 
 
 def make_heap(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap:
