@@ -318,9 +318,9 @@ def weighted_reduce(
     if launch is None:  # no token, or no row any route could read
         return torch.zeros((t, d), dtype=out_dtype, device=y_PD.device)
     if sf_PG is None:
-        sf_PG = y_PD.new_empty((p, -(-d // group)), dtype=torch.float32)  # never read
+        sf_PG = stand_in((p, -(-d // group)), torch.float32, y_PD.device)  # never read
     if weights_TK is None:
-        weights_TK = torch.empty((t, k), dtype=torch.float32, device=y_PD.device)  # never read
+        weights_TK = stand_in((t, k), torch.float32, y_PD.device)  # never read
     out_TD = torch.empty((t, d), dtype=out_dtype, device=y_PD.device)
     launch(aligned(y_PD), sf_PG.contiguous(), pos_TK.contiguous(), weights_TK.contiguous(), out_TD)
     return out_TD
