@@ -88,7 +88,7 @@ class MoEParams:
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(F64).clone().requires_grad_()
+    return t.detach().to("cpu", F64).clone().requires_grad_()
 
 
 def split_w13(w13_D2I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +108,14 @@ def _mlp(gate, up, down) -> Mlp:
 
 
 def params_of(layer, all_w13_EDI2: torch.Tensor | None = None, all_w2_EID: torch.Tensor | None = None) -> MoEParams:
-    """Float64 leaves of an ``MoELayer``'s weights. ``all_w13_EDI2``/``all_w2_EID``: every logical
-    expert's weights (an EP run gathers them); default the layer's own, slot ``e`` = expert ``e``."""
+    """Float64 leaves on the CPU of an ``MoELayer``'s weights (wherever the layer lives).
+    ``all_w13_EDI2``/``all_w2_EID``: every logical expert's weights (an EP run gathers them);
+    default the layer's own, slot ``e`` = expert ``e``."""
     w13 = layer.experts.w13_EDI2 if all_w13_EDI2 is None else all_w13_EDI2
     w2 = layer.experts.w2_EID if all_w2_EID is None else all_w2_EID
     experts = tuple(_mlp(*split_w13(w13[e].detach()), w2[e].detach()) for e in range(w13.shape[0]))
     shared = None if layer.shared is None else mlp_from_linears(layer.shared.w13.weight, layer.shared.w2.weight)
-    return MoEParams(router=_leaf(layer.router.weight), bias=layer.router.bias_E.detach().to(F64).clone(),
+    return MoEParams(router=_leaf(layer.router.weight), bias=layer.router.bias_E.detach().to("cpu", F64).clone(),
                      experts=experts, shared=shared)
 
 

@@ -95,7 +95,7 @@ def spec_errors(layer: MoELayer, ep, x_TD, g_TD, out, grad_x, routing: str) -> d
         dist.all_gather(parts13, w13.contiguous(), group=ep)
         dist.all_gather(parts2, w2.contiguous(), group=ep)
         w13, w2 = torch.cat(parts13), torch.cat(parts2)
-    p = params_of(layer, w13.cpu(), w2.cpu())
+    p = params_of(layer, w13, w2)
     x = x_TD.detach().cpu().to(F64).requires_grad_()
     want, _ = moe_layer(x, p, RouterSpec.of(layer.cfg.router), wire=layer.cfg.dispatch_format,
                         masked=masked_routes if routing == "masked" else None)
