@@ -104,9 +104,12 @@ def spec_errors(layer: MoELayer, ep, x_TD, g_TD, out, grad_x, routing: str) -> d
     expert_grads = torch.stack([torch.cat([grads[f"expert{e}.gate"], grads[f"expert{e}.up"]], 1)
                                 for e in range(w13.shape[0])])
     down_grads = torch.stack([grads[f"expert{e}.down"] for e in range(w13.shape[0])])
-    if world > 1:
+    if world > 1:  # on the group's device: NCCL reduces no CPU tensors
+        device = w13.device
+        expert_grads, down_grads = expert_grads.to(device), down_grads.to(device)
         dist.all_reduce(expert_grads, group=ep)
         dist.all_reduce(down_grads, group=ep)
+        expert_grads, down_grads = expert_grads.cpu(), down_grads.cpu()
     mine = slice(layer.ep_rank * layer.experts.w13_EDI2.shape[0], (layer.ep_rank + 1) * layer.experts.w13_EDI2.shape[0])
     shared13 = layer.shared.w13.weight.grad.T
     errors = {"out": scaled_error(out.cpu(), want), "grad_x": scaled_error(grad_x.cpu(), x.grad),
