@@ -22,7 +22,10 @@ CASES = ([("balanced", False, d) for d in ("all_to_all", "nvlink", "deepep")]
 # terms in another order (matmul blocking, index_add). GPU: experts run torch._grouped_mm in bf16
 # over segments of other lengths.
 RTOL = 2e-2 if torch.cuda.is_available() else 1e-5
-SPEC_TOL = 2e-2 if torch.cuda.is_available() else 1e-5  # moe_spec.scaled_error of float32 against float64
+# moe_spec.scaled_error against float64. GPU: the experts' GEMMs and SwiGLU's backward in bf16 compound
+# a few 2^-8 roundings into w13's gradient (0.0215 on two H200s, masked routing); a lost or
+# misplaced row reads >= 0.5.
+SPEC_TOL = 4e-2 if torch.cuda.is_available() else 1e-5
 
 
 @pytest.mark.parametrize("world,ranks_per_node", [(2, None), (4, None), (4, 2)])

@@ -22,7 +22,8 @@ from gpu_matrix_workers import train_each
 
 from launch.local import launch_local
 
-pytestmark = pytest.mark.gpu
+# Dozens of short runs, each compiling its kernels on a cold TileLang cache (over 300 s on two H200s).
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 STEPS = 3
 SMALL_RTOL = 2e-2
