@@ -46,9 +46,12 @@ all-reduce of one element on the stream lines the ranks' GPUs up (otherwise a ra
 include waiting for a peer whose host left the barrier later). The eager entries keep the host's
 launches in their time: their Python is what an eager call costs.
 
-Targets, printed per row of a GPU run (``bars`` in the JSON): ``to_buffers`` and combine at >= 90%
-of the P2P copy's rate and >= 1.4x NCCL's on the same bytes (bf16 combine), and dispatch + combine
-as one graph under 40 us at 128 tokens per rank.
+Each entry is printed with its eager and graph times side by side. Targets, printed per row of a
+GPU run (``bars`` in the JSON): eager ``nvlink`` dispatch and combine within 1.15x their graphs
+plus 20 us; the whole dispatch and the bf16 combine (graphs) at >= 1.0x NCCL's rate on the same
+bytes; ``to_buffers`` at >= 90% of the P2P copy's rate; dispatch + combine as one graph under 40 us
+at 128 tokens per rank; and with ``--peer deepep``, dispatch + combine against DeepEP's own
+``Buffer`` calls (eager against eager, and our graph against them), >= 1.0x.
 """
 
 from __future__ import annotations
@@ -418,36 +421,67 @@ def main(argv: list[str] | None = None, *, start: StartWorkers | None = None) ->
     for row in report["rows"]:
         print(f"  {row['tokens_per_rank']} tokens/rank, {row['dispatch_bytes_per_rank'] / 1e6:.1f} MB dispatch, "
               f"{row['combine_bytes_per_rank'] / 1e6:.1f} MB combine per rank:")
-        for name, ms, gbps in row["table"]:  # one rank sends nothing to others: no rate to show
-            rate = f"{gbps:9.1f} GB/s" if row["dispatch_bytes_per_rank"] else ""
-            print(f"    {name:<28} {ms * 1e3:10.1f} us {rate}".rstrip())
-        b = row["bars"]
-        if "dispatch_x_nccl" in b and "combine_x_nccl" in b:
-            print(f"    targets: to_buffers {b['dispatch_pct_of_p2p_copy']:.0f}% of the P2P copy's rate "
-                  f"(>= 90), {b['dispatch_x_nccl']:.2f}x NCCL (>= 1.4); combine {b['combine_pct_of_p2p_copy']:.0f}%, "
-                  f"{b['combine_x_nccl']:.2f}x; dispatch + combine {b.get('step_us', float('nan')):.1f} us "
-                  "(< 40 at 128 tokens per rank)")
+        print_side_by_side(row)
     print(f"wrote {path}")
     return report
 
 
+EAGER_SLACK, EAGER_EXTRA_MS = 1.15, 0.020  # eager within 1.15x its graph plus 20 us
+
+
 def bars(row: dict) -> dict:
-    """The targets from one row of a GPU run (empty where the row lacks the graphs or the peers):
-    ``to_buffers`` (dispatch up to where DeepEP's ends) and combine as a percentage of the P2P copy's
-    rate (bar 90) and as a multiple of NCCL's rate on the same bytes (bar 1.4), and dispatch +
-    combine as one graph in us (bar: under 40 at 128 tokens per rank)."""
+    """The targets from one row of a GPU run (each where the row has its entries): eager nvlink
+    dispatch and combine in us beside their bars (1.15x the graph + 20 us); the whole dispatch and
+    the combine (graphs) as multiples of NCCL's rate on the same bytes (bar 1.0); ``to_buffers``
+    (dispatch up to where DeepEP's ends) as a percentage of the P2P copy's rate (bar 90); dispatch +
+    combine as one graph in us (bar: under 40 at 128 tokens per rank); and DeepEP's dispatch +
+    combine time over ours, eager and graph (bar 1.0)."""
     ms = {key[:-3]: value for key, value in row.items() if key.endswith("_ms") and value}
     out = {}
-    if {"nvlink_graph_to_buffers", "p2p_copy", "nccl_a2a_dispatch"} <= ms.keys():
-        out["dispatch_pct_of_p2p_copy"] = 100 * ms["p2p_copy"] / ms["nvlink_graph_to_buffers"]
-        out["dispatch_x_nccl"] = ms["nccl_a2a_dispatch"] / ms["nvlink_graph_to_buffers"]
-    if {"nvlink_graph_combine", "p2p_copy", "nccl_a2a_combine"} <= ms.keys():
-        copy_rate = row["dispatch_bytes_per_rank"] / ms["p2p_copy"]
-        out["combine_pct_of_p2p_copy"] = 100 * row["combine_bytes_per_rank"] / ms["nvlink_graph_combine"] / copy_rate
-        out["combine_x_nccl"] = ms["nccl_a2a_combine"] / ms["nvlink_graph_combine"]
+    for op in ("dispatch", "combine"):
+        if {f"nvlink_{op}", f"nvlink_graph_{op}"} <= ms.keys():
+            out[f"eager_{op}_us"] = 1e3 * ms[f"nvlink_{op}"]
+            out[f"eager_{op}_bar_us"] = 1e3 * (EAGER_SLACK * ms[f"nvlink_graph_{op}"] + EAGER_EXTRA_MS)
+        if {f"nvlink_graph_{op}", f"nccl_a2a_{op}"} <= ms.keys():
+            out[f"{op}_x_nccl"] = ms[f"nccl_a2a_{op}"] / ms[f"nvlink_graph_{op}"]
+    if {"nvlink_graph_to_buffers", "p2p_copy"} <= ms.keys():
+        out["to_buffers_pct_of_p2p_copy"] = 100 * ms["p2p_copy"] / ms["nvlink_graph_to_buffers"]
     if "nvlink_graph_step" in ms:
         out["step_us"] = 1e3 * ms["nvlink_graph_step"]
+    if {"deepep_buffer_dispatch", "deepep_buffer_combine", "nvlink_dispatch", "nvlink_combine"} <= ms.keys():
+        deepep = ms["deepep_buffer_dispatch"] + ms["deepep_buffer_combine"]
+        out["eager_x_deepep"] = deepep / (ms["nvlink_dispatch"] + ms["nvlink_combine"])
+        if "nvlink_graph_step" in ms:
+            out["graph_x_deepep"] = deepep / ms["nvlink_graph_step"]
     return out
+
+
+def print_side_by_side(row: dict) -> None:
+    """The row's entries, eager and graph times side by side (``X_graph_Y`` beside ``X_Y``), the
+    rate of the graph where there is one, then the targets (``bars``)."""
+    entries: dict[str, dict] = {}
+    for name, ms, gbps in row["table"]:
+        eager_name = name.replace("_graph_", "_", 1)
+        entries.setdefault(eager_name, {})["graph" if eager_name != name else "eager"] = (ms, gbps)
+    print(f"    {'':<24} {'eager us':>10} {'graph us':>10}" + ("   GB/s" if row["dispatch_bytes_per_rank"] else ""))
+    for name, times in entries.items():
+        cells = [f"{times[k][0] * 1e3:10.1f}" if k in times else f"{'-':>10}" for k in ("eager", "graph")]
+        gbps = (times.get("graph") or times["eager"])[1]
+        rate = f" {gbps:7.1f}" if row["dispatch_bytes_per_rank"] else ""  # one rank sends nothing to others
+        print(f"    {name:<24} {' '.join(cells)}{rate}")
+    b, targets = row["bars"], []
+    for op in ("dispatch", "combine"):
+        if f"eager_{op}_us" in b:
+            targets.append(f"eager {op} {b[f'eager_{op}_us']:.1f} us (<= {b[f'eager_{op}_bar_us']:.1f})")
+    targets += [f"{op} {b[f'{op}_x_nccl']:.2f}x NCCL (>= 1.0)" for op in ("dispatch", "combine") if f"{op}_x_nccl" in b]
+    if "to_buffers_pct_of_p2p_copy" in b:
+        targets.append(f"to_buffers {b['to_buffers_pct_of_p2p_copy']:.0f}% of the P2P copy (>= 90)")
+    if "step_us" in b:
+        targets.append(f"dispatch + combine graph {b['step_us']:.1f} us (< 40 at 128 tokens)")
+    targets += [f"{kind} {b[f'{kind}_x_deepep']:.2f}x DeepEP (>= 1.0)" for kind in ("eager", "graph")
+                if f"{kind}_x_deepep" in b]
+    if targets:
+        print("    targets: " + "; ".join(targets))
 
 
 def _report(a: argparse.Namespace, result: dict, vdev_path: Path) -> dict:

@@ -155,16 +155,21 @@ def test_mhc_overhead_bench_reports_the_mhc_share_of_the_moe_layer(tmp_path):
 
 
 def test_dispatch_bars_from_a_row():
-    """The bars' arithmetic on a made-up GPU row: same bytes as the copy in the same time is 100%;
-    NCCL 1.4x as slow is 1.4x; the combine's bytes are its own."""
+    """The bars' arithmetic on a made-up GPU row: eager's bar is 1.15x the graph plus 20 us; NCCL
+    1.4x as slow is 1.4x; the copy's time for to_buffers is 100%; DeepEP's dispatch + combine over
+    ours, eager against eager and against our one graph."""
     from ep_runtime.bench.dispatch import bars
 
     row = {"dispatch_bytes_per_rank": 100, "combine_bytes_per_rank": 200, "nvlink_graph_to_buffers_ms": 0.1,
-           "p2p_copy_ms": 0.1, "nccl_a2a_dispatch_ms": 0.14, "nvlink_graph_combine_ms": 0.4,
-           "nccl_a2a_combine_ms": 0.2, "nvlink_graph_step_ms": 0.046}
+           "p2p_copy_ms": 0.1, "nvlink_dispatch_ms": 0.3, "nvlink_graph_dispatch_ms": 0.2,
+           "nccl_a2a_dispatch_ms": 0.28, "nvlink_combine_ms": 0.5, "nvlink_graph_combine_ms": 0.4,
+           "nccl_a2a_combine_ms": 0.2, "nvlink_graph_step_ms": 0.5, "deepep_buffer_dispatch_ms": 0.6,
+           "deepep_buffer_combine_ms": 0.4}
     got = bars(row)
-    assert got == pytest.approx({"dispatch_pct_of_p2p_copy": 100, "dispatch_x_nccl": 1.4, "combine_pct_of_p2p_copy": 50,
-                                 "combine_x_nccl": 0.5, "step_us": 46})
+    assert got == pytest.approx({"eager_dispatch_us": 300, "eager_dispatch_bar_us": 250, "dispatch_x_nccl": 1.4,
+                                 "eager_combine_us": 500, "eager_combine_bar_us": 480, "combine_x_nccl": 0.5,
+                                 "to_buffers_pct_of_p2p_copy": 100, "step_us": 500, "eager_x_deepep": 1.25,
+                                 "graph_x_deepep": 2.0})
     assert bars({"dispatch_bytes_per_rank": 100, "nvlink_dispatch_ms": 1.0}) == {}
 
 
