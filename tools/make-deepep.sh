@@ -32,12 +32,17 @@ cd "$build"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 cu=$("$venv/bin/python" -c "import nvidia.cu13 as m; print(list(m.__path__)[0])")
 export CPATH="$CUDA_HOME/include/cccl:$cu/include${CPATH:+:$CPATH}"
-# -lcuda: the driver, absent on a machine without a GPU. An empty stand-in satisfies the linker;
-# the GPU machine's driver provides the symbols when the module loads.
+# -lcuda: the driver, absent on a machine without a GPU. An empty stand-in named as the driver's
+# library (libcuda.so.1) satisfies the linker; the GPU machine's driver provides the symbols when
+# the module loads. --no-as-needed keeps the stand-in's name in the module although it resolves no
+# symbol (dropped, the module fails to load there: "undefined symbol: cuMemAddressFree").
 mkdir -p "$build/stubs"
 if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
-  echo > "$build/stubs/empty.c" && gcc -shared -o "$build/stubs/libcuda.so" "$build/stubs/empty.c"
+  echo > "$build/stubs/empty.c" && gcc -shared -Wl,-soname,libcuda.so.1 -o "$build/stubs/libcuda.so" "$build/stubs/empty.c"
 fi
 export LIBRARY_PATH="$cu/lib:$build/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+export LDFLAGS="-Wl,--no-as-needed${LDFLAGS:+ $LDFLAGS}"
 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/python" setup.py -q bdist_wheel -d "$out"
+module=$(find "$build/build" -name 'deep_ep_cpp*.so' | head -1)
+readelf -d "$module" | grep -q 'NEEDED.*\[libcuda\.so\.1\]' || { echo "$module: libcuda.so.1 not among its libraries" >&2; exit 1; }
 ls -la "$out"
