@@ -77,14 +77,18 @@ def test_backends_conform(world, ranks_per_node, backends):
                     assert err <= tol[name], f"rank {rank} {case} {backend} {name}: error {err:.3g} > {tol[name]}"
 
 
-def test_nvlink_over_ep_groups_of_two_sizes_in_one_process():
-    """Heaps of EP groups of 2 and 4 ranks reserved in one pool: each gives all_to_all's bits
-    over its group, whichever ran before it."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < 4:
-        pytest.skip("needs 4 GPUs")
-    results = launch_local(groups_of_two_sizes, 24, nproc=4)
+@pytest.mark.parametrize("world", [2, 4])
+def test_nvlink_over_ep_groups_of_two_sizes_in_one_process(world):
+    """Heaps of EP groups of half the ranks and of all of them reserved in one pool, two
+    dispatchers a group: each gives all_to_all's bits over its group, whichever ran before it
+    (over 2 ranks: the two dispatchers over the whole group)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = launch_local(groups_of_two_sizes, 24, nproc=world)
+    assert sorted(results) == list(range(world))
     for rank, per_group in results.items():
-        assert sorted(per_group) == [(2, False), (2, True), (4, False), (4, True)], rank
+        sizes = (world // 2, world) if world > 2 else (world,)
+        assert sorted(per_group) == [(size, fp8) for size in sizes for fp8 in (False, True)], rank
         for key, r in per_group.items():
             assert r["out"] <= TOL["out"] and r["same_out"] and r["same_rows"] and r["same_grad_x"], (rank, key, r)
             assert r["pooled"] == "PooledHeap", (rank, key, r)

@@ -303,15 +303,19 @@ def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -
 
 
 def groups_of_two_sizes(num_tokens: int) -> dict:
-    """``nvlink`` over EP groups of 2 ranks and of all 4 in one process, their heaps reserved in
-    one pool (``nvlink.reserve_heaps``), each group's dispatch + combine after the other's, twice,
-    FP8 dispatch in the second round: per group size, the largest error against the definition and
-    whether the rows and outputs are ``all_to_all``'s bits over the same group."""
+    """``nvlink`` over EP groups of half the ranks and of all of them in one process (over 2 ranks,
+    the whole group alone: an EP group of one rank has no heap), a bf16 and an FP8 dispatcher over
+    each, their heaps reserved in one pool (``nvlink.reserve_heaps``), each group's dispatch +
+    combine after the other's, twice, FP8 dispatch in the second round: per group size, the
+    largest error against the definition and whether the rows and outputs are ``all_to_all``'s bits
+    over the same group."""
     from ep_runtime.dispatch.nvlink import reserve_heaps
     from ep_runtime.parallel import block_group
 
     ctx = init_parallel(ParallelConfig())
-    groups = {2: block_group(2), 4: dist.group.WORLD}
+    world = ctx.world_size
+    groups = {world // 2: block_group(world // 2)} if world > 2 else {}
+    groups[world] = dist.group.WORLD
     made = {(size, fp8): NVLinkDispatcher(num_experts=4 * size, group=g, device=ctx.device,
                                           max_tokens_per_rank=num_tokens, alignment=8, fp8=fp8)
             for size, g in groups.items() for fp8 in (False, True)}
