@@ -26,6 +26,12 @@ CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("plain", "interleaved", 4
 STEPS = 2
 
 
+def needs_gpus(n: int):
+    """On a GPU machine each process takes the GPU of its local rank."""
+    return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
+
+
+@needs_gpus(4)
 def test_pipeline_ep_matches_single_process():
     results = launch_local(pipeline_matches_single_process, CASES, STEPS, nproc=4)
     assert sorted(results) == [0, 1, 2, 3]
@@ -88,6 +94,7 @@ def test_one_stage_is_gradient_accumulation(schedule):
             assert err <= RTOL, f"{name}: gradient error {err:.3g} > {RTOL}"
 
 
+@needs_gpus(2)
 def test_train_overlap_at_one_stage_matches_plain_ep2(tmp_path):
     """``--schedule overlap`` without pipeline stages: over EP 2, two micro-batches in two lanes
     (one's forward beside the other's backward, each lane over EP groups of its own) train like
@@ -109,6 +116,7 @@ def test_train_overlap_at_one_stage_matches_plain_ep2(tmp_path):
     torch.testing.assert_close(norms["overlap"], norms["plain"], rtol=1e-4, atol=0)
 
 
+@needs_gpus(4)
 def test_train_pp2_ep2_matches_ep2(tmp_path):
     """``ep-runtime train --pp 2 --ep 2`` on 4 processes trains like ``--ep 2`` on 2: the same two
     data ranks, the same model, the same steps (AdamW; losses within 1e-4 relative). The gradient
@@ -230,5 +238,7 @@ def test_overlap_needs_an_even_microbatch_count_and_a_dispatcher_per_lane():
         overlap_lanes(stage=0, num_stages=2, num_microbatches=3)
     with pytest.raises(ValueError, match="parallel.microbatches"):
         ParallelConfig(pp=2, microbatches=3, schedule="overlap")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     results = launch_local(overlap_without_lanes, nproc=2)
     assert all("make_dispatcher(cfg, ctx, lanes=2)" in message for message in results.values()), results

@@ -17,6 +17,8 @@ from ep_runtime.train import FAULT_ENV, worker
 from launch.local import launch_local
 
 pytestmark = pytest.mark.timeout(300)
+# Each process takes the GPU of its local rank on a GPU machine.
+needs_two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 STEPS, EVERY = 20, 4
 # A move changes which rank sums a token's expert outputs, so the losses may differ by rounding: on
@@ -51,6 +53,7 @@ def runs(tmp_path_factory):
     return out, still, moved
 
 
+@needs_two_gpus
 def test_replan_mid_run_keeps_the_losses_and_evens_the_ranks(runs):
     out, still, moved = runs
     assert still[0]["losses"] == still[1]["losses"] and moved[0]["losses"] == moved[1]["losses"]
@@ -70,6 +73,7 @@ def test_replan_mid_run_keeps_the_losses_and_evens_the_ranks(runs):
     assert [r["rank_load_imbalance"] for r in ours[:5]] == [r["rank_load_imbalance"] for r in base[:5]]
 
 
+@needs_two_gpus
 def test_a_checkpoint_saved_after_a_move_resumes(runs, tmp_path, monkeypatch):
     """Stopped at step 11, resumed from step 10's checkpoint (its placement is the one the moves after
     steps 5 and 9 made): steps 11-13 repeat the uninterrupted run exactly (the next move comes after

@@ -65,9 +65,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    # Through the CPU: a pickled CUDA tensor unpickles on its sender's GPU, and torch.cat refuses
+    # parts on cuda:0 and cuda:1.
     parts = [None] * world
-    dist.all_gather_object(parts, t)
-    return torch.cat(parts)
+    dist.all_gather_object(parts, t.cpu())
+    return torch.cat(parts).to(t.device)
 
 
 class _CountRows:

@@ -81,11 +81,11 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
                               chunks=2 if schedule == "interleaved" else 1)
         pipe = PipelineSchedule(stage, ctx, num_microbatches=num_micro, schedule=schedule)
         ref = _build(cfg, single_process(ctx.device))  # one process: the identity transport, any dispatcher
-        all_tokens = torch.cat([tokens(d) for d in range(per_stage)])
+        all_tokens = torch.cat([tokens(d) for d in range(per_stage)]).to(ctx.device)
         ref_params = dict(ref.named_parameters())
         losses, ref_losses, grad_errors = [], [], []
         for _ in range(steps):
-            loss = pipe.step(tokens(data_rank))
+            loss = pipe.step(tokens(data_rank).to(ctx.device))
             average_gradients(stage.model, ctx)
             if loss is not None:
                 mean = loss.clone()

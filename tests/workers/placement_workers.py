@@ -161,7 +161,7 @@ def _model(ctx, plan):
     placements = placements_from_phy2log(torch.tensor(plan), num_experts=4, ep_size=ctx.ep_size)
     torch.manual_seed(0)
     dispatcher = AllToAllDispatcher(num_experts=len(plan[0]), group=ctx.ep_group, alignment=4)
-    model = TinyDeepSeek(MODEL, dispatcher, ep_rank=ctx.ep_rank, seed=0, placement=placements)
+    model = TinyDeepSeek(MODEL, dispatcher, ep_rank=ctx.ep_rank, seed=0, placement=placements).to(ctx.device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), placements
 
 
@@ -169,7 +169,8 @@ def _train(model, optimizer, ctx, steps) -> list[float]:
     """train.py's step: forward, backward, gradient reduction, AdamW, router bias update."""
     losses = []
     for step in steps:
-        tokens = torch.randint(0, MODEL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(step * 10 + ctx.rank))
+        tokens = torch.randint(0, MODEL.vocab_size, (2, 9),
+                               generator=torch.Generator().manual_seed(step * 10 + ctx.rank)).to(ctx.device)
         loss = model.loss(tokens)
         loss.backward()
         average_gradients(model, ctx)
