@@ -11,6 +11,7 @@ benchmarks that start processes get them started through ``launch.start``.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -97,7 +98,12 @@ def _train(a: argparse.Namespace) -> None:
         signal_name = getattr(getattr(stop, "sigval", None), "name", "SIGINT")
         what = "Ctrl-C (SIGINT)" if signal_name == "SIGINT" else signal_name
         print(f"ep-runtime train: stopped by {what}; every worker ended (logs: {logs}/)", file=sys.stderr)
-        raise SystemExit(130) from None
+        # Out without the interpreter's teardown: the job store's native threads may still run when
+        # it destroys them, and the process then aborts ("terminate called without an active
+        # exception", exit -6) after the line above.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     first = results[0]
     losses, resumed = first["losses"], first["first_step"] > 1
     where = f" (resumed at step {first['first_step']})" if resumed else ""
