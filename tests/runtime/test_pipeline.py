@@ -31,7 +31,8 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
 
 
-@needs_gpus(4)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tolerances are float32's (CPU); on GPUs stages pass "
+                    "bf16 activations and experts run bf16: test_gpu_matrix.py compares the schedules there")
 def test_pipeline_ep_matches_single_process():
     results = launch_local(pipeline_matches_single_process, CASES, STEPS, nproc=4)
     assert sorted(results) == [0, 1, 2, 3]

@@ -169,8 +169,8 @@ def test_two_ranks_replicas_switch_and_training():
     """One 2-process gloo job: (a) replicated layer == one process without replicas, (b) a plan
     switch keeps the layer's outputs, gradients, weights and optimizer state, (c) training on plan
     A then B == starting on B from A's state (losses bit-exact)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.is_available():  # float32's orders of summation: GPUs run the experts in bf16
+        pytest.skip("the tolerances are float32's (CPU); GPUs run bf16 experts")
     results = launch_local(placement_suite, nproc=2)
     assert sorted(results) == [0, 1]
     for rank, r in results.items():
