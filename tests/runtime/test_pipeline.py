@@ -6,6 +6,7 @@ that do not divide the batch are refused."""
 
 import pytest
 import torch
+from gpus import needs_gpus
 from pipeline_workers import FLOOR, model_config, overlap_without_lanes, pipeline_matches_single_process, tokens
 
 from ep_runtime.dispatch import make_dispatcher
@@ -24,11 +25,6 @@ CASES = [("plain", "1f1b", 2), ("plain", "gpipe", 4), ("plain", "interleaved", 4
          ("plain", "overlap", 4), ("mhc-engram", "overlap", 4),
          ("plain+nvlink", "1f1b", 2), ("plain+nvlink", "interleaved", 4), ("plain+nvlink", "overlap", 4)]
 STEPS = 2
-
-
-def needs_gpus(n: int):
-    """On a GPU machine each process takes the GPU of its local rank."""
-    return pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < n, reason=f"needs {n} GPUs")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tolerances are float32's (CPU); on GPUs stages pass "

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from gpus import needs_gpus
 
 from ep_runtime.config import TrainConfig
 from ep_runtime.options import job_config_from_args, train_parser
@@ -17,8 +18,6 @@ from ep_runtime.train import FAULT_ENV, worker
 from launch.local import launch_local
 
 pytestmark = pytest.mark.timeout(300)
-# Each process takes the GPU of its local rank on a GPU machine.
-needs_two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 STEPS, EVERY = 20, 4
 # A move changes which rank sums a token's expert outputs, so the losses may differ by rounding: on
@@ -53,7 +52,7 @@ def runs(tmp_path_factory):
     return out, still, moved
 
 
-@needs_two_gpus
+@needs_gpus(2)
 def test_replan_mid_run_keeps_the_losses_and_evens_the_ranks(runs):
     out, still, moved = runs
     assert still[0]["losses"] == still[1]["losses"] and moved[0]["losses"] == moved[1]["losses"]
@@ -73,7 +72,7 @@ def test_replan_mid_run_keeps_the_losses_and_evens_the_ranks(runs):
     assert [r["rank_load_imbalance"] for r in ours[:5]] == [r["rank_load_imbalance"] for r in base[:5]]
 
 
-@needs_two_gpus
+@needs_gpus(2)
 def test_a_checkpoint_saved_after_a_move_resumes(runs, tmp_path, monkeypatch):
     """Stopped at step 11, resumed from step 10's checkpoint (its placement is the one the moves after
     steps 5 and 9 made): steps 11-13 repeat the uninterrupted run exactly (the next move comes after

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from gpus import needs_gpus
 
 from ep_runtime.options import job_config_from_args, train_parser
 from launch.cli import main as cli_main
@@ -15,8 +16,6 @@ from ep_runtime.train import worker
 from launch.local import launch_local
 
 
-needs_two_workers = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                                       reason="2 worker processes need 2 GPUs on a GPU machine")
 
 
 def config(tmp_path, name, *extra):
@@ -24,7 +23,7 @@ def config(tmp_path, name, *extra):
         ["--steps", "40", "--out", str(tmp_path), "--name", name, *extra]))
 
 
-@needs_two_workers
+@needs_gpus(2)
 def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
     first = launch_local(worker, config(tmp_path, "a"), nproc=2)
     second = launch_local(worker, config(tmp_path, "b"), nproc=2)
@@ -45,7 +44,7 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
     assert (tmp_path / "a" / "loss.png").stat().st_size > 1000
 
 
-@needs_two_workers
+@needs_gpus(2)
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
 def test_quantized_dispatch_trains(tmp_path, fmt):
     """Loss falls, and the first step's loss is not the one without quantized dispatch (the flag

@@ -3,8 +3,8 @@ trains on 2 gloo processes through the training worker: the loss falls."""
 
 import dataclasses
 
-import pytest
 import torch
+from gpus import needs_gpus
 
 from ep_runtime.config import JobConfig, MHCConfig, TrainConfig
 from ep_runtime.config_files import preset
@@ -12,8 +12,7 @@ from ep_runtime.train import worker
 from launch.local import launch_local
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="2 worker processes need 2 GPUs on a GPU machine")
+@needs_gpus(2)
 def test_v4_preset_loss_falls(tmp_path):
     model = preset("v4").model
     assert model.mhc is not None and model.mhc.n == 4 and model.engram is not None
