@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
 from ep_runtime.compat import deep_ep
-from ep_runtime.config import ParallelConfig
 from ep_runtime.parallel import init_parallel
 from kernels.quant.reference import cast_back, per_token_cast
 
@@ -35,7 +35,7 @@ def unpack_scales(sf: torch.Tensor) -> torch.Tensor:
 def low_latency_checks(num_tokens: int, hidden: int, num_experts: int, topk: int, max_tokens: int) -> list[str]:
     """Dispatch in every format, with and without the hook, and combine (plain, ``out``, zero-copy);
     returns the names of the checks that held (the test wants all of them)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     rank, world, group, device = ctx.rank, ctx.world_size, ctx.ep_group, ctx.device
     local = num_experts // world
     buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(

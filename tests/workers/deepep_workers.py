@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
 from ep_runtime.compat import deep_ep
-from ep_runtime.config import ParallelConfig
 from ep_runtime.parallel import init_parallel
 from kernels.quant.reference import cast_back, per_token_cast
 
@@ -14,7 +14,7 @@ from kernels.quant.reference import cast_back, per_token_cast
 def facade_checks(num_tokens: int, hidden: int, num_experts: int, topk: int) -> list[str]:
     """Runs layout, dispatch (bf16, FP8, with and without top-k, worst-case padded, cached) and
     combine; returns the names of the checks that held (the test wants all of them)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     rank, world, device = ctx.rank, ctx.world_size, ctx.device
     group = ctx.ep_group
     buffer = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)

@@ -7,8 +7,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
-from ep_runtime.config import ParallelConfig
 from ep_runtime.compat import deep_ep as deep_ep_facade
 from ep_runtime.dispatch import AllToAllDispatcher, DeepEPDispatcher, HierarchicalDispatcher, NVLinkDispatcher
 from ep_runtime.parallel import init_parallel
@@ -59,7 +59,7 @@ def file_heap_across_hosts() -> str:
 
 def nvlink_without_routes() -> str:
     """The error of an ``nvlink`` dispatch of tokens with no route columns (K = 0)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     dispatcher = make_dispatcher("nvlink", ctx, 4 * ctx.world_size, False, 8)
     return _error_of(ValueError, lambda: dispatcher.dispatch(
         torch.randn(3, HIDDEN, device=ctx.device), torch.empty(3, 0, dtype=torch.int64, device=ctx.device),
@@ -69,7 +69,7 @@ def nvlink_without_routes() -> str:
 def deepep_combine_of_float32_rows() -> str:
     """The error of a ``deepep`` combine of float32 expert rows where the Buffer is DeepEP's own
     (bf16 rows only; the facade stands in for it)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     dispatcher = make_dispatcher("deepep", ctx, 4 * ctx.world_size, False, 8)
     dispatcher.bf16_only = True  # as over deep_ep itself
     x_TD = torch.randn(3, HIDDEN, device=ctx.device, dtype=torch.bfloat16)
@@ -162,7 +162,7 @@ def conformance(cases: list[tuple[str, int, bool | str]], ranks_per_node: int, b
     a token (every rank's routes bad alike, so that no rank waits in a collective; ``nvlink`` on
     GPUs checks them on the device, where a failed check ends the process)."""
     assert backends[0] == "all_to_all", backends
-    ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
+    ctx = init_parallel(parallel_config(ranks_per_node=ranks_per_node))
     world = ctx.world_size
     num_experts = 4 * world
     results = {}
@@ -246,7 +246,7 @@ def nvlink_steady_state(tokens: int, hidden: int, num_experts: int, topk: int) -
     """On GPUs: the nvlink backend's dispatch + combine (FP8 both ways, and bf16) with CUDA's sync debug mode
     set to error (any host synchronization raises), then captured in a CUDA graph and replayed on
     new inputs copied into the captured ones; the replays must give the eager results."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     results = {}
     for fp8 in (False, True):
         d = NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
@@ -312,7 +312,7 @@ def groups_of_two_sizes(num_tokens: int) -> dict:
     from ep_runtime.dispatch.nvlink import reserve_heaps
     from ep_runtime.parallel import block_group
 
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     world = ctx.world_size
     groups = {world // 2: block_group(world // 2)} if world > 2 else {}
     groups[world] = dist.group.WORLD
@@ -349,7 +349,7 @@ def pool_over_a_group_too_small() -> str:
     from ep_runtime.dispatch.nvlink import reserve_heaps
     from ep_runtime.parallel import block_group
 
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     pair = block_group(2)
     dispatcher = NVLinkDispatcher(num_experts=8, group=dist.group.WORLD, device=ctx.device, max_tokens_per_rank=4)
     return _error_of(ValueError, lambda: reserve_heaps([dispatcher], hidden=HIDDEN, topk=TOPK, dtype=torch.float32,

@@ -6,9 +6,10 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
 import ep_runtime.engram as engram_module
-from ep_runtime.config import EngramConfig, MHCConfig, ParallelConfig
+from ep_runtime.config import EngramConfig, MHCConfig
 from ep_runtime.config_files import preset
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.engram import Engram
@@ -99,7 +100,7 @@ def sharded_matches_unsharded(case_names: list[str], check_model: bool) -> dict:
     outputs, input gradients, table (initial values and gradients) and dense gradients, and what
     the lookup moved. With ``check_model``, also the whole v4-style model (mHC, Engram, MoE) over
     the EP group vs one process ("model" entry)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     world, rank = ctx.world_size, ctx.rank
     results = {}
     for name in case_names:

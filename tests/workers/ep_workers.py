@@ -6,11 +6,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
 from moe_spec import F64, RouterSpec, moe_layer, params_of, scaled_error
 
 from ep_runtime.compat import deep_ep as deep_ep_facade
-from ep_runtime.config import MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.config import MoEConfig, RouterConfig
 from ep_runtime.dispatch import DeepEPDispatcher, make_dispatcher
 from ep_runtime.moe import MoELayer
 from ep_runtime.parallel import init_parallel, single_process
@@ -130,7 +131,7 @@ def ep_matches_single_process(cases: list[tuple[str, bool, str]], ranks_per_node
     device: gloo on CPU, NCCL on GPU). Returns per case and quantity the largest absolute error
     relative to the largest expected magnitude (``single``) and the scaled errors against the
     specification (``spec``)."""
-    ctx = init_parallel(ParallelConfig(ranks_per_node=ranks_per_node))
+    ctx = init_parallel(parallel_config(ranks_per_node=ranks_per_node))
     world = ctx.world_size
     errors = {}
     for routing, fp8, dispatcher in cases:

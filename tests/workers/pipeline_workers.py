@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 
-from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig, MoEConfig, RouterConfig
 from ep_runtime.dispatch import make_dispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel, single_process
@@ -70,7 +71,7 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
     (``pp=2``, EP over each stage's ranks) against one process training the same model on every
     data rank's batch. Returns per case the losses of both (on the last stage) and the largest
     relative gradient error over this rank's parameters at each step."""
-    ctx = init_parallel(ParallelConfig(pp=2))
+    ctx = init_parallel(parallel_config(pp=2))
     per_stage = ctx.world_size // ctx.pp_size
     data_rank = ctx.rank % per_stage
     results = {}
@@ -114,7 +115,7 @@ def pipeline_matches_single_process(cases: list[tuple[str, str, int]], steps: in
 def overlap_without_lanes() -> str:
     """The overlap schedule's error for a model whose dispatcher all lanes would share (EP over
     both ranks)."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     stage = PipelineStage(_build(model_config("plain"), ctx), stage=0, num_stages=1)
     try:
         PipelineSchedule(stage, ctx, num_microbatches=2, schedule="overlap")

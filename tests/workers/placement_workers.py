@@ -17,6 +17,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 from ep_workers import (
     HIDDEN,
     _relative_error,
@@ -26,7 +27,7 @@ from ep_workers import (
     moe_config,
 )
 
-from ep_runtime.config import ModelConfig, MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.config import ModelConfig, MoEConfig, RouterConfig
 from ep_runtime.dispatch import AllToAllDispatcher
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.moe import MoELayer
@@ -233,7 +234,7 @@ def check_train(ctx) -> dict:
 
 
 def placement_suite() -> dict:
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     try:
         return {"replicas": check_replicas(ctx), "switch": check_switch(ctx), "train": check_train(ctx)}
     finally:

@@ -7,10 +7,11 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 from model_spec import leaves_of, model_loss
 from moe_spec import scaled_error
 
-from ep_runtime.config import MHCConfig, ModelConfig, MoEConfig, ParallelConfig, RouterConfig
+from ep_runtime.config import MHCConfig, ModelConfig, MoEConfig, RouterConfig
 from ep_runtime.config_files import preset
 from ep_runtime.dispatch import AllToAllDispatcher, make_dispatcher
 from ep_runtime.model import TinyDeepSeek
@@ -74,7 +75,7 @@ def model_over_ep_against_spec(preset: str) -> dict[str, float]:
     specification with every rank's experts and table rows gathered. Experts' and table shards'
     gradients are the spec's summed over the group (every rank's tokens reach them); the other
     parameters' are this rank's. Returns ``{"loss": relative error, name: scaled error}``."""
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_parallel(parallel_config())
     cfg = config(preset)
     model = build(cfg, make_dispatcher(cfg.moe, ctx), ep_rank=ctx.ep_rank)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9 + ctx.rank))

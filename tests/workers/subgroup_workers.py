@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from gpus import parallel_config
 from dispatch_workers import HIDDEN, routing, run_case
 
-from ep_runtime.config import MoEConfig, ParallelConfig
+from ep_runtime.config import MoEConfig
 from ep_runtime.dispatch import AllToAllDispatcher, make_dispatcher
 from ep_runtime.engram import ShardedTable
 from ep_runtime.lanes import PerLane
@@ -18,7 +19,7 @@ def ep_groups_of_one() -> dict:
     """Per rank: the largest differences between the table and the all_to_all dispatcher over this
     rank's EP group of one and the same over no group (one process), and what ``make_dispatcher``
     makes for two lanes there."""
-    ctx = init_parallel(ParallelConfig(ep=1))
+    ctx = init_parallel(parallel_config(ep=1))
     try:
         return {"table": _table_differences(ctx.ep_group, ctx.rank, ctx.device),
                 "dispatch": _dispatch_differences(ctx.ep_group, ctx.rank, ctx.device), "lanes": _lanes(ctx),
