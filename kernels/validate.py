@@ -75,16 +75,34 @@ def _check_range(name: str, lo: int, hi: int, high: int, allow_masked: bool) -> 
 def check_routes(topk_idx_TK: torch.Tensor, num_experts: int, name: str = "topk_idx_TK") -> None:
     """A router's ``[T, K]`` routes: experts in ``[0, num_experts)`` or -1, and a token's experts
     distinct (what a top-k gives; receive buffers sized per token count on it). One host sync;
-    kernels that must not sync check on the device (``kernels.comm.plan_kernel.assert_routes``)."""
+    kernels that must not sync check on the device (``kernels.comm.plan_kernel.assert_routes``),
+    a transport that syncs anyway reads :func:`route_stats` with its own values."""
+    raise_for_routes(topk_idx_TK, route_stats(topk_idx_TK).tolist(), num_experts, name)
+
+
+def route_stats(topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """``[lowest expert, highest expert, tokens naming an expert twice]`` of ``[T, K]`` routes, on
+    their device (no sync): what :func:`raise_for_routes` reads. ``[0, -1, 0]`` without routes."""
     if not topk_idx_TK.numel():
-        return
+        return torch.tensor([0, -1, 0], device=topk_idx_TK.device)
+    sorted_TK, repeated_T = _sorted_and_repeated(topk_idx_TK)
+    return torch.stack([sorted_TK[:, 0].min().long(), sorted_TK[:, -1].max().long(), repeated_T.sum()])
+
+
+def _sorted_and_repeated(topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's routes sorted, and whether it names an expert twice."""
     sorted_TK = topk_idx_TK.sort(dim=1).values
-    repeated_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
-    lo, hi, repeats = torch.stack([sorted_TK[:, 0].min().long(), sorted_TK[:, -1].max().long(),
-                                   repeated_T.sum()]).tolist()
-    _check_range(name, lo, hi, num_experts, True)
+    return sorted_TK, ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
+
+
+def raise_for_routes(topk_idx_TK: torch.Tensor, stats: Sequence[int], num_experts: int,
+                     name: str = "topk_idx_TK") -> None:
+    """:func:`check_routes` on its :func:`route_stats`, read on the host (``stats``)."""
+    lo, hi, repeats = stats
+    if hi >= lo:  # some route
+        _check_range(name, lo, hi, num_experts, True)
     if repeats:
-        t = int(repeated_T.nonzero()[0, 0])
+        t = int(_sorted_and_repeated(topk_idx_TK)[1].nonzero()[0, 0])
         raise ValueError(f"{name}: expected distinct experts per token, token {t} has {topk_idx_TK[t].tolist()}")
 
 

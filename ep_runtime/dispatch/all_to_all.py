@@ -1,6 +1,8 @@
 """The portable backend: torch.distributed ``all_to_all_single`` (NCCL on GPU, gloo on CPU).
 
-Counts travel first (one int per peer), then the rows. Experts are placed contiguously: global
+Counts travel first, then the rows: a peer's count row holds the rows it gets, their routes per
+expert of its own (its layout's size) and whether the sender's routes are valid, read on the host
+in the backend's one sync. Experts are placed contiguously: global
 expert ``e`` lives on EP rank ``e // num_local_experts``. With no process group, or a group of one
 rank, the transport is the identity and every expert is local: nothing is counted on the host, so
 dispatch and combine never sync (the routes' range is asserted on the device, and the layout keeps
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import cast_back, per_token_cast, per_token_cast_fp4_e4m3_sf
 from kernels.reduce import weighted_reduce
-from kernels.validate import assert_routes_async, check_routes
+from kernels.validate import assert_routes_async, raise_for_routes, route_stats
 
 from ..config import DISPATCH_FORMATS
 from .autograd import FP4_GROUP, FP8_GROUP, CombineFn, DispatchFn, Fp4Rows, Fp8Rows, expand_rows
@@ -30,10 +32,12 @@ from .protocol import Dispatcher, DispatchHandle, check_combine_args, check_disp
 
 @dataclass(frozen=True)
 class RowSplits:
-    """How many rows go to (``send``) and come from (``recv``) each EP rank, in rank order."""
+    """How many rows go to (``send``) and come from (``recv``) each EP rank, in rank order, and
+    the rows of the received routes' layout over the local experts (None: not counted)."""
 
     send: tuple[int, ...]
     recv: tuple[int, ...]
+    layout_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,15 +136,14 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
 
     def dispatch(self, x_TD, topk_idx_TK, topk_weights_TK):
         check_dispatch_args(x_TD, topk_idx_TK, topk_weights_TK)
-        num_rows = None  # trimmed to the rows in use: one host read, beside the counts' sync
-        if self.group is not None:
-            check_routes(topk_idx_TK, self.num_experts)
-        else:
+        if self.group is None:
             assert_routes_async(topk_idx_TK, self.num_experts)
-            num_rows = max_rows(*topk_idx_TK.shape, self.num_local_experts, self.alignment)
         with torch.no_grad():
             route, local_idx_RK, x_RD, weights_RK = self.move_tokens(x_TD, topk_idx_TK, topk_weights_TK)
-        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment, num_rows=num_rows)
+        capacity = max_rows(*local_idx_RK.shape, self.num_local_experts, self.alignment)
+        layout = expert_layout(local_idx_RK, self.num_local_experts, alignment=self.alignment, num_rows=capacity)
+        if route.splits.layout_rows is not None:  # trimmed to the rows in use, known from the counts' exchange
+            layout = dataclasses.replace(layout, src_P=layout.src_P[:route.splits.layout_rows])
         route = dataclasses.replace(route, layout=layout)
         x_PD, recv_weights_RK = DispatchFn.apply(x_TD, topk_weights_TK, expand_rows(x_RD, layout), weights_RK, route,
                                                  self)
@@ -154,19 +157,34 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
         idx_TK = topk_idx_TK.long()
         if self.group is None:
             return self._stay(x_TD, idx_TK, topk_weights_TK)
-        dest_TK = torch.where(idx_TK >= 0, idx_TK // self.num_local_experts, -1)
-        ranks_W = torch.arange(self.world, device=x_TD.device)
-        goes_WT = (dest_TK[None] == ranks_W[:, None, None]).any(-1)
-        dest_S, send_token_S = goes_WT.nonzero(as_tuple=True)
+        world, e_local = self.world, self.num_local_experts
+        dest_TK = torch.where(idx_TK >= 0, idx_TK // e_local, -1)
+        goes_WT = (dest_TK[None] == torch.arange(world, device=x_TD.device)[:, None, None]).any(-1)
+        # The one host sync: each peer learns the rows it gets from this rank, their routes per
+        # expert of its own (its layout's rows, without reading them back) and whether this rank's
+        # routes are bad, so that every rank raises rather than waits for one that did.
+        stats = route_stats(idx_TK)
+        bad = (stats[0] < -1) | (stats[1] >= self.num_experts) | (stats[2] > 0)
+        in_range_R = torch.where((idx_TK >= 0) & (idx_TK < self.num_experts), idx_TK, self.num_experts).flatten()
+        routes_E = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x_TD.device)
+        routes_E.scatter_add_(0, in_range_R, torch.ones_like(in_range_R))
+        counts_WX = torch.cat([goes_WT.sum(1, keepdim=True), routes_E[:-1].view(world, e_local),
+                               bad.long().expand(world, 1)], 1)
+        recv_WX = self._exchange(counts_WX, [1] * world, [1] * world)
+        host = torch.cat([stats, counts_WX[:, 0], recv_WX.flatten()]).tolist()
+        raise_for_routes(idx_TK, host[:3], self.num_experts)
+        send, recv_WX = host[3:3 + world], [host[3 + world + w * (e_local + 2):][:e_local + 2] for w in range(world)]
+        if any(row[-1] for row in recv_WX):
+            raise ValueError(f"topk_idx_TK: EP ranks {[w for w, row in enumerate(recv_WX) if row[-1]]} of this group "
+                             "dispatched invalid routes (their errors say which); every rank stops")
+        received_E = [sum(col) for col in zip(*(row[1:-1] for row in recv_WX))]
+        splits = RowSplits(send=tuple(send), recv=tuple(row[0] for row in recv_WX),
+                           layout_rows=sum(-(-n // self.alignment) * self.alignment for n in received_E))
+        dest_S, send_token_S = torch.nonzero_static(goes_WT, size=sum(send)).unbind(1)
         mine_SK = dest_TK[send_token_S] == dest_S[:, None]
-        local_idx_SK = torch.where(mine_SK, idx_TK[send_token_S] - dest_S[:, None] * self.num_local_experts, -1)
-
-        send_splits = goes_WT.sum(1)
-        recv_splits = self._exchange(send_splits, [1] * self.world, [1] * self.world)
-        send, recv = torch.stack([send_splits, recv_splits]).tolist()  # this backend's one host sync
-        splits = RowSplits(send=tuple(send), recv=tuple(recv))
+        local_idx_SK = torch.where(mine_SK, idx_TK[send_token_S] - dest_S[:, None] * e_local, -1)
         local_idx_RK = self._exchange(local_idx_SK, splits.send, splits.recv)
-        route = TokenRoute(send_token_S=send_token_S, home_TW=home_rows(dest_S, send_token_S, x_TD.shape[0], self.world),
+        route = TokenRoute(send_token_S=send_token_S, home_TW=home_rows(dest_S, send_token_S, x_TD.shape[0], world),
                            splits=splits, layout=None, num_tokens=x_TD.shape[0])
         weights_RK = torch.where(local_idx_RK >= 0, self.scatter(topk_weights_TK, route), 0.0)
         return route, local_idx_RK, self._send_tokens(x_TD, route), weights_RK

@@ -17,7 +17,9 @@ import importlib
 import pytest
 import torch
 from dispatch_workers import (carries, case_name, conformance, deepep_combine_of_float32_rows, file_heap_across_hosts,
-                              groups_of_two_sizes, nvlink_without_routes, pool_over_a_group_too_small)
+                              groups_of_two_sizes, nvlink_without_routes, one_rank_with_bad_routes,
+                              pool_over_a_group_too_small)
+from gpus import needs_gpus
 
 from ep_runtime.dispatch.symmetric import ALIGN, aligned, plan_offsets
 from launch.local import launch_local
@@ -131,6 +133,15 @@ def test_nvlink_needs_a_route_column():
         pytest.skip("needs 2 GPUs")
     for message in launch_local(nvlink_without_routes, nproc=2).values():
         assert message.startswith("topk_idx_TK: expected at least one route a token"), message
+
+
+@needs_gpus(2)
+def test_one_rank_with_bad_routes_stops_every_rank():
+    """``all_to_all`` reads the routes' check in its one host sync, beside the counts every peer
+    gets: a rank whose routes are bad stops the others too (each raises, naming it), none waits."""
+    messages = launch_local(one_rank_with_bad_routes, nproc=2)
+    assert messages[0].startswith("topk_idx_TK: expected entries in -1 or [0, 8), got values in"), messages[0]
+    assert messages[1].startswith("topk_idx_TK: EP ranks [0] of this group dispatched invalid routes"), messages[1]
 
 
 def test_deepep_across_nodes_is_refused():

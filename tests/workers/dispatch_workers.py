@@ -66,6 +66,18 @@ def nvlink_without_routes() -> str:
         torch.empty(3, 0, device=ctx.device)))
 
 
+def one_rank_with_bad_routes() -> str:
+    """The error of each rank's ``all_to_all`` dispatch when rank 0's routes name an expert out of
+    range and the other ranks' are valid."""
+    ctx = init_parallel(parallel_config())
+    num_experts = 4 * ctx.world_size
+    dispatcher = make_dispatcher("all_to_all", ctx, num_experts, False, 8)
+    idx, weights = routing("balanced", ctx.rank, 4, num_experts, ctx.device)
+    if ctx.rank == 0:
+        idx[1, 0] = num_experts
+    return _error_of(ValueError, lambda: dispatcher.dispatch(torch.randn(4, HIDDEN, device=ctx.device), idx, weights))
+
+
 def deepep_combine_of_float32_rows() -> str:
     """The error of a ``deepep`` combine of float32 expert rows where the Buffer is DeepEP's own
     (bf16 rows only; the facade stands in for it)."""
