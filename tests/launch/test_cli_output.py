@@ -32,7 +32,9 @@ def test_a_failed_rank_ends_the_job_in_one_line_and_its_traceback_goes_to_its_lo
     assert "Traceback" not in out.stdout + out.stderr
     assert len(lines) <= 6, lines  # rank 0's start lines, its report naming rank 1, the launcher's line
     assert "Traceback" in log.read_text() and 'raise RuntimeError(f"injected fault' in log.read_text()
-    assert elapsed < 30, elapsed  # two processes start, run a step and stop: ~8 s on 2 idle cores
+    # two processes start, run a step and stop: ~8 s on 2 idle cores, 30.4 s once beside another
+    # test's processes in CI; a rank left waiting would take the 300 s timeout
+    assert elapsed < 60, elapsed
 
 
 def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
