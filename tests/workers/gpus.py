@@ -7,8 +7,8 @@ import torch
 from ep_runtime.config import ParallelConfig
 
 # A collective or device wait in a test's processes gives up after this long, inside pytest's 300 s:
-# a hang then fails with the line naming the stuck rank and its wait, not pytest's kill (a
-# 4-GPU conformance case was killed so, twice, with nothing said).
+# a hang then fails with the line naming the stuck rank and its wait, where pytest's kill would say
+# nothing of the processes.
 WAIT_S = 120.0
 
 
