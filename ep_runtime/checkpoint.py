@@ -290,7 +290,9 @@ class Checkpointer:
                         live = piece.tensor
                     elif meta.size == saved_shape:  # a moment
                         moments = optimizer.state[piece.tensor]
-                        live = moments[name] = moments.get(name, torch.zeros_like(piece.tensor))
+                        if name not in moments:
+                            moments[name] = torch.zeros_like(piece.tensor)
+                        live = moments[name]
                     else:
                         state[full] = torch.empty(meta.size, dtype=meta.properties.dtype)
                         scalars.append((optimizer.state[piece.tensor], name, full))

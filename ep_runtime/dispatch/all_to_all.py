@@ -2,8 +2,8 @@
 
 Counts travel first, then the rows: a peer's count row holds the rows it gets, their routes per
 expert of its own (its layout's size) and whether the sender's routes are valid, read on the host
-in the backend's one sync. Experts are placed contiguously: global
-expert ``e`` lives on EP rank ``e // num_local_experts``. With no process group, or a group of one
+in the backend's one sync. Experts are placed contiguously: global expert ``e`` lives on EP rank
+``e // num_local_experts``. With no process group, or a group of one
 rank, the transport is the identity and every expert is local: nothing is counted on the host, so
 dispatch and combine never sync (the routes' range is asserted on the device, and the layout keeps
 its static capacity, whose unused rows no expert computes).
