@@ -295,7 +295,7 @@ class Checkpointer:
                         live = moments[name]
                     else:
                         state[full] = torch.empty(meta.size, dtype=meta.properties.dtype)
-                        scalars.append((optimizer.state[piece.tensor], name, full))
+                        scalars.append((piece.tensor, name, full))
                         continue
                     if rows is not None:
                         state[full] = torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -313,8 +313,11 @@ class Checkpointer:
             for live, slots in replicas:  # the other slots of a replicated expert
                 for slot in slots[1:]:
                     live[slot].copy_(live[slots[0]])
-            for moments, name, full in scalars:
-                moments[name] = state[full]
+            on_device = {p: group.get("fused") or group.get("capturable")
+                         for group in optimizer.param_groups for p in group["params"]}
+            for param, name, full in scalars:  # where the optimizer keeps them: fused AdamW on the device
+                scalar = state[full]
+                optimizer.state[param][name] = scalar.to(param.device) if on_device[param] else scalar
             for piece, rows, live, full in shard_rows:
                 _place_rows(piece, rows, live, state[full])
         torch.set_rng_state(state["rng/cpu"])

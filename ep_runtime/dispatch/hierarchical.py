@@ -47,20 +47,26 @@ class TwoStageRoute:
 class HierarchicalDispatcher(Dispatcher, name="hierarchical"):
     """Dispatch/combine over an EP group of ``N`` nodes x ``G`` ranks: ``rail_group`` (this rank's
     local index on every node) and ``node_group`` (this rank's node). ``nvlink``'s backend over an
-    EP group that spans nodes."""
+    EP group that spans nodes. ``group``, the whole EP group, moves no tokens: it is what the
+    model's Engram tables shard over, as with every other backend."""
 
     fp8_combine_capable = True
 
     @classmethod
     def from_config(cls, cfg, ctx):
-        return cls(rail_group=ctx.ep_rail_group, node_group=ctx.ep_node_group, **node_sizes(cfg, ctx))
+        return cls(group=ctx.ep_group, rail_group=ctx.ep_rail_group, node_group=ctx.ep_node_group,
+                   **node_sizes(cfg, ctx))
 
-    def __init__(self, *, num_experts: int, rail_group: dist.ProcessGroup, node_group: dist.ProcessGroup,
-                 device: torch.device, max_tokens_per_rank: int, alignment: int = 128, fp8: bool = False,
-                 fp8_combine: bool = False):
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup, rail_group: dist.ProcessGroup,
+                 node_group: dist.ProcessGroup, device: torch.device, max_tokens_per_rank: int,
+                 alignment: int = 128, fp8: bool = False, fp8_combine: bool = False):
         check_positive("max_tokens_per_rank", max_tokens_per_rank)  # before the node's multiple of it
         nodes, per_node = dist.get_world_size(rail_group), dist.get_world_size(node_group)
         self.ep_rank = dist.get_rank(rail_group) * per_node + dist.get_rank(node_group)  # node-major, as the experts
+        if dist.get_rank(group) != self.ep_rank:
+            raise ValueError(f"group: expected this rank at {self.ep_rank} of the EP group (node-major), "
+                             f"got {dist.get_rank(group)}")
+        self.group = group
         self.num_experts, self.num_local_experts = num_experts, local_experts(num_experts, nodes * per_node)
         self.rail = AllToAllDispatcher(num_experts=num_experts, group=rail_group, alignment=alignment,
                                        dispatch_format="e4m3" if fp8 else "bf16")

@@ -106,7 +106,7 @@ def make_dispatcher(backend: str, ctx, num_experts: int, fp8: bool | str, max_to
         return DeepEPDispatcher(num_experts=num_experts, group=ctx.ep_group, alignment=8, fp8=fp8,
                                 buffer_api=deep_ep_facade)
     if backend == "hierarchical":
-        return HierarchicalDispatcher(num_experts=num_experts, rail_group=ctx.ep_rail_group,
+        return HierarchicalDispatcher(num_experts=num_experts, group=ctx.ep_group, rail_group=ctx.ep_rail_group,
                                       node_group=ctx.ep_node_group, device=ctx.device, max_tokens_per_rank=max_tokens,
                                       alignment=8, fp8=fp8, fp8_combine=fp8_combine)
     return NVLinkDispatcher(num_experts=num_experts, group=ctx.ep_group, device=ctx.device,
