@@ -95,6 +95,12 @@ def _sorted_and_repeated(topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch
     return sorted_TK, ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(1)
 
 
+def routes_invalid(stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Whether :func:`raise_for_routes` will raise on ``stats``, as a bool on their device (no
+    sync): for peers that must stop with this rank rather than wait for it."""
+    return (stats[0] < -1) | (stats[1] >= num_experts) | (stats[2] > 0)
+
+
 def raise_for_routes(topk_idx_TK: torch.Tensor, stats: Sequence[int], num_experts: int,
                      name: str = "topk_idx_TK") -> None:
     """:func:`check_routes` on its :func:`route_stats`, read on the host (``stats``)."""

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kernels.permute import ExpertLayout, expert_layout, max_rows
 from kernels.quant import cast_back, per_token_cast, per_token_cast_fp4_e4m3_sf
 from kernels.reduce import weighted_reduce
-from kernels.validate import assert_routes_async, raise_for_routes, route_stats
+from kernels.validate import assert_routes_async, raise_for_routes, route_stats, routes_invalid
 
 from ..config import DISPATCH_FORMATS
 from .autograd import FP4_GROUP, FP8_GROUP, CombineFn, DispatchFn, Fp4Rows, Fp8Rows, expand_rows
@@ -164,21 +164,23 @@ class AllToAllDispatcher(Dispatcher, name="all_to_all"):
         # expert of its own (its layout's rows, without reading them back) and whether this rank's
         # routes are bad, so that every rank raises rather than waits for one that did.
         stats = route_stats(idx_TK)
-        bad = (stats[0] < -1) | (stats[1] >= self.num_experts) | (stats[2] > 0)
         in_range_R = torch.where((idx_TK >= 0) & (idx_TK < self.num_experts), idx_TK, self.num_experts).flatten()
         routes_E = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x_TD.device)
-        routes_E.scatter_add_(0, in_range_R, torch.ones_like(in_range_R))
+        routes_E.scatter_add_(0, in_range_R, torch.ones_like(in_range_R))  # bincount would read its size back
+        # A peer's row: the rows it sends here, its routes to each expert of this rank, its bad flag.
+        width = e_local + 2
         counts_WX = torch.cat([goes_WT.sum(1, keepdim=True), routes_E[:-1].view(world, e_local),
-                               bad.long().expand(world, 1)], 1)
+                               routes_invalid(stats, self.num_experts).long().expand(world, 1)], 1)
         recv_WX = self._exchange(counts_WX, [1] * world, [1] * world)
         host = torch.cat([stats, counts_WX[:, 0], recv_WX.flatten()]).tolist()
         raise_for_routes(idx_TK, host[:3], self.num_experts)
-        send, recv_WX = host[3:3 + world], [host[3 + world + w * (e_local + 2):][:e_local + 2] for w in range(world)]
-        if any(row[-1] for row in recv_WX):
-            raise ValueError(f"topk_idx_TK: EP ranks {[w for w, row in enumerate(recv_WX) if row[-1]]} of this group "
+        send, received = host[3:3 + world], host[3 + world:]
+        peers = [received[w * width:(w + 1) * width] for w in range(world)]
+        if any(row[-1] for row in peers):
+            raise ValueError(f"topk_idx_TK: EP ranks {[w for w, row in enumerate(peers) if row[-1]]} of this group "
                              "dispatched invalid routes (their errors say which); every rank stops")
-        received_E = [sum(col) for col in zip(*(row[1:-1] for row in recv_WX))]
-        splits = RowSplits(send=tuple(send), recv=tuple(row[0] for row in recv_WX),
+        received_E = [sum(col) for col in zip(*(row[1:-1] for row in peers))]
+        splits = RowSplits(send=tuple(send), recv=tuple(row[0] for row in peers),
                            layout_rows=sum(-(-n // self.alignment) * self.alignment for n in received_E))
         dest_S, send_token_S = torch.nonzero_static(goes_WT, size=sum(send)).unbind(1)
         mine_SK = dest_TK[send_token_S] == dest_S[:, None]
