@@ -4,6 +4,7 @@ FLOPs per token, the devices' peaks and MFU; the step-time breakdown from CUDA e
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -105,11 +106,14 @@ def plot_loss(metrics_path: Path, png_path: Path, *, floor: float | None = None)
 
 
 class StepTimes:
-    """Where a step's time goes, from CUDA events: the forward of every ``attention`` and
-    ``experts`` module, and every ``dispatch`` and ``combine`` call, summed over the step's layers
-    and micro-batches (forward only: the backward runs inside autograd, where these hooks do not
-    reach). On a CPU there are no events and ``collect`` returns nothing. The pipeline's wait for
-    its neighbours is measured by ``PipelineSchedule`` (wall clock, CPUs included)."""
+    """Where a step's time goes, from CUDA events: the step's phases as the training loop marks
+    them (``span``: forward, backward, the gradients' reduction, the optimizer), and inside the
+    forward every ``attention`` and ``experts`` module and every ``dispatch`` and ``combine``
+    call, summed over the step's layers and micro-batches (the backward runs inside autograd,
+    where these hooks do not reach). An event pair spans the stream's time between its marks,
+    idle gaps included: a phase whose GPU waits for the host or a peer counts that wait. On a CPU
+    there are no events and ``collect`` returns nothing. The pipeline's wait for its neighbours
+    is measured by ``PipelineSchedule`` (wall clock, CPUs included)."""
 
     def __init__(self, model: nn.Module, device: torch.device, *, attention: type, experts: type):
         self.enabled = device.type == "cuda"
@@ -137,6 +141,15 @@ class StepTimes:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._events.append((part, self._open.pop((part, id(key))), event))
+
+    @contextlib.contextmanager
+    def span(self, part: str):
+        """Times the work issued inside the block as ``part``."""
+        if self.enabled:
+            self._start(part, part)
+        yield
+        if self.enabled:
+            self._stop(part, part)
 
     def _timed(self, part: str, fn):
         def timed(*args, **kwargs):

@@ -262,21 +262,24 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
         start = time.perf_counter()
         tokens_BS = upcoming_BS
         if pipe is None:
-            with autocast:
+            with times.span("forward"), autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
-            loss.backward()
+            with times.span("backward"):
+                loss.backward()
         else:  # the loss is the last stage's; the others add zeros to the mean below
-            with autocast:
+            with times.span("pipeline step"), autocast:
                 loss = pipe.step(tokens_BS.to(ctx.device))
             loss = torch.zeros((), device=ctx.device) if loss is None else loss
-        average_gradients(model, ctx)
-        sync_replica_gradients(model, ctx)
-        norm = clip_grad_norm(model, ctx, t.max_grad_norm) if t.max_grad_norm else grad_norm(model, ctx)
+        with times.span("gradient reduction"):
+            average_gradients(model, ctx)
+            sync_replica_gradients(model, ctx)
+            norm = clip_grad_norm(model, ctx, t.max_grad_norm) if t.max_grad_norm else grad_norm(model, ctx)
         lr = learning_rate(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with times.span("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if step < t.steps:  # on the host while the GPU runs the optimizer (it idled 10 ms a step)
             upcoming_BS = batch_of(step + 1)
         load_LE = global_expert_load(model, ctx)

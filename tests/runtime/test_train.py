@@ -39,8 +39,13 @@ def test_loss_falls_and_same_seed_gives_same_losses(tmp_path):
     for r in records:  # model FLOPs: 793,344 a token (tests/runtime/test_flops.py), 8 x 64 tokens a rank
         assert r["tflops_per_gpu"] == pytest.approx(793_344 * 8 * 64 / r["step_time_s"] / 1e12, rel=1e-9)
         assert (r["mfu_percent"] is None) == (not torch.cuda.is_available())  # no peak for a CPU
-        assert r["time_s"] == {} if not torch.cuda.is_available() else {"attention", "experts", "dispatch",
-                                                                        "combine"} == set(r["time_s"])
+        if not torch.cuda.is_available():
+            assert r["time_s"] == {}
+            continue
+        phases = ("forward", "backward", "gradient reduction", "optimizer")
+        assert set(r["time_s"]) == {*phases, "attention", "experts", "dispatch", "combine"}
+        # the phases follow each other on the stream, inside the step's wall time (it ends in a sync)
+        assert sum(r["time_s"][p] for p in phases) <= r["step_time_s"]
     assert (tmp_path / "a" / "loss.png").stat().st_size > 1000
 
 
