@@ -3,7 +3,7 @@
 
 The clipping norm is the norm of the whole model's gradient, as one process holding every
 parameter would compute it: a dense parameter is held in full by every rank of its pipeline stage
-(after ``train.average_gradients`` its gradient is the same on each), an expert or table shard by
+(after ``gradients.average_gradients`` its gradient is the same on each), an expert or table shard by
 its EP rank and its ``dp`` replicas, and each stage holds its own blocks. Each rank adds its dense
 squares divided by the ranks of its stage and its sharded squares divided by the replicas, and one
 all-reduce over the job sums them.

@@ -21,7 +21,7 @@ CUDA streams, so that one micro-batch's forward, EP all-to-alls included, runs o
 another's backward computes; each lane has its own EP and point-to-point groups and stream,
 ``ep_runtime.lanes``), computing
 the same gradients. The loss of a step is the mean over its micro-batches, each micro-batch's backward
-scaled by ``1 / num_microbatches``; ``train.average_gradients`` then averages over the stage's data
+scaled by ``1 / num_microbatches``; ``gradients.average_gradients`` then averages over the stage's data
 ranks.
 
 Shape letters: B sequences of this rank, M number of micro-batches, M_b = B / M sequences per

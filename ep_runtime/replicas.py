@@ -207,7 +207,7 @@ def switch_placement(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     Memory: a second copy of one layer's local slot tensors while it is rebuilt.
 
     The physical size ``P`` must stay the dispatcher's. Every rank must hold optimizer state for
-    its experts, or none (checked; ``train.average_gradients`` gives every expert a gradient, so
+    its experts, or none (checked; ``gradients.average_gradients`` gives every expert a gradient, so
     after the first step all do); a per-parameter ``step`` is shared by all slots and stays. Gradients left
     on the experts (of the old slots) are dropped. Collective over the EP group. Returns the
     experts moved per layer.

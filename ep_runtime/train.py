@@ -42,6 +42,7 @@ from .rebalance import Rebalancer, rank_load_imbalance
 from .replicas import sync_replica_gradients
 from .metrics import MetricsLog, StepTimes, peak_tflops, plot_loss, read_metrics, train_flops_per_token
 from .experts import GroupedExperts
+from .gradients import GradientBuckets, average_gradients
 from .model import Attention, TinyDeepSeek
 from .options import job_config_from_args, train_parser
 from .optim import clip_grad_norm, grad_norm, learning_rate, make_optimizer
@@ -51,56 +52,6 @@ from .pipeline import PipelineSchedule, PipelineStage
 from .run_log import setup_worker_logging
 
 log = logging.getLogger("ep_runtime.train")
-
-
-def average_gradients(model: TinyDeepSeek, ctx: ParallelContext) -> None:
-    """Makes every rank's gradient that of the mean loss over the data ranks of its pipeline stage
-    (all ranks without pipelining; ``model`` holds this stage's blocks).
-
-    Dense parameters are replicated on every rank of a stage: averaged over the stage. Each
-    expert's gradient, and each Engram table shard's, already sums the contributions of every rank
-    of its EP group (through combine's or the lookup's backward), so it is summed over the ``dp``
-    replicas and divided by the stage's size. A parameter that got no gradient on this rank (an
-    expert no token reached) takes part with zeros, so every rank reduces tensors of the same size.
-    """
-    if not ctx.distributed:
-        return
-    data_ranks = ctx.world_size // ctx.pp_size
-    sharded = model.expert_parameters() + model.sharded_parameters()
-    for params, group in ((model.dense_parameters(), ctx.stage_group), (sharded, ctx.dp_group)):
-        if not params:
-            continue
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if dist.get_world_size(group) == 1:  # nothing to add up: no copies into buckets and back
-            if data_ranks > 1:
-                torch._foreach_div_([p.grad for p in params], data_ranks)
-            continue
-        for grads in _buckets([p.grad for p in params], REDUCE_BUCKET_ELEMENTS):
-            flat = torch.cat([g.flatten() for g in grads])
-            with ctx.activity("the gradient all-reduce"):
-                dist.all_reduce(flat, group=group)
-            flat /= data_ranks
-            for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(chunk.view_as(g))
-
-
-# Gradients are reduced a bucket of about this many elements at a time: one flat buffer of a
-# v3-layer stage's gradients (5 billion) did not fit beside them on an H200.
-REDUCE_BUCKET_ELEMENTS = 1 << 28
-
-
-def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, split into runs of about ``size`` elements (a larger tensor alone)."""
-    runs, run, count = [], [], 0
-    for t in tensors:
-        if run and count + t.numel() > size:
-            runs.append(run)
-            run, count = [], 0
-        run.append(t)
-        count += t.numel()
-    return runs + [run] if run else runs
 
 
 def global_expert_load(model: TinyDeepSeek, ctx: ParallelContext) -> torch.Tensor:
@@ -198,6 +149,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                                 schedule=cfg.parallel.schedule)
     data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)
     optimizer = make_optimizer(model, t, ctx.device)
+    dense = GradientBuckets(model.dense_parameters(), ctx.stage_group, data_ranks) if ctx.distributed else None
     data = MarkovText(cfg.model.vocab_size, seed=t.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -261,6 +213,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
         tokens_BS = upcoming_BS
+        if dense:  # one backward: each bucket's all-reduce starts as soon as its gradients are in
+            dense.attach(overlap=pipe is None)
         if pipe is None:
             with times.span("forward"), autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))
@@ -271,7 +225,7 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                 loss = pipe.step(tokens_BS.to(ctx.device))
             loss = torch.zeros((), device=ctx.device) if loss is None else loss
         with times.span("gradient reduction"):
-            average_gradients(model, ctx)
+            average_gradients(model, ctx, dense)
             sync_replica_gradients(model, ctx)
             norm = clip_grad_norm(model, ctx, t.max_grad_norm) if t.max_grad_norm else grad_norm(model, ctx)
         lr = learning_rate(step, t)

@@ -148,14 +148,3 @@ def test_init_parallel_outside_a_job_refuses_more_than_one_rank(monkeypatch):
 def test_settings_that_cannot_work_are_refused_before_any_process_starts(flags, message):
     with pytest.raises(ValueError, match=message):
         job_config_from_args(train_parser().parse_args(flags))
-
-
-def test_gradients_are_reduced_in_buckets_in_order():
-    """``average_gradients`` reduces about ``size`` elements at a time (a larger tensor alone), every
-    tensor once, in order: a whole v3-layer stage's gradients in one buffer did not fit an H200."""
-    from ep_runtime.train import _buckets
-
-    tensors = [torch.zeros(n) for n in (3, 4, 10, 1, 1)]
-    runs = _buckets(tensors, 7)
-    assert [[t.numel() for t in run] for run in runs] == [[3, 4], [10], [1, 1]]
-    assert [t for run in runs for t in run] == tensors and _buckets([], 7) == []

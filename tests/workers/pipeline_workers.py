@@ -8,10 +8,10 @@ from gpus import parallel_config
 
 from ep_runtime.config import EngramConfig, MHCConfig, ModelConfig, MoEConfig, RouterConfig
 from ep_runtime.dispatch import make_dispatcher
+from ep_runtime.gradients import average_gradients
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.parallel import init_parallel, single_process
 from ep_runtime.pipeline import PipelineSchedule, PipelineStage
-from ep_runtime.train import average_gradients
 
 SEQ, BATCH, LR = 6, 4, 0.1  # sequences per data rank; SEQ + 1 tokens each (inputs and targets)
 FLOOR = 1e-2  # gradient errors are relative to at least this fraction of the model's largest gradient

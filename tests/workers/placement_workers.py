@@ -29,12 +29,13 @@ from ep_workers import (
 
 from ep_runtime.config import ModelConfig, MoEConfig, RouterConfig
 from ep_runtime.dispatch import AllToAllDispatcher
+from ep_runtime.gradients import average_gradients
 from ep_runtime.model import TinyDeepSeek
 from ep_runtime.moe import MoELayer
 from ep_runtime.parallel import init_parallel, single_process
 from ep_runtime.placement import ExpertPlacement, placements_from_phy2log
 from ep_runtime.replicas import switch_placement, sync_replica_gradients
-from ep_runtime.train import average_gradients, global_expert_load
+from ep_runtime.train import global_expert_load
 
 # 8 logical experts in 12 slots (6 per rank at world 2): 5 three times (twice on rank 0), 1 and 2 on
 # both ranks. Plan B moves most experts to the other rank and replicates 0, 5 and 6 instead.
