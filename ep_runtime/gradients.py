@@ -45,12 +45,20 @@ def _buckets(tensors: list[torch.Tensor], size: int) -> list[list[torch.Tensor]]
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views = [chunk.view_as(p) for p, chunk in zip(params, self.flat.split([p.numel() for p in params]))]
+        self.flat: torch.Tensor | None = None  # made at first use: one bucket at a time beside the gradients
+        self.views: list[torch.Tensor] = []
         self.pending = len(params)  # gradients still to come in this backward
+
+    def allocate(self) -> None:
+        if self.flat is None:
+            first = self.params[0]
+            self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+            self.views = [chunk.view_as(p) for p, chunk in zip(self.params, self.flat.split(
+                [p.numel() for p in self.params]))]
 
     def gather(self) -> None:
         """Makes each parameter's ``.grad`` its view, copying in a gradient that is not (zeros for none)."""
+        self.allocate()
         for p, view in zip(self.params, self.views):
             if p.grad is None:
                 view.zero_()
@@ -82,6 +90,7 @@ class GradientBuckets:
 
     def attach(self, *, overlap: bool) -> None:
         for bucket in self.buckets:
+            bucket.allocate()
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
@@ -114,9 +123,8 @@ class GradientBuckets:
             if self.divisor > 1 and self.params:
                 torch._foreach_div_([p.grad for p in self.params], self.divisor)
             return
-        for bucket in self.buckets[self._started:]:
-            bucket.gather()
         while self._started < len(self.buckets):
+            self.buckets[self._started].gather()
             self._start()
         with ctx.activity("the gradient all-reduce"):
             for work in self._works:
