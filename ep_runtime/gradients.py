@@ -70,42 +70,43 @@ class _Bucket:
 class GradientBuckets:
     """The gradients of ``params`` summed over ``group`` and divided by ``divisor``.
 
-    ``attach`` (before a step's backward) zeroes the buckets and makes them the gradients; with
-    ``overlap`` (one backward a step), a bucket's all-reduce is started by the post-accumulate hook
-    of its last parameter to get its gradient, buckets in the same order on every rank (their
+    ``attach`` (before a step's backward) zeroes the buckets and makes them the gradients. With
+    ``overlap`` (for one backward a step), a bucket's all-reduce is started by the post-accumulate
+    hook of its last parameter to get its gradient, buckets in the same order on every rank (their
     collectives must match). ``reduce`` (after backward) starts the others, waits for all and
-    divides. Without ``attach`` (or with several backwards a step), ``reduce`` copies the gradients
-    in and reduces them all then."""
+    divides. Without ``attach``, ``reduce`` copies the gradients in and reduces them all then."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, divisor: int, *,
-                 bucket_elements: int = REDUCE_BUCKET_ELEMENTS):
+                 overlap: bool = False, bucket_elements: int = REDUCE_BUCKET_ELEMENTS):
         self.params, self.group, self.divisor = params, group, divisor
         alone = dist.get_world_size(group) == 1  # None: the default group
         # Last parameters first: backward makes the last layers' gradients first.
         self.buckets = [] if alone else [_Bucket(run) for run in _buckets(params[::-1], bucket_elements)]
         self._works: list[dist.Work] = []
         self._started = 0  # buckets started this step, in order
-        self._overlap = False
-        self._hooked = False
+        self._armed = False  # between attach and reduce: the hooks start buckets
+        if overlap:
+            for index, bucket in enumerate(self.buckets):
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
 
-    def attach(self, *, overlap: bool) -> None:
+    def attach(self) -> None:
         for bucket in self.buckets:
             bucket.allocate()
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
             bucket.pending = len(bucket.params)
-        self._works, self._started, self._overlap = [], 0, overlap
-        if overlap and not self._hooked:
-            for index, bucket in enumerate(self.buckets):
-                for p in bucket.params:
-                    p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-            self._hooked = True
+        self._works, self._started, self._armed = [], 0, True
 
     def _accumulated(self, index: int, _param: nn.Parameter) -> None:
-        if not self._overlap:
+        if not self._armed:
             return
-        self.buckets[index].pending -= 1
+        bucket = self.buckets[index]
+        bucket.pending -= 1
+        if bucket.pending < 0:  # its all-reduce may have run: the sum would miss this gradient
+            raise RuntimeError("GradientBuckets(overlap=True): a second backward before reduce; overlap is for "
+                               "one backward a step")
         while self._started < len(self.buckets) and self.buckets[self._started].pending == 0:
             self._start()
 
@@ -115,7 +116,7 @@ class GradientBuckets:
         self._started += 1
 
     def reduce(self, ctx: ParallelContext) -> None:
-        self._overlap = False
+        self._armed = False
         if not self.buckets:  # nothing to add up: no copies into buckets and back
             for p in self.params:
                 if p.grad is None:

@@ -149,7 +149,9 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
                                 schedule=cfg.parallel.schedule)
     data_ranks = ctx.world_size // ctx.pp_size  # ranks reading their own batch (each stage has them all)
     optimizer = make_optimizer(model, t, ctx.device)
-    dense = GradientBuckets(model.dense_parameters(), ctx.stage_group, data_ranks) if ctx.distributed else None
+    # One backward a step without a pipeline: each bucket's all-reduce starts once its gradients are in.
+    dense = (GradientBuckets(model.dense_parameters(), ctx.stage_group, data_ranks, overlap=pipe is None)
+             if ctx.distributed else None)
     data = MarkovText(cfg.model.vocab_size, seed=t.seed)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device.type == "cuda"
                 else contextlib.nullcontext())
@@ -213,8 +215,8 @@ def _train(cfg: JobConfig, ctx: ParallelContext, at: _Position, *, terminal: Tex
             fault.maybe_fire(ctx.rank, step)
         start = time.perf_counter()
         tokens_BS = upcoming_BS
-        if dense:  # one backward: each bucket's all-reduce starts as soon as its gradients are in
-            dense.attach(overlap=pipe is None)
+        if dense:
+            dense.attach()
         if pipe is None:
             with times.span("forward"), autocast:
                 loss = model.loss(tokens_BS.to(ctx.device))

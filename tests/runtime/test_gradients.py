@@ -1,7 +1,7 @@
 """Gradients averaged in buckets (``ep_runtime.gradients``) equal plain all-reduces of each
 gradient, to the bit: overlapped with a backward (every bucket but the one holding an unused
-parameter starts before backward returns), accumulated over two backwards, or copied in after one;
-the buckets split by size and dtype, in order."""
+parameter starts before backward returns), accumulated over two backwards, or copied in after one.
+Overlapped buckets refuse a second backward. The buckets split by size and dtype, in order."""
 
 import torch
 from gradient_workers import averaged_three_ways
@@ -21,6 +21,7 @@ def test_bucketed_gradients_equal_plain_all_reduces():
         assert out["one"]["buckets"] > 2 and out["one"]["started"] == out["one"]["buckets"] - 1
         assert out["two"]["started"] == 0  # several backwards: all at the reduce
         assert all(torch.equal(g, w) for g, w in zip(out["unattached"], out["one"]["want"]))
+        assert "a second backward before reduce" in out["second_backward"]
 
 
 def test_buckets_split_by_size_and_dtype_in_order():

@@ -46,14 +46,23 @@ def averaged_three_ways() -> dict:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
                 p.grad /= world
-            buckets = GradientBuckets(list(net.parameters()), None, world, bucket_elements=BUCKET_ELEMENTS)
-            buckets.attach(overlap=overlap)
+            buckets = GradientBuckets(list(net.parameters()), None, world, overlap=overlap,
+                                      bucket_elements=BUCKET_ELEMENTS)
+            buckets.attach()
             for seed in seeds[:backwards]:
                 net.loss(seed).backward()
             started = buckets._started
             buckets.reduce(ctx)
             out[name] = {"want": _grads(want), "got": _grads(net), "started": started,
                          "buckets": len(buckets.buckets)}
+        twice = Net().to(ctx.device)
+        GradientBuckets(list(twice.parameters()), None, world, overlap=True, bucket_elements=BUCKET_ELEMENTS).attach()
+        twice.loss(seeds[0]).backward()
+        try:
+            twice.loss(seeds[1]).backward()
+            out["second_backward"] = "accepted"
+        except RuntimeError as exc:
+            out["second_backward"] = str(exc)
         unattached = Net().to(ctx.device)  # reduce alone copies the gradients in
         unattached.loss(seeds[0]).backward()
         GradientBuckets(list(unattached.parameters()), None, world, bucket_elements=BUCKET_ELEMENTS).reduce(ctx)
