@@ -24,7 +24,7 @@ Saving does not stall the step: ``Checkpointer.save`` copies the state into host
 step waits for; buffers pinned on GPUs, made at the first save and kept: one host copy of the
 rank's state for the run), then a background thread runs DCP's ``save`` over a gloo group of its
 own (its collectives never meet the training's), each rank hashes the files it wrote, and rank 0 writes
-``complete.json`` with every file's size and sha256 (``checkpoint_verify``), logs a line, and
+``complete.json`` with every file's size and its pieces' sha256 (``checkpoint_verify``), logs a line, and
 deletes all but the newest ``KEEP`` complete steps. The next save, a load and the end of training
 wait for the thread.
 
@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .checkpoint_verify import (MARKER, digest, fresh_run_refusal, newest_valid, prune, step_dir, steps_on_disk,
+from .checkpoint_verify import (MARKER, digests, fresh_run_refusal, newest_valid, prune, step_dir, steps_on_disk,
                                 write_marker)
 from .engram import ShardedTable
 from .experts import GroupedExperts
@@ -222,14 +222,14 @@ class Checkpointer:
             shutil.rmtree(folder)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), process_group=self.group,
                  no_dist=self.group is None)
-        mine = ({f.name: digest(f) for f in folder.glob(f"__{rank}_*.distcp")}, marker["placements"])
+        mine = (digests(sorted(folder.glob(f"__{rank}_*.distcp"))), marker["placements"])
         every = [mine]
         if self.group is not None:
             every = [None] * self.ctx.world_size
             dist.all_gather_object(every, mine, group=self.group)
         if rank != 0:
             return
-        files = {".metadata": digest(folder / ".metadata")}
+        files = digests([folder / ".metadata"])
         for rank_files, placements in every:
             files.update(rank_files)
             marker["placements"].update(placements)  # each pipeline stage has its own layers

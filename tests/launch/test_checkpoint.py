@@ -3,7 +3,7 @@ uninterrupted run, and at another world size, EP size or pipeline depth with the
 ``RESHARD_RTOL``; partial, truncated or corrupt checkpoints are skipped for the previous valid one,
 with a line naming them; a fresh run refuses a folder with checkpoints unless ``--overwrite``; a
 restarted local job (torchrun's agent, ``--max-restarts``) resumes by itself; the fault injection
-parses strictly."""
+parses strictly; a file's sha256s cover its pieces one each."""
 
 import dataclasses
 import json
@@ -245,3 +245,22 @@ def test_engram_table_shards_reshard(tmp_path):
     shutil.rmtree(tmp_path / "job" / "ckpt" / "step_4")
     resumed = launch_local(worker, job(tmp_path, *args, "--resume", "--batch-size", "16"), nproc=1)[0]
     assert resumed["first_step"] == 3 and _close(resumed["losses"], uninterrupted[2:]), resumed["losses"]
+
+
+def test_a_files_pieces_are_hashed_each(tmp_path, monkeypatch):
+    """``digests``: a sha256 for each ``PIECE`` bytes, so a large file's pieces hash in parallel;
+    a changed byte changes its piece's hash only."""
+    import hashlib
+
+    from ep_runtime import checkpoint_verify
+
+    monkeypatch.setattr(checkpoint_verify, "PIECE", 4)
+    data = bytes(range(10))
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    got = checkpoint_verify.digests([tmp_path / "f", tmp_path / "empty"])
+    assert got["f"] == {"bytes": 10, "sha256": [hashlib.sha256(data[i:i + 4]).hexdigest() for i in (0, 4, 8)]}
+    assert got["empty"] == {"bytes": 0, "sha256": [hashlib.sha256(b"").hexdigest()]}
+    (tmp_path / "f").write_bytes(data[:5] + b"\xff" + data[6:])
+    changed = checkpoint_verify.digests([tmp_path / "f"])["f"]["sha256"]
+    assert [a == b for a, b in zip(changed, got["f"]["sha256"])] == [True, False, True]
