@@ -24,8 +24,9 @@ from torch import nn
 from .model import TinyDeepSeek
 from .parallel import ParallelContext
 
-# Gradients are reduced a bucket of about this many elements at a time: one flat buffer of a
-# v3-layer stage's gradients (5 billion) did not fit beside them on an H200.
+# Gradients are reduced a bucket of about this many elements (1 GiB of float32) at a time: a bucket's
+# all-reduce starts once backward has filled it, and a copy of a v3-layer stage's 5 billion
+# gradients into one buffer did not fit beside them on an H200.
 REDUCE_BUCKET_ELEMENTS = 1 << 28
 
 
